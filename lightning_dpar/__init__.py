@@ -1,0 +1,31 @@
+"""lightning_dpar: composable data, fully sharded and tensor parallelism for PyTorch Lightning.
+
+Importing the package registers the strategy names (`"dpar_replicate"`, `"dpar_fsdp"`, `"dpar_fsdp_offload"`,
+`"dpar_hsdp"`, `"dpar_2d"`) with Lightning, so `Trainer(strategy="dpar_2d")` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_dpar.mesh import ParallelDims
+from lightning_dpar.precision import DparPrecision
+from lightning_dpar.strategies import (
+    DparStrategy,
+    FSDPTensorParallelStrategy,
+    FullyShardStrategy,
+    ReplicateStrategy,
+)
+
+__version__ = "0.1.0"
+
+for _strategy in (ReplicateStrategy, FullyShardStrategy, FSDPTensorParallelStrategy):
+    _strategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "DparPrecision",
+    "DparStrategy",
+    "FSDPTensorParallelStrategy",
+    "FullyShardStrategy",
+    "ParallelDims",
+    "ReplicateStrategy",
+    "__version__",
+]

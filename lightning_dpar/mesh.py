@@ -1,0 +1,108 @@
+"""The parallel layout: how many ranks replicate, shard and tensor-parallelise, validated once.
+
+`ParallelDims` is pure arithmetic (no process group), so the `plan` dry-run and the strategies share the exact same
+validation and error messages. `build_device_mesh` turns it into a named `DeviceMesh` once the process group exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_dpar._private_api import flatten_mesh
+
+SizeArg = Union[int, Literal["auto"]]
+
+#: Mesh dim names. `data_parallel` is the flattened replicate x shard dim, named as Lightning's
+#: `ModelParallelStrategy` names it so LightningModules written for it run unchanged.
+REPLICATE, SHARD, TENSOR_PARALLEL, DATA_PARALLEL = "replicate", "shard", "tensor_parallel", "data_parallel"
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}={value!r}` is invalid: expected a positive integer or 'auto'.")
+    return value
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the three mesh dims; `replicate * shard * tensor_parallel == world_size` always holds."""
+
+    world_size: int
+    replicate: int
+    shard: int
+    tensor_parallel: int
+
+    @property
+    def data_parallel(self) -> int:
+        """Number of distinct batches per step: ranks that see different data."""
+        return self.replicate * self.shard
+
+    @classmethod
+    def resolve(
+        cls,
+        world_size: int,
+        devices_per_node: int,
+        tensor_parallel_size: SizeArg = 1,
+        data_parallel_size: SizeArg = "auto",
+        replicate_size: SizeArg = 1,
+        num_nodes: int = 1,
+    ) -> ParallelDims:
+        """Resolve `"auto"` sizes and check that they tile the world exactly.
+
+        `tensor_parallel_size="auto"` means one node (TP wants the fastest links); `replicate_size="auto"` means one
+        replica per node (HSDP: shard within a node, replicate across nodes); `data_parallel_size="auto"` takes
+        what is left.
+        """
+        world_size = _positive_int("world_size", world_size)
+        tp = devices_per_node if tensor_parallel_size == "auto" else _positive_int("tensor_parallel_size", tensor_parallel_size)
+        replicate = num_nodes if replicate_size == "auto" else _positive_int("replicate_size", replicate_size)
+        if world_size % tp:
+            raise ValueError(
+                f"`tensor_parallel_size={tp}` does not divide the world size {world_size}. Choose a tensor-parallel"
+                f" size among {_divisors(world_size)} or change the number of devices."
+            )
+        dp = world_size // tp
+        if data_parallel_size != "auto" and _positive_int("data_parallel_size", data_parallel_size) != dp:
+            raise ValueError(
+                f"`data_parallel_size={data_parallel_size}` x `tensor_parallel_size={tp}` must equal the world size"
+                f" {world_size}. Set `data_parallel_size={dp}` or 'auto'."
+            )
+        if dp % replicate:
+            raise ValueError(
+                f"`replicate_size={replicate}` must divide the data-parallel size {dp} (world size {world_size} /"
+                f" tensor_parallel_size {tp}). Valid replicate sizes: {_divisors(dp)}."
+            )
+        return cls(world_size=world_size, replicate=replicate, shard=dp // replicate, tensor_parallel=tp)
+
+    def describe(self) -> str:
+        return (
+            f"world={self.world_size} = replicate {self.replicate} x shard {self.shard}"
+            f" x tensor_parallel {self.tensor_parallel}"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def build_device_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The world mesh `(replicate, shard, tensor_parallel)` plus the flattened `data_parallel` dim.
+
+    Rank layout is row-major, so tensor-parallel peers are adjacent ranks (same node) and replicas are the
+    farthest apart (across nodes), as HSDP and TP want.
+    """
+    mesh = init_device_mesh(
+        device_type,
+        (dims.replicate, dims.shard, dims.tensor_parallel),
+        mesh_dim_names=(REPLICATE, SHARD, TENSOR_PARALLEL),
+    )
+    flatten_mesh(mesh[REPLICATE, SHARD], DATA_PARALLEL)
+    return mesh
+
+
+def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The mesh `fully_shard` takes: 1-D for plain FSDP, 2-D `(replicate, shard)` for HSDP."""
+    return mesh[SHARD] if dims.replicate == 1 else mesh[REPLICATE, SHARD]

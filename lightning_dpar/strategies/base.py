@@ -1,0 +1,401 @@
+"""What every lightning_dpar strategy shares: process group and mesh, launch, data-parallel sampling and reductions,
+precision, gradient-sync control, checkpointing, and the fixed order in which parallelism is applied.
+
+A concrete strategy only says how it wraps the model for data parallelism (`_wrap_data_parallel`).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+from lightning_dpar import checkpoint as ckpt
+from lightning_dpar import parallelize
+from lightning_dpar._private_api import (
+    IS_INTERACTIVE,
+    MultiProcessingLauncher,
+    SubprocessScriptLauncher,
+    default_process_group_backend,
+    init_dist_connection,
+    sync_ddp_if_available,
+)
+from lightning_dpar.mesh import DATA_PARALLEL, TENSOR_PARALLEL, ParallelDims, SizeArg, build_device_mesh
+from lightning_dpar.plan import (
+    ModulePlan,
+    ModuleSelector,
+    TPPlanSpec,
+    parse_tp_plan,
+    resolve_activation_checkpointing,
+    resolve_tp_plan,
+)
+from lightning_dpar.precision import DparPrecision, to_dpar_precision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.accelerators import Accelerator
+    from lightning.pytorch.plugins.precision import Precision
+
+StartMethod = Literal["popen", "fork", "spawn"]
+
+
+class DparStrategy(ParallelStrategy):
+    """Base of the package's strategies. Not registered itself; use a concrete subclass.
+
+    Args:
+        tensor_parallel_size: ranks per tensor-parallel group (`"auto"`: one node).
+        data_parallel_size: ranks that see different batches (`"auto"`: world / tensor_parallel_size).
+        replicate_size: HSDP replica groups (1: plain FSDP).
+        tp_plan: `{module-name pattern: style}`; see `lightning_dpar.plan`.
+        activation_checkpointing: `True` (each sharded block) or a list of class names / module-name globs.
+        process_group_backend: `"nccl"`, `"gloo"`, ...; default: the device's usual backend.
+        timeout: collective timeout.
+        start_method: `"popen"` re-runs the script per rank (default); `"fork"`/`"spawn"` launch from the current
+            process. An interactive session (notebook, REPL) switches `"popen"` to `"fork"` automatically.
+    """
+
+    strategy_name = "dpar"
+
+    def __init__(
+        self,
+        *,
+        tensor_parallel_size: SizeArg = 1,
+        data_parallel_size: SizeArg = "auto",
+        replicate_size: SizeArg = 1,
+        tp_plan: TPPlanSpec | None = None,
+        activation_checkpointing: bool | Sequence[ModuleSelector] = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if start_method not in ("popen", "fork", "spawn"):
+            raise ValueError(f"`start_method={start_method!r}` is invalid; use 'popen', 'fork' or 'spawn'.")
+        self._tensor_parallel_size = tensor_parallel_size
+        self._data_parallel_size = data_parallel_size
+        self._replicate_size = replicate_size
+        self._tp_plan = parse_tp_plan(tp_plan)
+        self._activation_checkpointing = activation_checkpointing
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method: StartMethod = start_method
+        self.num_nodes = 1
+        self.dims: ParallelDims | None = None
+        self._device_mesh: DeviceMesh | None = None
+        # Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
+        self._grad_sync_modules: list[nn.Module] = []
+        self._parallelized_module: nn.Module | None = None
+
+    # ------------------------------------------------------------------ precision
+    @property
+    def precision_plugin(self) -> DparPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else DparPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # Lightning's connector hands us the plugin it picked for `Trainer(precision=...)` (autocast for
+        # bf16-mixed); translate it so the wrappers can do mixed precision themselves, and refuse what we cannot do.
+        self._precision_plugin = to_dpar_precision(precision_plugin)
+
+    # ------------------------------------------------------------------ processes and mesh
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The world mesh with dims `replicate`, `shard`, `tensor_parallel` and the flattened `data_parallel`."""
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists once the processes are initialised (in `configure_model`).")
+        return self._device_mesh
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """Ranks that see different batches; metrics and logged values reduce over this group only."""
+        return self._device_mesh[DATA_PARALLEL].get_group() if self._device_mesh is not None else None
+
+    def resolve_dims(self, world_size: int, devices_per_node: int, num_nodes: int) -> ParallelDims:
+        """Mesh sizes for a world; pure arithmetic, shared with the `plan` dry-run."""
+        return ParallelDims.resolve(
+            world_size=world_size,
+            devices_per_node=devices_per_node,
+            tensor_parallel_size=self._tensor_parallel_size,
+            data_parallel_size=self._data_parallel_size,
+            replicate_size=self._replicate_size,
+            num_nodes=num_nodes,
+        )
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        start_method = "fork" if self._start_method == "popen" and IS_INTERACTIVE else self._start_method
+        if start_method == "popen":
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = MultiProcessingLauncher(self, start_method=start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        # Validate the layout before any collective: a bad size fails identically on every rank, never hangs.
+        self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
+        if not dist.is_initialized():
+            reset_seed()
+            self._process_group_backend = self._process_group_backend or default_process_group_backend(
+                self.root_device
+            )
+            assert self.cluster_environment is not None
+            init_dist_connection(
+                self.cluster_environment,
+                self._process_group_backend,
+                timeout=self._timeout,
+                device_id=self.root_device if self.root_device.type != "cpu" else None,
+            )
+        if self._device_mesh is None:  # fit then validate reuse the mesh the parameters already live on
+            self._device_mesh = build_device_mesh(self.dims, self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning only inserts a DistributedSampler for strategies that say so; without it every rank would
+        # silently train on the same batches.
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        mesh = self.device_mesh[DATA_PARALLEL]
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+    # ------------------------------------------------------------------ model setup
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # With empty_init the model is built on the meta device and only shards are ever allocated (in `setup`).
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    def module_plan(self, module: nn.Module) -> ModulePlan:
+        """What will be applied to which submodule; pure (no process group), so the dry-run prints the same plan."""
+        tp_plan = self._tp_plan if self._tp_plan is not None else parse_tp_plan(getattr(module, "tp_plan", None))
+        dims = self.dims
+        tensor_parallel = resolve_tp_plan(module, tp_plan) if tp_plan and dims and dims.tensor_parallel > 1 else {}
+        shard_units = self._shard_units(module)
+        return ModulePlan(
+            tensor_parallel=tensor_parallel,
+            activation_checkpointing=resolve_activation_checkpointing(
+                module, self._activation_checkpointing, shard_units
+            ),
+            shard_units=shard_units,
+        )
+
+    def _shard_units(self, module: nn.Module) -> list[str]:
+        """FSDP units below the top-level children; none for strategies that do not shard."""
+        return []
+
+    @abstractmethod
+    def _wrap_data_parallel(self, module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
+        """Apply the data-parallel wrapper; return the modules whose gradient sync `block_backward_sync` controls."""
+
+    def _check_tensor_parallel_config(self, module: nn.Module) -> None:
+        if self.dims is not None and self.dims.tensor_parallel > 1 and not (
+            self._tp_plan or getattr(module, "tp_plan", None)
+        ):
+            raise ValueError(
+                f"`tensor_parallel_size={self.dims.tensor_parallel}` needs a `tp_plan` (strategy argument or a"
+                f" `tp_plan` attribute on {type(module).__name__}) or a `configure_model` that parallelises the"
+                " model with `self.device_mesh`."
+            )
+
+    def _apply_parallelism(self, module: nn.Module) -> None:
+        """TP -> activation checkpointing -> data-parallel wrapper -> materialise meta tensors, each exactly once."""
+        parallelize.check_not_wrapped_by_other_parallelism(module, type(self).__name__)
+        if parallelize.is_parallelized(module):
+            self._adopt_user_parallelism(module)
+        else:
+            self._check_tensor_parallel_config(module)
+            plan = self.module_plan(module)
+            if plan.tensor_parallel:
+                parallelize.apply_tensor_parallel(module, self.device_mesh[TENSOR_PARALLEL], plan.tensor_parallel)
+            parallelize.apply_activation_checkpointing(module, plan.activation_checkpointing)
+            self._grad_sync_modules = self._wrap_data_parallel(module, plan)
+        parallelize.materialize_meta_tensors(module, self.root_device)
+
+    def _adopt_user_parallelism(self, module: nn.Module) -> None:
+        """A model the user parallelised in `configure_model` is only accepted by strategies that allow it."""
+        raise TypeError(
+            f"{type(module).__name__} was already parallelised (in `configure_model` or before `fit`);"
+            f" {type(self).__name__} applies its own parallelism. Remove the manual `fully_shard` /"
+            " `parallelize_module` / `replicate` calls, or use strategy='dpar_2d', which adopts them."
+        )
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if self._parallelized_module is not module:
+            module = self.precision_plugin.convert_module(module)
+            self._apply_parallelism(module)
+            self._parallelized_module = module
+        self.model_to_device()
+        self._sync_metrics_over_data_parallel(module)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        # A second `fit` after `validate` must not keep optimizers pointing at stale parameters.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _sync_metrics_over_data_parallel(self, module: nn.Module) -> None:
+        """torchmetrics `Metric`s sync over data-parallel peers only; TP peers hold the same values."""
+        from torchmetrics import Metric
+
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                metric.process_group = self.data_parallel_group
+
+    # ------------------------------------------------------------------ gradient sync
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip gradient all-reduce / reduce-scatter on non-final micro-batches of gradient accumulation."""
+        for module in self._grad_sync_modules:
+            module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for module in self._grad_sync_modules:
+                module.set_requires_gradient_sync(True)
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: str | None = None) -> None:
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        objects = [obj]
+        dist.broadcast_object_list(objects, src)
+        return objects[0]
+
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """Reduce over the data-parallel group by default: tensor-parallel peers hold identical values."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        return sync_ddp_if_available(tensor, group if group is not None else self.data_parallel_group, reduce_op)
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather from data-parallel peers by default (one entry per distinct batch)."""
+        return super().all_gather(tensor, group if group is not None else self.data_parallel_group, sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Over the whole world: every rank must take the same decision (early stopping, checkpointing).
+        if not dist.is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag)
+
+    # ------------------------------------------------------------------ checkpointing
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # shards can only be loaded into the wrapped model
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # `load_checkpoint` loads optimizer shards itself
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return ckpt.sharded_model_state(self.model)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.model is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return ckpt.sharded_optimizer_state(self.model, optimizer)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # done by `load_checkpoint`, which has the wrapped model
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # done by `load_checkpoint`
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
+        path = Path(self.broadcast(str(filepath)))
+        ckpt.save_sharded(path, checkpoint, self.is_global_zero)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        return ckpt.load_sharded(path, self.model, self.optimizers, strict=self.lightning_module.strict_loading)
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()

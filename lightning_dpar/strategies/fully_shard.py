@@ -1,0 +1,137 @@
+"""FSDP2 (`fully_shard`), HSDP, and 2D FSDP + tensor parallelism."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_dpar import parallelize
+from lightning_dpar.mesh import SizeArg, fsdp_mesh
+from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, resolve_blocks
+from lightning_dpar.strategies.base import DparStrategy
+
+
+class FullyShardStrategy(DparStrategy):
+    """Shard parameters, gradients and optimizer state over data-parallel ranks with FSDP2's `fully_shard`.
+
+    Args:
+        shard_modules: blocks that get their own `fully_shard` (class names or module-name globs). Default: every
+            child of every `nn.ModuleList` (the repeated transformer blocks). Each top-level child of the
+            LightningModule is always a unit of its own.
+        reshard_after_forward: free unsharded params after forward (`True`), keep them (`False`), or reshard to a
+            smaller group of this size (`int`), as `fully_shard` defines it.
+        replicate_size: HSDP: number of replica groups (`"auto"`: one per node); each group shards the model.
+        cpu_offload: keep sharded params, gradients and optimizer state in CPU memory.
+        activation_checkpointing: `True` (each sharded block) or a list of class names / module-name globs.
+        **kwargs: see `DparStrategy`.
+    """
+
+    strategy_name = "dpar_fsdp"
+
+    def __init__(
+        self,
+        shard_modules: Sequence[ModuleSelector] | None = None,
+        reshard_after_forward: bool | int = True,
+        replicate_size: SizeArg = 1,
+        cpu_offload: bool = False,
+        activation_checkpointing: bool | Sequence[ModuleSelector] = False,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("tensor_parallel_size", 1)
+        super().__init__(replicate_size=replicate_size, activation_checkpointing=activation_checkpointing, **kwargs)
+        if isinstance(reshard_after_forward, bool) or (
+            isinstance(reshard_after_forward, int) and reshard_after_forward > 1
+        ):
+            self._reshard_after_forward = reshard_after_forward
+        else:
+            raise ValueError(
+                f"`reshard_after_forward={reshard_after_forward!r}` is invalid: use True, False or an int > 1 (the"
+                " size of the group to reshard to)."
+            )
+        self._shard_modules = None if shard_modules is None else list(shard_modules)
+        self._cpu_offload = cpu_offload
+
+    def _shard_units(self, module: nn.Module) -> list[str]:
+        return resolve_blocks(module, self._shard_modules, "shard_modules")
+
+    def _wrap_data_parallel(self, module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
+        assert self.dims is not None
+        return parallelize.apply_fully_shard(
+            module,
+            fsdp_mesh(self.device_mesh, self.dims),
+            plan.shard_units,
+            self.precision_plugin.mixed_precision_policy,
+            reshard_after_forward=self._reshard_after_forward,
+            cpu_offload=self._cpu_offload,
+        )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register("dpar_fsdp", cls, description="FSDP2 fully_shard", override=True)
+        strategy_registry.register(
+            "dpar_fsdp_offload", cls, description="FSDP2 with CPU offload", override=True, cpu_offload=True
+        )
+        strategy_registry.register(
+            "dpar_hsdp",
+            cls,
+            description="HSDP: shard within a node, replicate across nodes",
+            override=True,
+            replicate_size="auto",
+        )
+
+
+class FSDPTensorParallelStrategy(FullyShardStrategy):
+    """2D parallelism: tensor parallelism on the `tensor_parallel` mesh dim, FSDP2 on the `data_parallel` dim.
+
+    The TP plan comes from, first found: the `tp_plan` argument, a `tp_plan` attribute on the LightningModule, or
+    the LightningModule's own `configure_model` (written for Lightning's `ModelParallelStrategy`, using
+    `self.device_mesh["tensor_parallel"]` / `["data_parallel"]`), which is adopted as is.
+
+    Args:
+        tensor_parallel_size: ranks per TP group (`"auto"`: the devices of one node).
+        data_parallel_size: ranks seeing different batches (`"auto"`: world / tensor_parallel_size).
+        tp_plan: `{module-name pattern: "colwise" | "rowwise" | "sequence_parallel" | ParallelStyle}`.
+        **kwargs: see `FullyShardStrategy`.
+    """
+
+    strategy_name = "dpar_2d"
+
+    def __init__(
+        self,
+        tensor_parallel_size: SizeArg = "auto",
+        data_parallel_size: SizeArg = "auto",
+        tp_plan: TPPlanSpec | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, tp_plan=tp_plan, **kwargs
+        )
+
+    def _adopt_user_parallelism(self, module: nn.Module) -> None:
+        """Run a `ModelParallelStrategy`-style `configure_model` unchanged; add FSDP if it only applied TP."""
+        if self._tp_plan is not None:
+            raise ValueError(
+                f"{type(module).__name__}.configure_model already parallelised the model, and the strategy was"
+                " also given a `tp_plan`. Use one or the other, so the plan is not applied twice."
+            )
+        if parallelize.has_fully_shard(module):
+            self._grad_sync_modules = _outermost_fsdp_modules(module)
+            return
+        plan = ModulePlan(tensor_parallel={}, activation_checkpointing=[], shard_units=self._shard_units(module))
+        self._grad_sync_modules = self._wrap_data_parallel(module, plan)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register("dpar_2d", cls, description="2D: FSDP2 + tensor parallelism", override=True)
+
+
+def _outermost_fsdp_modules(root: nn.Module) -> list[nn.Module]:
+    outermost: list[nn.Module] = []
+    for module in root.modules():
+        if isinstance(module, FSDPModule) and not any(module in set(o.modules()) for o in outermost):
+            outermost.append(module)
+    return outermost

@@ -1,0 +1,121 @@
+"""Data parallelism with full parameters on every rank (DDP semantics), optionally with tensor parallelism."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from torch import nn
+
+from lightning_dpar import parallelize
+from lightning_dpar.mesh import REPLICATE, SHARD, ParallelDims, SizeArg
+from lightning_dpar.parallelize import CommHook
+from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, select_modules
+from lightning_dpar.strategies.base import DparStrategy
+
+_COMPRESS_DTYPES = {"bf16_compress": torch.bfloat16, "fp16_compress": torch.float16}
+
+
+class ReplicateStrategy(DparStrategy):
+    """Composable `replicate` (DDP): every rank holds the full model; gradients are all-reduced.
+
+    With `tensor_parallel_size > 1` and a `tp_plan`, the model is first tensor-parallelised and then replicated
+    across the data-parallel dim of a 2D mesh (DDP + TP). DDP's bucketed reducer cannot hold tensor-parallel
+    (DTensor) parameters across steps, so that mode replicates with FSDP2 over a shard group of size 1: the same
+    all-reduce, full parameters on every rank.
+
+    Args:
+        bucket_cap_mb, gradient_as_bucket_view, static_graph, find_unused_parameters: as in
+            `DistributedDataParallel` (DDP mode only).
+        ignored_modules: class names or module-name globs whose gradients are not synchronised.
+        comm_hook: `"bf16_compress"`, `"fp16_compress"` or a DDP comm-hook callable. With TP the two names set the
+            gradient all-reduce dtype; callables need DDP mode.
+        tensor_parallel_size: ranks per tensor-parallel group (1: pure data parallel).
+        tp_plan: see `FSDPTensorParallelStrategy`.
+        activation_checkpointing: `True` (each repeated block) or a list of class names / module-name globs.
+        **kwargs: see `DparStrategy`.
+    """
+
+    strategy_name = "dpar_replicate"
+
+    def __init__(
+        self,
+        bucket_cap_mb: float | None = None,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        ignored_modules: Sequence[ModuleSelector] = (),
+        comm_hook: CommHook | None = None,
+        tensor_parallel_size: SizeArg = 1,
+        tp_plan: TPPlanSpec | None = None,
+        activation_checkpointing: bool | Sequence[ModuleSelector] = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            tensor_parallel_size=tensor_parallel_size,
+            tp_plan=tp_plan,
+            activation_checkpointing=activation_checkpointing,
+            **kwargs,
+        )
+        self._ddp_kwargs: dict[str, Any] = {
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "static_graph": static_graph,
+            "find_unused_parameters": find_unused_parameters,
+        }
+        if bucket_cap_mb is not None:
+            self._ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        self._comm_hook_spec = comm_hook
+        self._comm_hook = parallelize.resolve_comm_hook(comm_hook)  # validates the name early
+        self._ignored_modules = list(ignored_modules)
+
+    def resolve_dims(self, world_size: int, devices_per_node: int, num_nodes: int) -> ParallelDims:
+        # Every data-parallel rank is a replica: the shard dim has size 1.
+        dims = super().resolve_dims(world_size, devices_per_node, num_nodes)
+        return ParallelDims(world_size, replicate=dims.data_parallel, shard=1, tensor_parallel=dims.tensor_parallel)
+
+    def _wrap_data_parallel(self, module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
+        assert self.dims is not None
+        ignored = select_modules(module, self._ignored_modules, "ignored_modules") if self._ignored_modules else []
+        if self.dims.tensor_parallel == 1:
+            self.precision_plugin.autocast_device_type = self.root_device.type
+            group = self.data_parallel_group
+            assert group is not None
+            return parallelize.apply_ddp_replicate(
+                module, group, ignored, self._ddp_kwargs, self._comm_hook, self.root_device
+            )
+        self._check_tp_compatible_options()
+        reduce_dtype = _COMPRESS_DTYPES.get(self._comm_hook_spec) if isinstance(self._comm_hook_spec, str) else None
+
+        def mp_policy(top_level: bool) -> Any:
+            policy = self.precision_plugin.mixed_precision_policy(top_level)
+            if reduce_dtype is None:
+                return policy
+            from dataclasses import replace
+
+            return replace(policy, reduce_dtype=reduce_dtype)
+
+        return parallelize.apply_fully_shard(
+            module,
+            self.device_mesh[REPLICATE, SHARD],
+            units=[],
+            mp_policy=mp_policy,
+            reshard_after_forward=False,
+            ignored_params=parallelize.ignored_parameters(module, ignored),
+        )
+
+    def _check_tp_compatible_options(self) -> None:
+        ddp_only = {k: v for k, v in self._ddp_kwargs.items() if v}
+        if callable(self._comm_hook_spec):
+            ddp_only["comm_hook"] = self._comm_hook_spec
+        if ddp_only:
+            raise ValueError(
+                f"{sorted(ddp_only)} configure DDP's bucketed reducer, which is not used with"
+                f" `tensor_parallel_size={self._tensor_parallel_size}`. Remove them, or use"
+                " comm_hook='bf16_compress'/'fp16_compress' to reduce gradients in lower precision."
+            )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register("dpar_replicate", cls, description="Composable DDP (replicate)", override=True)
