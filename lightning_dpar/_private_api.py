@@ -7,30 +7,31 @@ here means an upgrade that moves one of them breaks exactly one module, and a re
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
-# Composable DDP. The seeds' `replicate()` (bucket_cap_mb, gradient_as_bucket_view, comm hooks) only exists here;
-# the public `DistributedDataParallel` wrapper would change every FQN by inserting `module.`.
-from torch.distributed._composable.replicate import replicate as ddp_replicate  # noqa: F401
+# Lightning's launchers, process-group initialisation and reduction helper: the building blocks every built-in
+# Lightning strategy uses; re-implementing them would diverge from Lightning's env handling (SLURM, torchelastic).
+from lightning.fabric.utilities.distributed import (  # noqa: F401
+    _get_default_process_group_backend_for_device as default_process_group_backend,
+)
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: F401
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available  # noqa: F401
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE  # noqa: F401
+from lightning.pytorch.strategies.launchers.multiprocessing import (  # noqa: F401
+    _MultiProcessingLauncher as MultiProcessingLauncher,
+)
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput  # noqa: F401
+from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: F401
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
 
 # Composable activation checkpointing: unlike `checkpoint_wrapper` it does not insert a wrapper module, so parameter
 # names (and therefore checkpoints) are identical with and without activation checkpointing.
 from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_activations  # noqa: F401
 
-# Lightning's launchers, process-group initialisation and reduction helper: the building blocks every built-in
-# Lightning strategy uses; re-implementing them would diverge from Lightning's env handling (SLURM, torchelastic).
-from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: F401
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available  # noqa: F401
-from lightning.fabric.utilities.distributed import (  # noqa: F401
-    _get_default_process_group_backend_for_device as default_process_group_backend,
-)
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE  # noqa: F401
-from lightning.pytorch.strategies.launchers.multiprocessing import (  # noqa: F401
-    _MultiProcessingLauncher as MultiProcessingLauncher,
-)
-from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: F401
-    _SubprocessScriptLauncher as SubprocessScriptLauncher,
-)
+# Composable DDP. The seeds' `replicate()` (bucket_cap_mb, gradient_as_bucket_view, comm hooks) only exists here;
+# the public `DistributedDataParallel` wrapper would change every FQN by inserting `module.`.
+from torch.distributed._composable.replicate import replicate as ddp_replicate  # noqa: F401
+from torch.distributed.device_mesh import DeviceMesh
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:

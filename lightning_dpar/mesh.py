@@ -57,7 +57,11 @@ class ParallelDims:
         what is left.
         """
         world_size = _positive_int("world_size", world_size)
-        tp = devices_per_node if tensor_parallel_size == "auto" else _positive_int("tensor_parallel_size", tensor_parallel_size)
+        tp = (
+            devices_per_node
+            if tensor_parallel_size == "auto"
+            else _positive_int("tensor_parallel_size", tensor_parallel_size)
+        )
         replicate = num_nodes if replicate_size == "auto" else _positive_int("replicate_size", replicate_size)
         if world_size % tp:
             raise ValueError(

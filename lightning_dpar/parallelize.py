@@ -21,7 +21,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, is_composable_replicated
-from lightning_dpar.plan import fqn_matches
 
 CommHook = Union[str, Callable[..., Any]]
 
@@ -58,9 +57,7 @@ def data_parallel_roots(root: nn.Module, covered: Sequence[str] = ()) -> list[st
             " `self.model = MyModel()`)."
         )
     return [
-        name
-        for name, child in root.named_children()
-        if name not in covered and any(True for _ in child.parameters())
+        name for name, child in root.named_children() if name not in covered and any(True for _ in child.parameters())
     ]
 
 

@@ -12,8 +12,8 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
 from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_dpar import clipping

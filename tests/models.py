@@ -125,11 +125,7 @@ def global_batches(data: RegressionData, dp: int, batch_size: int, steps: int, a
     micro = batch_size
     batches = []
     for step in range(steps):
-        idx = [
-            i
-            for r in range(dp)
-            for i in per_rank[r][step * micro * accumulate : (step + 1) * micro * accumulate]
-        ]
+        idx = [i for r in range(dp) for i in per_rank[r][step * micro * accumulate : (step + 1) * micro * accumulate]]
         batches.append((data.x[idx], data.y[idx]))
     return batches
 

@@ -33,12 +33,12 @@ from lightning_dpar import checkpoint as ckpt
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import (
     IS_INTERACTIVE,
-    MultiProcessingLauncher,
     SubprocessScriptLauncher,
     default_process_group_backend,
     init_dist_connection,
     sync_ddp_if_available,
 )
+from lightning_dpar.launchers import InteractiveLauncher
 from lightning_dpar.mesh import DATA_PARALLEL, TENSOR_PARALLEL, ParallelDims, SizeArg, build_device_mesh
 from lightning_dpar.plan import (
     ModulePlan,
@@ -172,7 +172,7 @@ class DparStrategy(ParallelStrategy):
         if start_method == "popen":
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = MultiProcessingLauncher(self, start_method=start_method)
+            self._launcher = InteractiveLauncher(self, start_method=start_method)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -181,9 +181,7 @@ class DparStrategy(ParallelStrategy):
         self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
         if not dist.is_initialized():
             reset_seed()
-            self._process_group_backend = self._process_group_backend or default_process_group_backend(
-                self.root_device
-            )
+            self._process_group_backend = self._process_group_backend or default_process_group_backend(self.root_device)
             assert self.cluster_environment is not None
             init_dist_connection(
                 self.cluster_environment,
@@ -243,8 +241,10 @@ class DparStrategy(ParallelStrategy):
         """Apply the data-parallel wrapper; return the modules whose gradient sync `block_backward_sync` controls."""
 
     def _check_tensor_parallel_config(self, module: nn.Module) -> None:
-        if self.dims is not None and self.dims.tensor_parallel > 1 and not (
-            self._tp_plan or getattr(module, "tp_plan", None)
+        if (
+            self.dims is not None
+            and self.dims.tensor_parallel > 1
+            and not (self._tp_plan or getattr(module, "tp_plan", None))
         ):
             raise ValueError(
                 f"`tensor_parallel_size={self.dims.tensor_parallel}` needs a `tp_plan` (strategy argument or a"

@@ -1,46 +1,12 @@
-"""Parity scenarios, run under `torchrun`: every strategy trains through a real Trainer and must end with the same
-parameters as single-process training on the same global batches. One launch runs many cases (Lightning's import
-and process start dominate the cost). Usage: torchrun --nproc-per-node N parity.py GROUP OUT_JSON
-"""
+"""Parity scenarios: every strategy trains through a real Trainer and must end with the same parameters as
+single-process training on the same global batches (run by `run.py`)."""
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import warnings
 
-import lightning as L
-import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-import lightning_dpar  # noqa: E402,F401
-from tests.models import TP_PLAN, ParityModule, RegressionData, global_batches, loader, reference_train  # noqa: E402
-
-warnings.filterwarnings("ignore")
-BATCH = 4
-STEPS = 3
-
-
-def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
-    return get_model_state_dict(trainer.lightning_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def trainer_for(strategy, max_steps: int = STEPS, **kwargs) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
+from tests.models import TP_PLAN, ParityModule, RegressionData, global_batches, loader, reference_train
+from tests.workers.common import BATCH, STEPS, full_params, trainer_for
 
 
 def run_case(name, strategy, dp, optimizer="sgd", accumulate=1, clip_norm=None, clip_value=None, results=None, **tk):
@@ -69,13 +35,33 @@ def group_2d(results):
     from lightning_dpar import FSDPTensorParallelStrategy
 
     world = int(os.environ["WORLD_SIZE"])
-    tp = 2
+    tp = 2 if world % 2 == 0 else 1
     dp = world // tp
     for opt in ("sgd", "sgd_momentum", "sgd_foreach", "adam", "adamw"):
-        run_case(f"2d_{opt}", FSDPTensorParallelStrategy(tensor_parallel_size=tp, tp_plan=TP_PLAN), dp, opt, results=results)
-    run_case("2d_accumulate", FSDPTensorParallelStrategy(tensor_parallel_size=tp, tp_plan=TP_PLAN), dp, accumulate=2, results=results)
-    run_case("2d_clip_norm", FSDPTensorParallelStrategy(tensor_parallel_size=tp, tp_plan=TP_PLAN), dp, clip_norm=0.05, results=results)
-    run_case("2d_clip_value", FSDPTensorParallelStrategy(tensor_parallel_size=tp, tp_plan=TP_PLAN), dp, clip_value=0.01, results=results)
+        run_case(
+            f"2d_{opt}", FSDPTensorParallelStrategy(tensor_parallel_size=tp, tp_plan=TP_PLAN), dp, opt, results=results
+        )
+    run_case(
+        "2d_accumulate",
+        FSDPTensorParallelStrategy(tensor_parallel_size=tp, tp_plan=TP_PLAN),
+        dp,
+        accumulate=2,
+        results=results,
+    )
+    run_case(
+        "2d_clip_norm",
+        FSDPTensorParallelStrategy(tensor_parallel_size=tp, tp_plan=TP_PLAN),
+        dp,
+        clip_norm=0.05,
+        results=results,
+    )
+    run_case(
+        "2d_clip_value",
+        FSDPTensorParallelStrategy(tensor_parallel_size=tp, tp_plan=TP_PLAN),
+        dp,
+        clip_value=0.01,
+        results=results,
+    )
 
 
 def group_fsdp(results):
@@ -96,21 +82,22 @@ def group_replicate(results):
     world = int(os.environ["WORLD_SIZE"])
     for opt in ("sgd", "adam"):
         run_case(f"replicate_{opt}", "dpar_replicate", world, opt, results=results)
-    run_case("replicate_accumulate", ReplicateStrategy(bucket_cap_mb=1, gradient_as_bucket_view=True), world, accumulate=2, results=results)
+    run_case(
+        "replicate_accumulate",
+        ReplicateStrategy(bucket_cap_mb=1, gradient_as_bucket_view=True),
+        world,
+        accumulate=2,
+        results=results,
+    )
     run_case("replicate_clip_norm", "dpar_replicate", world, clip_norm=0.05, results=results)
     if world % 2 == 0:
         run_case(
-            "replicate_tp_adamw", ReplicateStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN), world // 2, "adamw", results=results
+            "replicate_tp_adamw",
+            ReplicateStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN),
+            world // 2,
+            "adamw",
+            results=results,
         )
 
 
 GROUPS = {"2d": group_2d, "fsdp": group_fsdp, "replicate": group_replicate}
-
-if __name__ == "__main__":
-    group, out = sys.argv[1], sys.argv[2]
-    results: dict = {}
-    for name in group.split(","):
-        GROUPS[name](results)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)

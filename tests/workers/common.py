@@ -1,0 +1,38 @@
+"""Helpers shared by the multi-process test workers."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+BATCH = 4
+STEPS = 3
+
+
+def world_size() -> int:
+    return int(os.environ["WORLD_SIZE"])
+
+
+def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters on rank 0; a collective, so every rank must call it."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(trainer.lightning_module, options=options)
+
+
+def trainer_for(strategy, max_steps: int = STEPS, **kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=world_size(),
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)

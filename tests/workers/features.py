@@ -1,0 +1,234 @@
+"""Behaviour beyond parity, through real Trainers: data-parallel reductions and metrics, ignored modules, plan
+sources (LightningModule attribute, a `ModelParallelStrategy`-style `configure_model`), meta-device init, and
+fit followed by validate/test/predict in one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torchmetrics.aggregation import SumMetric
+
+from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
+from tests.models import TP_PLAN, Net, ParityModule, RegressionData, global_batches, loader, reference_train
+from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
+
+
+class SyncModule(ParityModule):
+    """Logs its data-parallel rank and feeds a torchmetrics metric, to see which ranks each reduction spans."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dp_rank_metric = SumMetric()
+
+    def training_step(self, batch, batch_idx):
+        dp_rank = self.trainer.strategy.distributed_sampler_kwargs["rank"]
+        self.log("dp_rank_sum", float(dp_rank), sync_dist=True, reduce_fx="sum", on_step=True, on_epoch=False)
+        self.dp_rank_metric.update(torch.tensor(float(dp_rank + 1)))
+        return super().training_step(batch, batch_idx)
+
+
+def group_sync(results):
+    world = world_size()
+    tp = 2 if world % 2 == 0 else 1
+    dp = world // tp
+    module = SyncModule()
+    trainer = trainer_for(FSDPTensorParallelStrategy(tensor_parallel_size=tp, tp_plan=TP_PLAN))
+    trainer.fit(module, loader(RegressionData(), BATCH))
+    metric_total = module.dp_rank_metric.compute().item()  # collective over the metric's process group
+    reduced = trainer.strategy.reduce(torch.tensor(1.0), reduce_op="sum").item()
+    if trainer.global_rank == 0:
+        results["sync"] = {
+            "dp": dp,
+            "logged_dp_rank_sum": trainer.callback_metrics["dp_rank_sum"].item(),
+            "metric_total": metric_total,
+            "reduce_sum_of_ones": reduced,
+            "steps": STEPS,
+        }
+
+
+def group_ignored(results):
+    """`ignored_modules`: their gradients are not synchronised, so their params drift apart across ranks."""
+    world = world_size()
+    data = RegressionData()
+    module = ParityModule()
+    trainer = trainer_for(ReplicateStrategy(ignored_modules=["model.out"]))
+    trainer.fit(module, loader(data, BATCH))
+    local = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, local)
+    if trainer.global_rank == 0:
+        synced = [k for k in local if not k.startswith("model.out.")]
+        results["ignored"] = {
+            "synced_max_diff_across_ranks": max(
+                (g[k] - gathered[0][k]).abs().max().item() for g in gathered for k in synced
+            ),
+            "ignored_max_diff_across_ranks": max(
+                (g[k] - gathered[0][k]).abs().max().item() for g in gathered for k in local if k not in synced
+            ),
+        }
+
+
+class AttributePlanModule(ParityModule):
+    tp_plan = TP_PLAN
+
+
+class ModelParallelStyleModule(ParityModule):
+    """Written for Lightning's `ModelParallelStrategy`: parallelises itself in `configure_model`."""
+
+    def configure_model(self):
+        if isinstance(self.model, FSDPModule):
+            return  # already parallelised by an earlier fit (Lightning calls configure_model every run)
+        tp_mesh = self.device_mesh["tensor_parallel"]
+        dp_mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.layers:
+            parallelize_module(layer, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(self.model, mesh=dp_mesh)
+
+
+class TPOnlyConfigureModelModule(ParityModule):
+    """Applies TP itself and leaves data parallelism to the strategy."""
+
+    def configure_model(self):
+        if any(isinstance(p, DTensor) for p in self.parameters()):
+            return
+        tp_mesh = self.device_mesh["tensor_parallel"]
+        for layer in self.model.layers:
+            parallelize_module(layer, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+
+def _parity_case(results, name, module, strategy, dp, optimizer="sgd"):
+    data = RegressionData()
+    trainer = trainer_for(strategy)
+    trainer.fit(module, loader(data, BATCH))
+    got = full_params(trainer)
+    if trainer.global_rank == 0:
+        want = reference_train(optimizer, global_batches(data, dp, BATCH, STEPS))
+        results[name] = {"max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want)}
+    return trainer
+
+
+def group_plan_sources(results):
+    world = world_size()
+    tp = 2
+    dp = world // tp
+    _parity_case(
+        results, "plan_from_attribute", AttributePlanModule(), FSDPTensorParallelStrategy(tensor_parallel_size=tp), dp
+    )
+    _parity_case(
+        results,
+        "plan_from_configure_model",
+        ModelParallelStyleModule(),
+        FSDPTensorParallelStrategy(tensor_parallel_size=tp),
+        dp,
+    )
+    _parity_case(
+        results,
+        "tp_only_configure_model",
+        TPOnlyConfigureModelModule(),
+        FSDPTensorParallelStrategy(tensor_parallel_size=tp),
+        dp,
+    )
+
+
+class EvalModule(ParityModule):
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        return x, self(x)
+
+
+def group_fit_then_eval(results):
+    """fit, then validate/test/predict on the same Trainer: parallelism applied once, evaluation on trained weights."""
+    world = world_size()
+    tp = 2 if world % 2 == 0 else 1
+    dp = world // tp
+    data, val = RegressionData(), RegressionData(n=32, seed=99)
+    module = EvalModule()
+    trainer = trainer_for(FSDPTensorParallelStrategy(tensor_parallel_size=tp, tp_plan=TP_PLAN))
+    trainer.fit(module, loader(data, BATCH))
+    units_after_fit = sum(isinstance(m, FSDPModule) for m in module.modules())
+    val_loss = trainer.validate(module, loader(val, BATCH), verbose=False)[0]["val_loss"]
+    test_loss = trainer.test(module, loader(val, BATCH), verbose=False)[0]["test_loss"]
+    predictions = trainer.predict(module, loader(val, BATCH))
+    units_after_eval = sum(isinstance(m, FSDPModule) for m in module.modules())
+
+    reference = Net()
+    want = reference_train("sgd", global_batches(data, dp, BATCH, STEPS))
+    reference.load_state_dict({k.removeprefix("model."): v for k, v in want.items()})
+    with torch.no_grad():
+        ref_loss = F.mse_loss(reference(val.x), val.y).item()
+        predict_diff = max((y_hat - reference(x)).abs().max().item() for x, y_hat in predictions)
+    predict_diffs = [None] * world
+    dist.all_gather_object(predict_diffs, predict_diff)
+    if trainer.global_rank == 0:
+        results["fit_then_eval"] = {
+            "units_after_fit": units_after_fit,
+            "units_after_eval": units_after_eval,
+            "val_loss_diff": abs(val_loss - ref_loss),
+            "test_loss_diff": abs(test_loss - ref_loss),
+            "predict_max_diff": max(predict_diffs),
+        }
+
+
+class ConfigureModelOnMeta(ParityModule):
+    """Builds its model in `configure_model` on the meta device: no rank may ever hold it in full."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.model
+
+    def configure_model(self):
+        if hasattr(self, "model"):
+            return
+        with torch.device("meta"):
+            self.model = Net()
+        self.built_on_meta = all(p.is_meta for p in self.model.parameters())
+
+
+def _shard_report(module, trainer):
+    full_numel = {k: v.numel() for k, v in Net().named_parameters()}
+    local = {}
+    for name, p in module.model.named_parameters():
+        assert isinstance(p, DTensor), name
+        local[name] = p.to_local().numel()
+    losses = trainer.callback_metrics["train_loss"].item()
+    return {
+        "largest_local_fraction": max(local[k] / full_numel[k] for k in local),
+        "any_meta": any(p.is_meta for p in module.parameters()),
+        "all_finite": all(torch.isfinite(p.to_local()).all().item() for p in module.parameters()),
+        "train_loss_finite": bool(torch.isfinite(torch.tensor(losses))),
+    }
+
+
+def group_meta_init(results):
+    world = world_size()
+    module = ConfigureModelOnMeta()
+    trainer = trainer_for(FullyShardStrategy())
+    trainer.fit(module, loader(RegressionData(), BATCH))
+    report = {"built_on_meta": module.built_on_meta, **_shard_report(module, trainer), "world": world}
+    trainer = trainer_for(FSDPTensorParallelStrategy(tensor_parallel_size=2 if world % 2 == 0 else 1, tp_plan=TP_PLAN))
+    with trainer.init_module(empty_init=True):
+        module = ParityModule()
+    init_module_on_meta = all(p.is_meta for p in module.parameters())
+    trainer.fit(module, loader(RegressionData(), BATCH))
+    report_init_module = {"built_on_meta": init_module_on_meta, **_shard_report(module, trainer)}
+    if trainer.global_rank == 0:
+        results["meta_configure_model"] = report
+        results["meta_init_module"] = report_init_module
+
+
+GROUPS = {
+    "sync": group_sync,
+    "ignored": group_ignored,
+    "plan_sources": group_plan_sources,
+    "fit_then_eval": group_fit_then_eval,
+    "meta_init": group_meta_init,
+}

@@ -1,0 +1,56 @@
+"""Trains with Lightning's own launchers (no torchrun): `python launch_script.py OUT_JSON` re-launches itself per
+rank (the "popen" way); `python -i launch_script.py OUT_JSON < /dev/null` is an interactive session, where the
+strategy must fork the ranks instead and hand the trained weights back to this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+warnings.filterwarnings("ignore")
+
+import lightning as L  # noqa: E402
+
+import lightning_dpar  # noqa: E402,F401
+from lightning_dpar._private_api import IS_INTERACTIVE  # noqa: E402
+from tests.models import ParityModule, RegressionData, global_batches, loader, reference_train  # noqa: E402
+
+WORLD, BATCH, STEPS = 2, 4, 3
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    data = RegressionData()
+    module = ParityModule()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy="dpar_fsdp",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader(data, BATCH))
+    # Interactive: this is the parent process, holding the weights the ranks sent back. Popen: rank 0 holds its
+    # FSDP shards, so gather them (all ranks take part).
+    if IS_INTERACTIVE:
+        got = module.state_dict()
+    else:
+        from tests.workers.common import full_params
+
+        got = full_params(trainer)
+    if trainer.global_rank == 0:
+        want = reference_train("sgd", global_batches(data, WORLD, BATCH, STEPS))
+        with open(out, "w") as f:
+            json.dump(
+                {
+                    "interactive": IS_INTERACTIVE,
+                    "launcher": type(trainer.strategy.launcher).__name__,
+                    "max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want),
+                },
+                f,
+            )
