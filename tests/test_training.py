@@ -44,6 +44,9 @@ PARITY_CASES = [
     "replicate_adam",
     "replicate_accumulate",
     "replicate_clip_norm",
+    "replicate_static_graph",
+    "replicate_find_unused",
+    "replicate_callable_hook",
 ]
 
 
@@ -63,6 +66,18 @@ def test_parity_2_ranks(world2, case):
 @pytest.mark.parametrize("case", PARITY_CASES)
 def test_parity_1_rank(world1, case):
     assert world1[case]["max_abs_diff"] < ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["world2", "world4"])
+def test_replicate_comm_hooks(world, request):
+    results = request.getfixturevalue(world)
+    # Single-rank DDP never communicates, so only multi-rank runs exercise the hooks.
+    assert results["replicate_callable_hook"]["hook_calls"] >= 3  # at least one bucket per step
+    # bf16 rounding of the reduced gradients shows up, but stays at bf16's relative precision (2**-8).
+    assert 1e-7 < results["replicate_bf16_compress"]["max_abs_diff"] < 2e-3
+    if world == "world4":  # with TP, the names select FSDP2's gradient reduce dtype instead of a DDP hook
+        assert 1e-7 < results["replicate_tp_bf16_compress"]["max_abs_diff"] < 2e-3
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 
@@ -14,8 +13,6 @@ from lightning_dpar.mesh import REPLICATE, SHARD, ParallelDims, SizeArg
 from lightning_dpar.parallelize import CommHook
 from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, select_modules
 from lightning_dpar.strategies.base import DparStrategy
-
-_COMPRESS_DTYPES = {"bf16_compress": torch.bfloat16, "fp16_compress": torch.float16}
 
 
 class ReplicateStrategy(DparStrategy):
@@ -86,7 +83,9 @@ class ReplicateStrategy(DparStrategy):
                 module, group, ignored, self._ddp_kwargs, self._comm_hook, self.root_device
             )
         self._check_tp_compatible_options()
-        reduce_dtype = _COMPRESS_DTYPES.get(self._comm_hook_spec) if isinstance(self._comm_hook_spec, str) else None
+        reduce_dtype = (
+            parallelize.COMPRESS_HOOK_DTYPES[self._comm_hook_spec] if isinstance(self._comm_hook_spec, str) else None
+        )
 
         def mp_policy(top_level: bool) -> Any:
             policy = self.precision_plugin.mixed_precision_policy(top_level)

@@ -90,12 +90,33 @@ def group_replicate(results):
         results=results,
     )
     run_case("replicate_clip_norm", "dpar_replicate", world, clip_norm=0.05, results=results)
+    run_case("replicate_static_graph", ReplicateStrategy(static_graph=True), world, "adam", results=results)
+    run_case("replicate_find_unused", ReplicateStrategy(find_unused_parameters=True), world, results=results)
+    # bf16-compressed gradient all-reduce: close to, but measurably different from, the fp32 reference.
+    run_case("replicate_bf16_compress", ReplicateStrategy(comm_hook="bf16_compress"), world, results=results)
+    calls = []
+
+    def counting_hook(process_group, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+    run_case("replicate_callable_hook", ReplicateStrategy(comm_hook=counting_hook), world, results=results)
+    if "replicate_callable_hook" in results:
+        results["replicate_callable_hook"]["hook_calls"] = len(calls)
     if world % 2 == 0:
         run_case(
             "replicate_tp_adamw",
             ReplicateStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN),
             world // 2,
             "adamw",
+            results=results,
+        )
+        run_case(
+            "replicate_tp_bf16_compress",
+            ReplicateStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN, comm_hook="bf16_compress"),
+            world // 2,
             results=results,
         )
 
