@@ -100,7 +100,16 @@ def test_ignored_modules_are_not_synchronised(world4):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["plan_from_attribute", "plan_from_configure_model", "tp_only_configure_model"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "plan_from_attribute",
+        "plan_from_configure_model",
+        "tp_only_configure_model",
+        "registered_name_auto_sizes",
+        "2d_hsdp",
+    ],
+)
 def test_plan_sources(world4, case):
     """The TP plan may come from the LightningModule or its own ModelParallelStrategy-style configure_model."""
     assert world4[case]["max_abs_diff"] < ATOL

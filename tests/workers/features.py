@@ -126,6 +126,15 @@ def group_plan_sources(results):
         FSDPTensorParallelStrategy(tensor_parallel_size=tp),
         dp,
     )
+    # The registered name with its defaults: tensor_parallel_size="auto" is one node (all local ranks).
+    _parity_case(results, "registered_name_auto_sizes", AttributePlanModule(), "dpar_2d", dp=1)
+    _parity_case(
+        results,
+        "2d_hsdp",
+        ParityModule(),
+        FSDPTensorParallelStrategy(tensor_parallel_size=2, replicate_size=dp, tp_plan=TP_PLAN),
+        dp,
+    )
     _parity_case(
         results,
         "tp_only_configure_model",
