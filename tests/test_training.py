@@ -11,8 +11,8 @@ import pytest
 from tests.conftest import run_workers
 
 ATOL = 1e-5
-WORLD4_GROUPS = "2d,fsdp,replicate,sync,ignored,plan_sources,fit_then_eval,meta_init,errors"
-WORLD2_GROUPS = "2d,fsdp,replicate,sync"
+WORLD4_GROUPS = "2d,fsdp,replicate,sync,ignored,plan_sources,fit_then_eval,meta_init,errors,accumulate_no_sync"
+WORLD2_GROUPS = "2d,fsdp,replicate,sync,accumulate_no_sync"
 WORLD1_GROUPS = "2d,fsdp,replicate"
 
 
@@ -152,3 +152,13 @@ def test_bad_input_fails_on_every_rank_with_a_clear_message(world4, case):
     assert len(messages) == 4 and len(set(messages)) == 1, messages  # every rank, same error, nobody hung
     for fragment in ERRORS[case]:
         assert fragment in messages[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["world2", "world4"])
+def test_accumulation_skips_gradient_sync_on_non_final_micro_batches(world, request):
+    result = request.getfixturevalue(world)["accumulate_no_sync"]
+    # FSDP2 only produces sharded gradients when it reduce-scatters: never after the first of two micro-batches.
+    assert result["fsdp_grads_after_each_backward"] == [False, True] * result["steps"]
+    # DDP's comm hook runs once per optimizer step (one bucket), not once per micro-batch.
+    assert result["replicate_hook_calls"] == result["steps"]

@@ -4,6 +4,7 @@ fit followed by validate/test/predict in one process."""
 
 from __future__ import annotations
 
+import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -241,3 +242,45 @@ GROUPS = {
     "fit_then_eval": group_fit_then_eval,
     "meta_init": group_meta_init,
 }
+
+
+class GradVisibility(L.Callback):
+    """Records, after each backward, whether any sharded gradient was produced (i.e. a reduce-scatter ran)."""
+
+    def __init__(self) -> None:
+        self.grads_present: list[bool] = []
+
+    def on_after_backward(self, trainer, pl_module):
+        self.grads_present.append(any(p.grad is not None for p in pl_module.parameters()))
+
+
+def group_accumulate_no_sync(results):
+    """Non-final micro-batches of gradient accumulation must not communicate gradients."""
+    world = world_size()
+    tp = 2 if world % 2 == 0 else 1
+    visibility = GradVisibility()
+    trainer = trainer_for(
+        FSDPTensorParallelStrategy(tensor_parallel_size=tp, tp_plan=TP_PLAN),
+        accumulate_grad_batches=2,
+        callbacks=[visibility],
+    )
+    trainer.fit(ParityModule(), loader(RegressionData(), BATCH))
+    calls = []
+
+    def counting_hook(process_group, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+    trainer = trainer_for(ReplicateStrategy(comm_hook=counting_hook), accumulate_grad_batches=2)
+    trainer.fit(ParityModule(), loader(RegressionData(), BATCH))
+    if trainer.global_rank == 0:
+        results["accumulate_no_sync"] = {
+            "fsdp_grads_after_each_backward": visibility.grads_present,
+            "replicate_hook_calls": len(calls),
+            "steps": STEPS,
+        }
+
+
+GROUPS["accumulate_no_sync"] = group_accumulate_no_sync
