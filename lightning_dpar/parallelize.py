@@ -8,6 +8,7 @@ Wrappers are applied to the LightningModule's children, never to the LightningMo
 
 from __future__ import annotations
 
+import importlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
@@ -127,13 +128,22 @@ def compressed_allreduce_hook(dtype: torch.dtype) -> Callable[..., Any]:
 
 
 def resolve_comm_hook(comm_hook: CommHook | None) -> Callable[..., Any] | None:
-    """A DDP communication hook from its name (`bf16_compress`, `fp16_compress`) or the callable itself."""
+    """A DDP communication hook from its name (`bf16_compress`, `fp16_compress`), its import path, or itself."""
     if comm_hook is None or callable(comm_hook):
         return comm_hook
     if comm_hook in COMPRESS_HOOK_DTYPES:
         return compressed_allreduce_hook(COMPRESS_HOOK_DTYPES[comm_hook])
+    module_name, _, attribute = comm_hook.rpartition(".")
+    if module_name:  # an import path, as a YAML config writes a callable
+        try:
+            hook = getattr(importlib.import_module(module_name), attribute, None)
+        except ImportError:
+            hook = None
+        if callable(hook):
+            return hook
     raise ValueError(
-        f"`comm_hook={comm_hook!r}` is unknown. Use one of {sorted(COMPRESS_HOOK_DTYPES)} or a DDP comm-hook callable."
+        f"`comm_hook={comm_hook!r}` is unknown. Use one of {sorted(COMPRESS_HOOK_DTYPES)}, a DDP comm-hook callable,"
+        " or its import path (`package.module.hook`)."
     )
 
 
