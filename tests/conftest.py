@@ -23,8 +23,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_workers(nproc: int, groups: str, tmp_path: Path, timeout: int = 420) -> dict:
-    """Run `tests/workers/run.py` on `nproc` gloo ranks under torchrun; return rank 0's JSON results."""
+def run_workers(
+    nproc: int, groups: str, tmp_path: Path, timeout: int = 420, extra_env: dict[str, str] | None = None
+) -> dict:
+    """Run `tests/workers/run.py` on `nproc` ranks under torchrun; return rank 0's JSON results."""
     out = tmp_path / f"results_{nproc}.json"
     cmd = [
         sys.executable,
@@ -36,7 +38,8 @@ def run_workers(nproc: int, groups: str, tmp_path: Path, timeout: int = 420) -> 
         groups,
         str(out),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    env = {**_env(), **(extra_env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if proc.returncode != 0 or not out.exists():
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-80:])
         pytest.fail(f"workers {groups!r} on {nproc} ranks failed (rc={proc.returncode}):\n{tail}")

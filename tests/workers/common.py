@@ -24,7 +24,7 @@ def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
 
 def trainer_for(strategy, max_steps: int = STEPS, **kwargs) -> L.Trainer:
     defaults = dict(
-        accelerator="cpu",
+        accelerator=os.environ.get("DPAR_TEST_ACCELERATOR", "cpu"),  # "cuda" for the GPU-marked tests
         devices=world_size(),
         strategy=strategy,
         max_steps=max_steps,
