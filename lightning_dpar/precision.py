@@ -12,6 +12,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -78,8 +79,6 @@ class DparPrecision(Precision):
     def convert_input(self, data: Any) -> Any:
         if self.true_dtype is None:
             return data
-        from lightning.fabric.utilities.apply_func import apply_to_collection
-
         return apply_to_collection(
             data, torch.Tensor, lambda t: t.to(self.true_dtype) if torch.is_floating_point(t) else t
         )
