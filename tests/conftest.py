@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
 
 
-def _env() -> dict[str, str]:
+def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -38,7 +38,7 @@ def run_workers(
         groups,
         str(out),
     ]
-    env = {**_env(), **(extra_env or {})}
+    env = {**subprocess_env(), **(extra_env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if proc.returncode != 0 or not out.exists():
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-80:])
@@ -54,7 +54,7 @@ def run_script(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=_env(),
+        env=subprocess_env(),
         cwd=tmp_path,
         input=stdin,
     )

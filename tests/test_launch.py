@@ -1,12 +1,16 @@
-"""Lightning's own launchers: the script re-launch ("popen") and an interactive session (forked ranks)."""
+"""Lightning's own launchers: the script re-launch ("popen"), an interactive session (forked ranks), and ranks
+started by SLURM's `srun` (simulated: one process per task with the variables srun sets)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import WORKERS, run_script
+from tests.conftest import WORKERS, run_script, subprocess_env
 
 
 @pytest.mark.slow
@@ -20,4 +24,45 @@ def test_launch_without_torchrun(tmp_path, interactive):
     assert result["interactive"] is interactive
     assert result["launcher"] == ("InteractiveLauncher" if interactive else "_SubprocessScriptLauncher")
     # Interactive: the parent process's module holds the full trained weights the ranks sent back.
+    assert result["max_abs_diff"] < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_nodes", [1, 2], ids=["one_node", "two_nodes"])
+def test_slurm_tasks(tmp_path, num_nodes):
+    """Every rank is its own SLURM task: the strategy must take the ranks from SLURM and not re-launch; with two
+    nodes, `dpar_hsdp` replicates across them and shards within each."""
+    out = tmp_path / "result.json"
+    world = 2
+    tasks_per_node = world // num_nodes
+    slurm = {
+        "SLURM_NTASKS": str(world),
+        "SLURM_NTASKS_PER_NODE": str(tasks_per_node),
+        "SLURM_NNODES": str(num_nodes),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_NODELIST": "127.0.0.1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(29500 + os.getpid() % 1000 + num_nodes),
+    }
+    procs = []
+    for rank in range(world):
+        task = {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % tasks_per_node)}
+        task["SLURM_NODEID"] = str(rank // tasks_per_node)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKERS / "launch_script.py"), str(out), str(num_nodes)],
+                env={**subprocess_env(), **slurm, **task},
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    logs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs) and out.exists(), logs[0][-4000:]
+    result = json.loads(out.read_text())
+    assert result["environment"] == "SLURMEnvironment"
+    assert result["launcher"] == "NoneType"  # srun created the processes; nothing is re-launched
+    assert result["mesh"]["replicate"] == num_nodes and result["mesh"]["shard"] == world // num_nodes
     assert result["max_abs_diff"] < 1e-5

@@ -1,6 +1,9 @@
 """Trains with Lightning's own launchers (no torchrun): `python launch_script.py OUT_JSON` re-launches itself per
 rank (the "popen" way); `python -i launch_script.py OUT_JSON < /dev/null` is an interactive session, where the
-strategy must fork the ranks instead and hand the trained weights back to this process."""
+strategy must fork the ranks instead and hand the trained weights back to this process.
+
+`python launch_script.py OUT_JSON NUM_NODES` with `SLURM_*` variables set is one task of a SLURM job (`srun`
+started every rank; Lightning's `SLURMEnvironment` supplies the ranks), trained with HSDP: one replica per node."""
 
 from __future__ import annotations
 
@@ -22,12 +25,14 @@ WORLD, BATCH, STEPS = 2, 4, 3
 
 if __name__ == "__main__":
     out = sys.argv[1]
+    num_nodes = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     data = RegressionData()
     module = ParityModule()
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=WORLD,
-        strategy="dpar_fsdp",
+        devices=WORLD // num_nodes,
+        num_nodes=num_nodes,
+        strategy="dpar_hsdp" if num_nodes > 1 else "dpar_fsdp",
         max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
@@ -37,9 +42,11 @@ if __name__ == "__main__":
     trainer.fit(module, loader(data, BATCH))
     # Interactive: this is the parent process, holding the weights the ranks sent back. Popen: rank 0 holds its
     # FSDP shards, so gather them (all ranks take part).
+    mesh = None  # the interactive parent process takes no part in the mesh
     if IS_INTERACTIVE:
         got = module.state_dict()
     else:
+        mesh = dict(zip(trainer.strategy.device_mesh.mesh_dim_names, trainer.strategy.device_mesh.shape))
         from tests.workers.common import full_params
 
         got = full_params(trainer)
@@ -50,6 +57,8 @@ if __name__ == "__main__":
                 {
                     "interactive": IS_INTERACTIVE,
                     "launcher": type(trainer.strategy.launcher).__name__,
+                    "environment": type(trainer.strategy.cluster_environment).__name__,
+                    "mesh": mesh,
                     "max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want),
                 },
                 f,
