@@ -49,3 +49,8 @@ def is_composable_replicated(module: nn.Module) -> bool:
 
     registry = _get_registry(module)
     return registry is not None and "replicate" in registry
+
+
+# DCP's reader for fsspec URLs (`s3://`, `memory://`). DCP picks it itself from a URL `checkpoint_id`, but to read the
+# index without `pickle.load` (see `checkpoint.safe_io`) we subclass it, which needs the class.
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: E402,F401
