@@ -315,7 +315,11 @@ def group_bad_input(results):
 
         lenient = validate(good, Lenient, extra_layer=True)
     lenient_params = full_params(lenient)
-    cases["lenient_max_diff"] = max((lenient_params[k] - reference[k]).abs().max().item() for k in reference)
+    if trainer.global_rank == 0:  # full params are gathered onto rank 0 only
+        cases["lenient_max_diff"] = max((lenient_params[k] - reference[k]).abs().max().item() for k in reference)
+        cases["lenient_extra_is_fresh"] = torch.equal(
+            lenient_params["extra.weight"], Lenient(extra_layer=True).extra.weight
+        )
     cases["lenient_warning"] = next((str(w.message) for w in caught if "strict_loading=False" in str(w.message)), None)
     cases["strict_extra"] = error_of(lambda: validate(good, extra_layer=True))
     cases["incompatible"] = error_of(lambda: validate(good, hidden=8))
@@ -375,8 +379,7 @@ def group_after_kill(results):
     for name in ("step=1.ckpt", "last.ckpt"):
         module = ResumeModule()
         trainer = trainer_for(FullyShardStrategy(), max_steps=3)
-        callback = ModelCheckpoint(dirpath=root, filename="{step}", save_last=True)
-        trainer.callbacks.append(callback)
+        trainer.callbacks.append(ModelCheckpoint(dirpath=root, save_top_k=0, save_last=False))  # for "last"
         trainer.fit(module, train_loader(), ckpt_path="last" if name == "last.ckpt" else str(root / name))
         loaded[name] = min(step for step, _ in module.losses) if module.losses else None
     refused = error_of(
@@ -385,7 +388,13 @@ def group_after_kill(results):
         )
     )
     if dist.get_rank() == 0:
-        results["after_kill"] = {"names": names, "partial": partial, "first_step": loaded, "refused": refused}
+        results["after_kill"] = {
+            "names": names,
+            "partial": partial,
+            "partial_content": sorted(os.listdir(root / partial[0])) if partial else [],
+            "first_step": loaded,
+            "refused": refused,
+        }
 
 
 GROUPS = {

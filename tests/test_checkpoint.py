@@ -1,0 +1,153 @@
+"""Checkpointing through real Trainers on 1, 2 and 4 gloo ranks (workers in `tests/workers/checkpoint.py`).
+
+One directory is shared by every launch of this module: the resharding chain saves under one layout in one launch
+and loads under the next layout in the next launch; the kill test's second launch inspects what the killed one left.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, WORKERS, _env, run_workers
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def results(shared_dir):
+    """All launches, in dependency order; each returns rank 0's results, merged here."""
+    merged: dict = {}
+    merged.update(run_workers(4, "ckpt_chain_a,ckpt_position_save", shared_dir))
+    merged.update(
+        run_workers(2, "ckpt_chain_bc,ckpt_position_load,ckpt_bad_input,ckpt_resume,ckpt_resume_last", shared_dir)
+    )
+    merged.update(run_workers(1, "ckpt_chain_d", shared_dir))
+    merged.update(run_workers(2, "ckpt_chain_e", shared_dir))
+    return merged
+
+
+# ---------------------------------------------------------------------- Lightning's flow and exact resume
+RESUME_CASES = ["fsdp", "replicate", "2d", "fsdp_async"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", RESUME_CASES)
+def test_resume_mid_epoch_reproduces_the_uninterrupted_losses(results, case):
+    """Resumed at step 5 of a 16-step epoch (shuffle, per-rank noise, Adam, per-step LR schedule), on every rank
+    the next 15 losses, across the epoch boundary, equal the uninterrupted run's exactly."""
+    result = results[f"resume_{case}"]
+    assert result["resumed_first_step"] == 5
+    assert len(result["resumed"][0]) == 15
+    assert result["resumed"] == result["full_after_5"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", RESUME_CASES)
+def test_model_checkpoint_bookkeeping_sees_only_complete_checkpoints(results, case):
+    result = results[f"resume_{case}"]
+    assert result["every_dir"] == ["step=10.ckpt", "step=15.ckpt", "step=20.ckpt", "step=5.ckpt"]
+    # save_top_k=2 on val_loss deleted the other directories; no temporary directory is left behind.
+    assert result["top_dir"] == ["last.ckpt", *result["best_k"]]
+    assert len(result["best_k"]) == 2
+    assert result["last_model_path"] == "last.ckpt"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", RESUME_CASES)
+def test_validate_from_checkpoint_matches_trained_model(results, case):
+    result = results[f"resume_{case}"]
+    assert result["val_from_last"] == result["val_after_fit"]
+    assert "nope.ckpt" in result["missing_ckpt_error"] and "does not exist" in result["missing_ckpt_error"]
+
+
+@pytest.mark.slow
+def test_fit_ckpt_path_last(results):
+    result = results["resume_last"]
+    assert result["first_step"] == 6
+    assert result["final_step"] == 9
+    assert not [name for name in result["dir"] if name.startswith(".")]
+
+
+# ---------------------------------------------------------------------- resharding
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["b", "c", "d", "e"])
+def test_resharding_chain_keeps_model_and_optimizer_exact(results, stage):
+    """2d on 4 -> fsdp on 2 -> replicate on 2 -> fsdp on 1 -> 2d on 2: full params and Adam state bit-identical."""
+    result = results[f"chain_{stage}"]
+    assert result["max_diff_to_previous"] == 0.0
+    assert result["keys"] > 40  # model params + exp_avg, exp_avg_sq, step per param + param-group values
+    assert result["global_step"] == 4
+    assert result["lr"] == results["chain_a"]["lr"]  # scheduler state came along
+
+
+@pytest.mark.slow
+def test_data_position_maps_to_a_new_data_parallel_size(results):
+    """3 steps on 4 data-parallel ranks, then the rest of the epoch on 2: every sample exactly once."""
+    before, after = results["position_save"]["seen"], results["position_load"]["seen"]
+    assert len(before) == 3 * 4 * 4
+    assert not set(before) & set(after)
+    assert sorted(before + after) == list(range(128))
+    assert results["position_load"]["global_step"] == 3 + (128 - 48) // (2 * 4)
+
+
+# ---------------------------------------------------------------------- strict loading and bad input
+@pytest.mark.slow
+def test_strict_loading_false_loads_matching_keys_and_reports_the_rest(results):
+    rank0 = results["bad_input"]["per_rank"][0]
+    assert rank0["lenient_max_diff"] == 0.0
+    assert rank0["lenient_extra_is_fresh"] is True
+    assert "'extra.weight'" in rank0["lenient_warning"] and "'extra.bias'" in rank0["lenient_warning"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("strict_extra", ["missing in the checkpoint: ['extra.bias', 'extra.weight']", "strict_loading = false"]),
+        ("incompatible", ["other shapes", "model.layers.0.fc1.weight: checkpoint (12, 15), model (8, 15)"]),
+        ("missing", ["missing.ckpt", "does not exist"]),
+        ("not_a_checkpoint", ["not_a_checkpoint", "lacks '.metadata', 'meta.pt'"]),
+        ("truncated", ["truncated.ckpt/__1_0.distcp", "is truncated"]),
+        ("corrupted", ["corrupted.ckpt/__0_0.distcp", "is corrupted"]),
+    ],
+)
+def test_bad_checkpoint_fails_on_every_rank_naming_path_and_problem(results, case, expected):
+    for rank_result in results["bad_input"]["per_rank"]:
+        message = rank_result[case]
+        assert message is not None and message.startswith("CheckpointLoadError")
+        for fragment in expected:
+            assert fragment.lower() in message.lower()
+
+
+# ---------------------------------------------------------------------- kill during save
+@pytest.fixture(scope="module")
+def after_kill(tmp_path_factory):
+    """A 2-rank training saving every step; rank 0 is SIGKILLed inside its third save (all shards written, no
+    metadata yet). A fresh launch then loads what is left."""
+    shared = tmp_path_factory.mktemp("kill")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(WORKERS / "run.py"), "ckpt_kill", str(shared / "killed.json")]
+    killed = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert killed.returncode != 0 and "SIGKILL" in killed.stdout + killed.stderr
+    return run_workers(2, "ckpt_after_kill", shared)["after_kill"]
+
+
+@pytest.mark.slow
+def test_kill_during_save_leaves_earlier_checkpoints_loadable(after_kill):
+    visible = [name for name in after_kill["names"] if not name.startswith(".")]
+    assert visible == ["last.ckpt", "step=1.ckpt"]  # step=2.ckpt never appeared under its name
+    # Resuming from the checkpoint and from "last" (ModelCheckpoint's lookup) both continue after step 1.
+    assert after_kill["first_step"] == {"step=1.ckpt": 1, "last.ckpt": 1}
+
+
+@pytest.mark.slow
+def test_kill_during_save_partial_checkpoint_is_hidden_and_refused(after_kill):
+    assert len(after_kill["partial"]) == 1
+    assert ".metadata" in after_kill["partial_content"] and "meta.pt" not in after_kill["partial_content"]
+    assert "incomplete checkpoint" in after_kill["refused"] and after_kill["partial"][0] in after_kill["refused"]
