@@ -24,10 +24,11 @@ def results(shared_dir):
     """All launches, in dependency order; each returns rank 0's results, merged here."""
     merged: dict = {}
     merged.update(run_workers(4, "ckpt_chain_a,ckpt_position_save", shared_dir))
-    merged.update(
-        run_workers(2, "ckpt_chain_bc,ckpt_position_load,ckpt_bad_input,ckpt_resume,ckpt_resume_last", shared_dir)
+    world2 = (
+        "ckpt_chain_bc,ckpt_position_load,ckpt_bad_input,ckpt_resume,ckpt_resume_last,ckpt_full_format,ckpt_migrate"
     )
-    merged.update(run_workers(1, "ckpt_chain_d", shared_dir))
+    merged.update(run_workers(2, world2, shared_dir))
+    merged.update(run_workers(1, "ckpt_chain_d,ckpt_memory_fs,ckpt_export", shared_dir))
     merged.update(run_workers(2, "ckpt_chain_e", shared_dir))
     return merged
 
@@ -151,3 +152,57 @@ def test_kill_during_save_partial_checkpoint_is_hidden_and_refused(after_kill):
     assert len(after_kill["partial"]) == 1
     assert ".metadata" in after_kill["partial_content"] and "meta.pt" not in after_kill["partial_content"]
     assert "incomplete checkpoint" in after_kill["refused"] and after_kill["partial"][0] in after_kill["refused"]
+
+
+# ---------------------------------------------------------------------- formats, paths, tools, migration
+@pytest.mark.slow
+def test_full_format_is_one_file_every_reader_accepts(results):
+    result = results["full_format"]
+    assert result["is_file"]
+    assert result["plain_load_diff"] == 0.0  # torch.load(weights_only=True)
+    assert result["load_from_checkpoint_diff"] == 0.0  # LightningModule.load_from_checkpoint
+    assert result["dpar_resume_diff"] == 0.0  # fit(ckpt_path=file) under another dpar strategy
+    assert result["optimizer_keys"] == [0, 1, 2]  # keyed by position like a plain optimizer
+
+
+@pytest.mark.slow
+def test_fsspec_urls(results):
+    assert results["full_format"]["file_url_diff"] == 0.0  # file:// on 2 ranks
+    memory = results["memory_fs"]  # memory:// through ModelCheckpoint (save_top_k=1 removed older dirs)
+    assert memory["listing"] == ["step=6.ckpt"]
+    assert memory["files"] == [".metadata", "__0_0.distcp", "meta.pt"]
+    assert memory["load_diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_consolidate_2d_checkpoint_to_lightning_ckpt_and_safetensors(results):
+    """The 4-rank TP+FSDP checkpoint, consolidated in one process."""
+    export = results["export"]
+    assert export["codes"] == [0, 0, 1]  # lightning, safetensors, and a truncated checkpoint refused
+    assert export["ckpt_model_diff"] == 0.0
+    assert export["ckpt_optimizer_diff"] == 0.0
+    assert export["ckpt_param_ids"] == list(range(12))
+    assert export["safetensors_files"] >= 2 and export["safetensors_index"]
+    assert export["safetensors_diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_consolidated_ckpt_resumes_on_a_plain_single_device_trainer(results):
+    export = results["export"]
+    assert export["plain_resume_first_step"] == 4
+    assert export["plain_resume_final_step"] == 6
+
+
+@pytest.mark.slow
+def test_load_from_checkpoint_helper_reads_a_sharded_directory(results):
+    assert results["export"]["helper_diff"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["model_parallel", "fsdp_strategy_sharded"])
+def test_resume_from_lightning_strategies_checkpoints(results, source):
+    result = results[f"migrate_{source}"]
+    assert result["layout"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert result["model_diff"] == 0.0
+    assert result["optimizer_diff"] == 0.0
+    assert result["first_step"] == 4

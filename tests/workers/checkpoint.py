@@ -397,7 +397,175 @@ def group_after_kill(results):
         }
 
 
+# ---------------------------------------------------------------------- full format, fsspec, consolidation
+def group_full_format(results):
+    """`checkpoint_format="full"`: one file that torch.load / load_from_checkpoint read and dpar resumes from."""
+    root = workdir() / "full"
+    module = ResumeModule()
+    trainer = trainer_for(FullyShardStrategy(checkpoint_format="full"), max_steps=4)
+    trainer.fit(module, train_loader())
+    reference = full_params(trainer)
+    trainer.save_checkpoint(root / "full.ckpt")
+    resumed = ResumeModule()
+    trainer2 = trainer_for(ReplicateStrategy(), max_steps=4)
+    trainer2.fit(resumed, train_loader(), ckpt_path=str(root / "full.ckpt"))
+    resumed_params = full_params(trainer2)
+    # Sharded through a `file://` URL: the fsspec code path on a filesystem every rank shares.
+    url = f"file://{root / 'url.ckpt'}"
+    trainer2.save_checkpoint(url)
+    evaluator = ResumeModule()
+    trainer3 = trainer_for(FullyShardStrategy())
+    trainer3.validate(evaluator, val_loader(), ckpt_path=url, verbose=False)
+    url_params = full_params(trainer3)
+    if trainer.global_rank == 0:
+        plain = torch.load(root / "full.ckpt", weights_only=True)
+        from_file = ResumeModule.load_from_checkpoint(root / "full.ckpt")
+        results["full_format"] = {
+            "is_file": (root / "full.ckpt").is_file(),
+            "plain_load_diff": max_diff(plain["state_dict"], reference),
+            "optimizer_keys": sorted(plain["optimizer_states"][0]["state"])[:3],
+            "load_from_checkpoint_diff": max_diff(from_file.state_dict(), reference),
+            "dpar_resume_diff": max_diff(resumed_params, reference),
+            "file_url_diff": max_diff(url_params, reference),
+        }
+
+
+def group_memory_fs(results):
+    """A `memory://` fsspec filesystem (one process: memory:// is per process) through ModelCheckpoint."""
+    import fsspec
+
+    module = ResumeModule()
+    callback = ModelCheckpoint(dirpath="memory://mc", filename="{step}", every_n_train_steps=2, save_top_k=1)
+    trainer = trainer_for(FullyShardStrategy(), max_steps=6, callbacks=[callback], enable_checkpointing=True)
+    trainer.fit(module, train_loader())
+    reference = full_params(trainer)
+    evaluator = ResumeModule()
+    trainer2 = trainer_for(FullyShardStrategy())
+    trainer2.validate(evaluator, val_loader(), ckpt_path="memory://mc/step=6.ckpt", verbose=False)
+    fs = fsspec.filesystem("memory")
+    results["memory_fs"] = {
+        "listing": sorted(p.rsplit("/", 1)[-1] for p in fs.ls("/mc", detail=False)),
+        "files": sorted(p.rsplit("/", 1)[-1] for p in fs.ls("/mc/step=6.ckpt", detail=False)),
+        "load_diff": max_diff(full_params(trainer2), reference),
+    }
+
+
+def group_export(results):
+    """Consolidate the 4-rank 2D checkpoint of the chain (TP + FSDP shards) in this single process."""
+    from safetensors.torch import load_file
+
+    import lightning_dpar
+    from lightning_dpar.consolidate import main as consolidate
+
+    root = workdir() / "chain"
+    reference = torch.load(root / "a.reference.pt")
+    model_reference = {k.removeprefix("model."): v for k, v in reference.items() if k.startswith("model.")}
+    out = workdir() / "export"
+    codes = [
+        consolidate([str(root / "a.ckpt"), str(out / "a.ckpt")]),
+        consolidate([str(root / "a.ckpt"), str(out / "st"), "--format", "safetensors", "--max-shard-size", "2KB"]),
+        consolidate([str(workdir() / "bad" / "truncated.ckpt"), str(out / "bad.ckpt")]),
+    ]
+    single = torch.load(out / "a.ckpt", weights_only=True)
+    optimizer = single["optimizer_states"][0]
+    names = list(model_reference)
+    optimizer_diff = max(
+        (optimizer["state"][i][field] - reference[f"optim.state.{name}.{field}"]).abs().max().item()
+        for i, name in enumerate(names)
+        for field in ("exp_avg", "exp_avg_sq")
+    )
+    safetensors = {}
+    for file in sorted((out / "st").glob("*.safetensors")):
+        safetensors.update(load_file(file))
+    # A plain single-device Trainer resumes from the consolidated file (optimizer keyed by position).
+    module = ResumeModule()
+    plain = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False)
+    plain.fit(module, train_loader(), ckpt_path=str(out / "a.ckpt"))
+    helper = lightning_dpar.load_from_checkpoint(ResumeModule, root / "a.ckpt")
+    results["export"] = {
+        "codes": codes,
+        "ckpt_model_diff": max_diff(single["state_dict"], model_reference),
+        "ckpt_optimizer_diff": optimizer_diff,
+        "ckpt_param_ids": optimizer["param_groups"][0]["params"],
+        "safetensors_files": len(list((out / "st").glob("*.safetensors"))),
+        "safetensors_index": (out / "st" / "model.safetensors.index.json").exists(),
+        "safetensors_diff": max_diff(safetensors, model_reference),
+        "plain_resume_first_step": min(step for step, _ in module.losses),
+        "plain_resume_final_step": plain.global_step,
+        "helper_diff": max_diff(helper.state_dict(), model_reference),
+    }
+
+
+# ---------------------------------------------------------------------- migration from Lightning's strategies
+def _migrate(results: dict, name: str, trainer: L.Trainer, save) -> None:
+    """Resume under dpar_fsdp from a checkpoint `save(trainer, path)` wrote; compare model and optimizer exactly."""
+    path = workdir() / "migrate" / f"{name}.ckpt"
+    save(trainer, path)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    reference = {k.removeprefix("_forward_module."): v for k, v in full_params(trainer).items()}
+    optimizer = trainer.optimizers[0]
+    reference_optim = flat_tensors("optim", get_optimizer_state_dict(trainer.model, optimizer, options=options))
+    resumed = ResumeModule()
+    trainer2 = trainer_for(FullyShardStrategy(), max_steps=6)
+    trainer2.fit(resumed, train_loader(), ckpt_path=str(path))
+    # The state right after loading: a Trainer that trains nothing (max_steps already reached).
+    loaded = ResumeModule()
+    trainer3 = trainer_for(FullyShardStrategy(), max_steps=4)
+    trainer3.fit(loaded, train_loader(), ckpt_path=str(path))
+    params = full_params(trainer3)
+    optim = flat_tensors("optim", full_optimizer(trainer3))
+    if trainer.global_rank == 0:
+        results[f"migrate_{name}"] = {
+            "layout": sorted(os.listdir(path)),
+            "first_step": min(s for s, _ in resumed.losses),
+            "model_diff": max_diff(params, reference),
+            "optimizer_diff": max_diff(optim, reference_optim),
+        }
+
+
+class ModelParallelModule(ResumeModule):
+    """Written for Lightning's `ModelParallelStrategy`: applies FSDP2 itself in `configure_model`."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.model, FSDPModule):
+            return
+        for layer in self.model.layers:
+            fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+
+def group_migrate(results):
+    """Checkpoints written by Lightning's own strategies resume under dpar.
+
+    `ModelParallelStrategy` runs for real. Lightning's `FSDPStrategy` (FSDP1) needs a GPU in torch>=2.11, so its
+    sharded layout (model under `model`) is written by `FSDPStrategy.save_checkpoint` itself on FSDP2 shards.
+    """
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    (workdir() / "migrate").mkdir(exist_ok=True)
+    trainer = trainer_for(ModelParallelStrategy(data_parallel_size=world_size(), tensor_parallel_size=1), max_steps=4)
+    trainer.fit(ModelParallelModule(), train_loader())
+    _migrate(results, "model_parallel", trainer, lambda t, path: t.save_checkpoint(path))
+
+    trainer = trainer_for(FullyShardStrategy(), max_steps=4)
+    trainer.fit(ResumeModule(), train_loader())
+
+    def save_like_fsdp_strategy(t: L.Trainer, path: Path) -> None:
+        checkpoint = t._checkpoint_connector.dump_checkpoint()
+        t.strategy._state_dict_type = "sharded"
+        FSDPStrategy.save_checkpoint(t.strategy, checkpoint, path)
+        t.strategy.barrier()
+
+    _migrate(results, "fsdp_strategy_sharded", trainer, save_like_fsdp_strategy)
+
+
 GROUPS = {
+    "ckpt_full_format": group_full_format,
+    "ckpt_memory_fs": group_memory_fs,
+    "ckpt_export": group_export,
+    "ckpt_migrate": group_migrate,
     "ckpt_resume": group_resume,
     "ckpt_resume_last": group_resume_last,
     "ckpt_chain_a": group_chain_a,
