@@ -18,7 +18,6 @@ Runs in one process, no GPU or process group needed: `python -m lightning_dpar c
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import re
 import struct
@@ -57,9 +56,7 @@ def parse_size(text: str) -> int:
 
 def write_lightning(checkpoint: OfflineCheckpoint, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(checkpoint.lightning_checkpoint(), buffer)
-    out.write_bytes(buffer.getvalue())
+    torch.save(checkpoint.lightning_checkpoint(), out)
 
 
 def write_safetensors(checkpoint: OfflineCheckpoint, out: Path, max_shard_size: int) -> list[Path]:
@@ -103,7 +100,8 @@ def write_safetensors(checkpoint: OfflineCheckpoint, out: Path, max_shard_size: 
             f.write(encoded)
             for name in shard:
                 tensor = checkpoint.read_tensor(name).contiguous()
-                f.write(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+                if tensor.numel():
+                    f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # no extra copy
                 del tensor
         written.append(out / file_name)
     if len(shards) > 1:

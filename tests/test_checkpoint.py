@@ -28,7 +28,7 @@ def results(shared_dir):
         "ckpt_chain_bc,ckpt_position_load,ckpt_bad_input,ckpt_resume,ckpt_resume_last,ckpt_full_format,ckpt_migrate"
     )
     merged.update(run_workers(2, world2, shared_dir))
-    merged.update(run_workers(1, "ckpt_chain_d,ckpt_memory_fs,ckpt_export", shared_dir))
+    merged.update(run_workers(1, "ckpt_chain_d,ckpt_memory_fs,ckpt_export,ckpt_export_memory", shared_dir))
     merged.update(run_workers(2, "ckpt_chain_e", shared_dir))
     return merged
 
@@ -206,3 +206,14 @@ def test_resume_from_lightning_strategies_checkpoints(results, source):
     assert result["model_diff"] == 0.0
     assert result["optimizer_diff"] == 0.0
     assert result["first_step"] == 4
+
+
+@pytest.mark.slow
+def test_safetensors_export_streams(results):
+    """Peak RSS growth of `consolidate` on a 128 MiB model of 4 MiB tensors, each in a fresh process: the
+    safetensors export holds a few tensors at a time; the single .ckpt holds the whole model."""
+    memory = results["export_memory"]
+    growth = memory["peak_growth_mib"]
+    assert isinstance(growth["safetensors"], float), growth["safetensors"]
+    assert growth["safetensors"] < memory["model_mib"] / 3
+    assert growth["lightning"] > memory["model_mib"] * 0.9  # the contrast: the measurement sees a whole model

@@ -52,14 +52,14 @@ def names_to_positions(state: dict[str, Any]) -> dict[str, Any]:
             position.setdefault(name, len(position))
             ids.append(position[name])
         groups.append({**group, "params": ids})
-    return {"state": {position[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+    return {"state": {position[name]: value for name, value in state.get("state", {}).items()}, "param_groups": groups}
 
 
 def positions_to_names(state: dict[str, Any], model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """Inverse of `names_to_positions` for this optimizer: position `i` is the `i`-th parameter of its groups."""
     name_of = {id(p): n for n, p in model.named_parameters()}
     names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    if not state["state"] or isinstance(next(iter(state["state"])), str):
+    if not state.get("state") or isinstance(next(iter(state["state"])), str):
         return state
     groups, offset = [], 0
     for group in state["param_groups"]:

@@ -496,6 +496,50 @@ def group_export(results):
     }
 
 
+class WideModule(L.LightningModule):
+    """128 MiB of weights in 32 tensors of 4 MiB: big enough that holding the model would show in RSS."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(32)))
+
+    def training_step(self, batch, batch_idx):
+        return self.body(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+_MEASURE_PEAK = """
+import sys
+from lightning_dpar.consolidate import main
+def status(field):
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field)) / 1024
+before = status("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")
+assert main(sys.argv[1:]) == 0
+print(status("VmHWM") - before)
+"""
+
+
+def group_export_memory(results):
+    """Peak RSS growth of `consolidate` in a fresh process: safetensors streams; the .ckpt holds the model."""
+    import subprocess
+
+    root = workdir() / "wide"
+    trainer = trainer_for(FullyShardStrategy(), max_steps=1)
+    trainer.fit(WideModule(), DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 1024)), batch_size=4))
+    trainer.save_checkpoint(root / "wide.ckpt")
+    growth = {}
+    for fmt, extra in (("safetensors", ["--max-shard-size", "8MB"]), ("lightning", [])):
+        argv = [str(root / "wide.ckpt"), str(root / f"out_{fmt}"), "--format", fmt, *extra]
+        proc = subprocess.run(
+            [sys.executable, "-c", _MEASURE_PEAK, *argv], capture_output=True, text=True, env=os.environ.copy()
+        )
+        growth[fmt] = float(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else proc.stderr[-2000:]
+    results["export_memory"] = {"model_mib": 128.0, "peak_growth_mib": growth}
+
+
 # ---------------------------------------------------------------------- migration from Lightning's strategies
 def _migrate(results: dict, name: str, trainer: L.Trainer, save) -> None:
     """Resume under dpar_fsdp from a checkpoint `save(trainer, path)` wrote; compare model and optimizer exactly."""
@@ -565,6 +609,7 @@ GROUPS = {
     "ckpt_full_format": group_full_format,
     "ckpt_memory_fs": group_memory_fs,
     "ckpt_export": group_export,
+    "ckpt_export_memory": group_export_memory,
     "ckpt_migrate": group_migrate,
     "ckpt_resume": group_resume,
     "ckpt_resume_last": group_resume_last,
