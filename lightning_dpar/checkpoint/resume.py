@@ -69,8 +69,8 @@ class ResumableDistributedSampler(DistributedSampler):
             self._start = None  # a resume position applies to its own epoch only
 
     def position(self, batches_done: int) -> DataPosition:
-        """Where the ranks are after `batches_done` batches of the current epoch."""
-        start = self._start if self._start is not None and self._start.epoch == self.epoch else None
+        """Where the ranks are after `batches_done` batches of the current epoch (counting from a resume point)."""
+        start = self._active_start()
         base_batches, base_consumed = (start.batches, start.consumed) if start else (0, 0)
         consumed = base_consumed + (batches_done - base_batches) * self.batch_size * self.num_replicas
         return DataPosition(self.epoch, batches_done, consumed)

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_dpar.checkpoint.layout import (
     DPAR_KEY,
     METADATA_FILENAME,
+    PARTIAL_PREFIX,
     REPLACED_PREFIX,
     file_checksum,
     is_data_file,
@@ -111,7 +112,15 @@ class CheckpointWriter:
         return self._pending is not None and self._pending_target == url
 
     def close(self) -> None:
-        self.wait()
+        """Finish the in-flight save and stop the background thread (strategy teardown, also after an error).
+
+        A failure is logged rather than raised: on the normal path the end of `fit` has already waited (and raised),
+        and after an exception raising here would hide the original error.
+        """
+        try:
+            self.wait()
+        except RuntimeError as error:
+            log.error(str(error))
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -173,7 +182,7 @@ def _finish(partial: Location, final: Location, metadata: dict[str, Any], group:
             errors.append(f"rank 0 could not write the metadata or rename into place: {exc}")
     outcome = [errors[0] if errors else None]
     if dist.is_initialized():
-        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        dist.broadcast_object_list(outcome, src=0, group=group)  # the checkpoint group spans all ranks: 0 is 0
     if outcome[0] is not None:
         raise RuntimeError(
             f"Saving checkpoint {final.url!r} failed ({outcome[0]}); {partial.url!r} is left incomplete."
@@ -184,7 +193,7 @@ def _publish(partial: Location, final: Location) -> None:
     """Give the complete checkpoint its final name, replacing an older one of the same name (e.g. `last.ckpt`)."""
     replaced = None
     if final.exists() or (final.is_local and os.path.lexists(final.path)):  # lexists: a `save_last="link"` link
-        replaced = final.sibling(REPLACED_PREFIX + partial.name[len(".dpar-partial-") :])
+        replaced = final.sibling(REPLACED_PREFIX + partial.name[len(PARTIAL_PREFIX) :])
         final.rename_to(replaced)
     partial.rename_to(final)
     if replaced is not None:
