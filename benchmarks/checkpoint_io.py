@@ -1,11 +1,12 @@
 """Time training is blocked per checkpoint save (sync vs async) and peak memory per rank while saving and loading.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/checkpoint_io.py OUT_DIR [--blocks 16] [--width 1024]
+    torchrun --standalone --nproc-per-node=2 benchmarks/checkpoint_io.py OUT_DIR --load OUT_DIR/sync/LAST.ckpt
 
 Trains a stack of `blocks` Linear(width, width) layers with Adam under `dpar_fsdp`, saving every 2 steps through
 `ModelCheckpoint`; prints, per mode, the median blocked seconds per save (from the strategy's writer), the
 end-to-end write time, and each rank's peak RSS growth above its steady training state during save and load
-(Linux `VmHWM`, reset through `/proc/self/clear_refs`).
+(Linux `VmHWM`, reset through `/proc/self/clear_refs`). `--load` measures a load in fresh processes.
 """
 
 from __future__ import annotations
@@ -100,33 +101,6 @@ def run(mode: str, out: str, blocks: int, width: int) -> dict:
     trainer.fit(Stack(blocks, width), DataLoader(data, batch_size=4))
     fit_s = time.perf_counter() - start
     timings = strategy._checkpoint_writer.timings
-    # Load: fresh module, restore into the sharded model; peak above the state right after setup.
-    loader_strategy = FullyShardStrategy()
-    load_trainer = L.Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
-        strategy=loader_strategy,
-        max_steps=10,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
-    module = Stack(blocks, width)
-    original_load = loader_strategy.load_checkpoint
-    load_growth = {}
-
-    def measured_load(path, weights_only=None):
-        before = rss_mib("VmRSS")
-        reset_peak()
-        result = original_load(path, weights_only)
-        load_growth["mib"] = rss_mib("VmHWM") - before
-        return result
-
-    loader_strategy.load_checkpoint = measured_load
-    load_trainer.fit(
-        module, DataLoader(data, batch_size=4), ckpt_path=callback.last_model_path or callback.best_model_path
-    )
     params = sum(p.numel() for p in Stack(blocks, width).parameters())
     return {
         "mode": mode,
@@ -138,8 +112,37 @@ def run(mode: str, out: str, blocks: int, width: int) -> dict:
         "write_s_median": statistics.median(t.total_s for t in timings if t.total_s is not None),
         "fit_s": fit_s,
         "save_peak_growth_mib": max(peak.growth) if peak.growth else None,
-        "load_peak_growth_mib": load_growth.get("mib"),
+        "last_checkpoint": callback.last_model_path or callback.best_model_path,
     }
+
+
+def measure_load(path: str, blocks: int, width: int) -> dict:
+    """In fresh processes: peak RSS growth per rank from the set-up model and optimizer to the end of the load."""
+    data = TensorDataset(torch.randn(64, width))
+    strategy = FullyShardStrategy()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=strategy,
+        max_steps=10,  # the checkpoint's step: restores, trains nothing
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    original_load = strategy.load_checkpoint
+    growth = {}
+
+    def measured_load(checkpoint_path, weights_only=None):
+        before = rss_mib("VmRSS")
+        reset_peak()
+        result = original_load(checkpoint_path, weights_only)
+        growth["mib"] = rss_mib("VmHWM") - before
+        return result
+
+    strategy.load_checkpoint = measured_load
+    trainer.fit(Stack(blocks, width), DataLoader(data, batch_size=4), ckpt_path=path)
+    return {"mode": "load", "rank": dist.get_rank(), "load_peak_growth_mib": growth["mib"]}
 
 
 def main() -> None:
@@ -147,8 +150,12 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--load", help="measure loading this checkpoint instead (run in fresh processes)")
     args = parser.parse_args()
-    rows = [run(mode, args.out, args.blocks, args.width) for mode in ("sync", "async")]
+    if args.load:
+        rows = [measure_load(args.load, args.blocks, args.width)]
+    else:
+        rows = [run(mode, args.out, args.blocks, args.width) for mode in ("sync", "async")]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
     if dist.get_rank() == 0:

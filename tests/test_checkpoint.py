@@ -114,6 +114,7 @@ def test_strict_loading_false_loads_matching_keys_and_reports_the_rest(results):
         ("incompatible", ["other shapes", "model.layers.0.fc1.weight: checkpoint (12, 15), model (8, 15)"]),
         ("missing", ["missing.ckpt", "does not exist"]),
         ("not_a_checkpoint", ["not_a_checkpoint", "lacks '.metadata', 'meta.pt'"]),
+        ("not_a_checkpoint_file", ["notes.txt", "not written by `torch.save`"]),
         ("truncated", ["truncated.ckpt/__1_0.distcp", "is truncated"]),
         ("corrupted", ["corrupted.ckpt/__0_0.distcp", "is corrupted"]),
     ],

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from lightning_dpar.checkpoint.layout import PARTIAL_PREFIX
-from lightning_dpar.checkpoint.safe_io import safe_torch_load
+from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -83,9 +83,18 @@ def save_full(checkpoint: dict[str, Any], location: Location, is_global_zero: bo
     partial.rename_to(location)
 
 
-def load_full(location: Location, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> dict[str, Any]:
-    """Every rank reads the file (weights_only) and keeps its own shards of model and optimizer state."""
+def read_full(location: Location) -> dict[str, Any]:
+    """The whole checkpoint file, read with `weights_only=True` (raises `CheckpointLoadError` if unusable)."""
     checkpoint = safe_torch_load(location)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise CheckpointLoadError(f"{location.url!r} is not a Lightning checkpoint: it holds no 'state_dict'.")
+    return checkpoint
+
+
+def load_full(
+    checkpoint: dict[str, Any], model: nn.Module, optimizers: Sequence[Optimizer], strict: bool
+) -> dict[str, Any]:
+    """Every rank holds the file's content (`read_full`) and keeps its own shards of model and optimizer state."""
     options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(model, checkpoint.pop("state_dict"), options=options)
     optimizer_states = checkpoint.pop("optimizer_states", [])

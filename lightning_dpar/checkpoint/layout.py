@@ -101,7 +101,18 @@ def describe_problem(location: Location) -> str | None:
             " rank's files and the metadata were written. Load the previous complete checkpoint instead."
         )
     if not location.exists():
-        return f"Checkpoint path {url!r} does not exist. Check the path (and, for `ckpt_path='last'`, the dirpath)."
+        hint = ""
+        parent = location.parent
+        for leftover in partial_names_for(location.name, parent.list_names()):
+            if METADATA_FILENAME in parent.child(leftover).list_names():
+                complete = parent.child(leftover).url
+                hint = (
+                    f" A save that replaced it was interrupted; {complete!r} is a complete checkpoint: rename it to"
+                    f" {location.name!r} to use it."
+                )
+        return (
+            f"Checkpoint path {url!r} does not exist. Check the path (and, for `ckpt_path='last'`, the dirpath).{hint}"
+        )
     if not location.is_dir():
         return None  # a single file: the "full" format, read with torch.load
     names = set(location.list_names())

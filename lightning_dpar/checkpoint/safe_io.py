@@ -74,9 +74,15 @@ def read_dcp_index(location: Location) -> Metadata:
 
 def safe_torch_load(location: Location) -> Any:
     """`torch.load(weights_only=True)` of one file, with an error that says how to allow a user's own types."""
+    with location.open("rb") as f:
+        data = f.read()
+    if not data.startswith(b"PK"):  # torch.save writes a zip archive
+        raise CheckpointLoadError(
+            f"{location.url!r} is not a checkpoint: it was not written by `torch.save` (or is truncated to"
+            f" {len(data)} bytes). Pass a checkpoint file or a sharded checkpoint directory."
+        )
     try:
-        with location.open("rb") as f:
-            return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         raise CheckpointLoadError(
             f"{location.url!r} holds a type that `torch.load(weights_only=True)` does not load by default:\n{error}\n"

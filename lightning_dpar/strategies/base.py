@@ -440,7 +440,14 @@ class DparStrategy(ParallelStrategy):
         optimizers = self.optimizers if trainer is not None and trainer.state.fn == TrainerFn.FITTING else []
         self._raise_on_any_rank(layout.describe_problem(location))
         if not location.is_dir():
-            return full.load_full(location, self.model, optimizers, strict)
+            checkpoint, problem = None, None
+            try:
+                checkpoint = full.read_full(location)
+            except CheckpointLoadError as error:
+                problem = str(error)
+            self._raise_on_any_rank(problem)
+            assert checkpoint is not None
+            return full.load_full(checkpoint, self.model, optimizers, strict)
         info, problem = None, None
         try:
             info = layout.inspect_checkpoint(location)

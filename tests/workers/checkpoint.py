@@ -337,6 +337,7 @@ def group_bad_input(results):
         shard.write_bytes(bytes(data))
     dist.barrier()
     cases["not_a_checkpoint"] = error_of(lambda: validate(root / "not_a_checkpoint"))
+    cases["not_a_checkpoint_file"] = error_of(lambda: validate(root / "not_a_checkpoint" / "notes.txt"))
     cases["truncated"] = error_of(lambda: validate(root / "truncated.ckpt"))
     cases["corrupted"] = error_of(lambda: validate(root / "corrupted.ckpt"))
     all_cases = gather(cases)
