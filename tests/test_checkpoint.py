@@ -34,14 +34,15 @@ def results(shared_dir):
 
 
 # ---------------------------------------------------------------------- Lightning's flow and exact resume
-RESUME_CASES = ["fsdp", "replicate", "2d", "fsdp_async"]
+RESUME_CASES = ["fsdp", "replicate", "2d", "fsdp_async", "fsdp_full"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", RESUME_CASES)
 def test_resume_mid_epoch_reproduces_the_uninterrupted_losses(results, case):
     """Resumed at step 5 of a 16-step epoch (shuffle, per-rank noise, Adam, per-step LR schedule), on every rank
-    the next 15 losses, across the epoch boundary, equal the uninterrupted run's exactly."""
+    the next 15 losses, across the epoch boundary, equal the uninterrupted run's exactly (sharded, async-written and
+    full-format checkpoints)."""
     result = results[f"resume_{case}"]
     assert result["resumed_first_step"] == 5
     assert len(result["resumed"][0]) == 15

@@ -8,6 +8,7 @@ before reading the next (the safetensors export) never holds more than one tenso
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,7 +61,10 @@ class OfflineCheckpoint:
             elif isinstance(meta, BytesStorageMetadata):
                 flat[key] = ""  # placeholder, replaced by the stored value
         state = _unflatten(flat, self.info.index.planner_data or {})
-        dcp.load(state, storage_reader=safe_storage_reader(self.info.location), planner=SafeLoadPlanner(), no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            reader = safe_storage_reader(self.info.location)
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         return state
 
     def optimizer_states(self) -> list[dict[str, Any]]:

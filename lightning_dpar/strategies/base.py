@@ -411,6 +411,7 @@ class DparStrategy(ParallelStrategy):
         location = Location.parse(self.broadcast(str(filepath)))
         if self._checkpoint_format == "full":
             self._checkpoint_writer.wait()
+            checkpoint[layout.DPAR_KEY] = self._resume_record()
             full.save_full(checkpoint, location, self.is_global_zero)
             self.barrier()
             return
@@ -437,7 +438,9 @@ class DparStrategy(ParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
         trainer = self.lightning_module._trainer
-        optimizers = self.optimizers if trainer is not None and trainer.state.fn == TrainerFn.FITTING else []
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        optimizers = self.optimizers if fitting else []
+        self._pending_resume = {}
         self._raise_on_any_rank(layout.describe_problem(location))
         if not location.is_dir():
             checkpoint, problem = None, None
@@ -447,6 +450,8 @@ class DparStrategy(ParallelStrategy):
                 problem = str(error)
             self._raise_on_any_rank(problem)
             assert checkpoint is not None
+            record = checkpoint.pop(layout.DPAR_KEY, {})
+            self._pending_resume = record if fitting else {}
             return full.load_full(checkpoint, self.model, optimizers, strict)
         info, problem = None, None
         try:
@@ -463,7 +468,7 @@ class DparStrategy(ParallelStrategy):
                 f" as they were): {report.missing}. Keys of the checkpoint not in the model (ignored):"
                 f" {report.unexpected}."
             )
-        self._pending_resume = info.dpar_record
+        self._pending_resume = info.dpar_record if fitting else {}  # RNG and data position apply to `fit` only
         return {k: v for k, v in info.metadata.items() if k != layout.DPAR_KEY}
 
     def _raise_on_any_rank(self, problem: str | None) -> None:
@@ -519,10 +524,18 @@ class DparStrategy(ParallelStrategy):
             )
         self._pending_resume = {}
 
-    def on_train_end(self) -> None:
-        """The end of `fit` waits for the last background save, so its checkpoint is complete on return."""
+    def wait_for_checkpoint(self) -> None:
+        """Block until an `async_save` checkpoint still being written is complete under its final name.
+
+        The next save, a load, `ModelCheckpoint`'s removal of it and the end of `fit` already wait; call this after
+        your own `trainer.save_checkpoint(...)` if you read or copy the checkpoint before any of those happens.
+        """
         self._checkpoint_writer.wait()
         self.barrier()
+
+    def on_train_end(self) -> None:
+        """The end of `fit` waits for the last background save, so its checkpoint is complete on return."""
+        self.wait_for_checkpoint()
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None

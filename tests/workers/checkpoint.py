@@ -119,7 +119,7 @@ def error_of(fn) -> str | None:
 
 
 # ---------------------------------------------------------------------- Lightning's flow + exact resume
-def _resume_case(results: dict, name: str, strategy: str, async_save: bool = False) -> None:
+def _resume_case(results: dict, name: str, strategy: str, **strategy_kwargs) -> None:
     """Full run with a checkpoint every 5 steps; resume from step 5 (mid-epoch 0, epoch 1 follows) in a new Trainer."""
     root = workdir() / f"resume_{name}"
     steps = 20  # 16 batches per epoch on 2 data-parallel ranks, 32 on one
@@ -134,7 +134,7 @@ def _resume_case(results: dict, name: str, strategy: str, async_save: bool = Fal
     )
     full_run = ResumeModule()
     trainer = trainer_for(
-        strategy_for(strategy, async_save=async_save),
+        strategy_for(strategy, **strategy_kwargs),
         max_steps=steps,
         callbacks=[every, top],
         val_check_interval=5,
@@ -175,6 +175,7 @@ def group_resume(results):
     _resume_case(results, "replicate", "replicate")
     _resume_case(results, "2d", "2d")
     _resume_case(results, "fsdp_async", "fsdp", async_save=True)
+    _resume_case(results, "fsdp_full", "fsdp", checkpoint_format="full")
 
 
 def group_resume_last(results):
