@@ -8,6 +8,7 @@ local disks and object stores. Local paths (including `file://` URLs) use plain 
 from __future__ import annotations
 
 import os
+import posixpath
 import shutil
 from dataclasses import dataclass
 from typing import IO, Any
@@ -43,7 +44,7 @@ class Location:
 
     @property
     def parent(self) -> Location:
-        return Location(self.fs, self.fs._parent(self.path))
+        return Location(self.fs, posixpath.dirname(self.path.rstrip("/")) or "/")
 
     def child(self, name: str) -> Location:
         return Location(self.fs, f"{self.path.rstrip('/')}/{name}")
