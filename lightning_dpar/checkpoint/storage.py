@@ -58,9 +58,6 @@ class Location:
     def is_dir(self) -> bool:
         return self.fs.isdir(self.path)
 
-    def is_file(self) -> bool:
-        return self.fs.isfile(self.path)
-
     def size(self) -> int:
         return int(self.fs.size(self.path))
 
