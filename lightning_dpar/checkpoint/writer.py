@@ -19,6 +19,7 @@ import logging
 import os
 import time
 import uuid
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +60,7 @@ class CheckpointWriter:
         self._group: dist.ProcessGroup | None = None
         self._pending: Future | None = None
         self._pending_target: str | None = None
-        self.timings: list[SaveTiming] = []
+        self.timings: deque[SaveTiming] = deque(maxlen=100)  # recent saves, for benchmarks and logs
 
     # ------------------------------------------------------------------ public
     def save(self, tensor_state: dict[str, Any], metadata: dict[str, Any], location: Location) -> None:
