@@ -34,7 +34,7 @@ def results(shared_dir):
 
 
 # ---------------------------------------------------------------------- Lightning's flow and exact resume
-RESUME_CASES = ["fsdp", "replicate", "2d", "fsdp_async", "fsdp_full"]
+RESUME_CASES = ["fsdp", "replicate", "2d", "fsdp_async", "fsdp_full", "fsdp_custom_sampler"]
 
 
 @pytest.mark.slow

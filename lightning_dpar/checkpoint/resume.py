@@ -11,7 +11,9 @@ have consumed (`batches done x batch size x data-parallel size`). On resume, tha
 order is skipped and the rest is dealt out to the new data-parallel ranks (`rest[rank::dp]`). With the same
 data-parallel size this is exactly the stream the uninterrupted run would have read; with another size every
 remaining sample is still seen once in this epoch, none repeats, and the epoch's batch count on each rank becomes
-`batches done + ceil(remaining per rank / batch size)`.
+`batches done + ceil(remaining per rank / batch size)`. A loader with a custom sampler cannot start part-way: with
+the same data-parallel size the strategy replays and drops the batches already seen; otherwise the epoch restarts,
+with a warning.
 
 RNG streams are restored per rank when the world size is unchanged. After a change of world size there is no
 faithful mapping (two ranks must not share a stream), so the freshly seeded streams are kept and a message says so.
@@ -111,7 +113,7 @@ def make_resumable(dataloader: object) -> ResumableDistributedSampler | None:
     """Swap the `DistributedSampler` Lightning inserted into a training `DataLoader` for a resumable one.
 
     Only the plain case is taken over (a `BatchSampler` with a fixed batch size over a `DistributedSampler`);
-    a custom sampler or batch sampler is left alone and its loader restarts the epoch, with a warning from Lightning.
+    a custom sampler or batch sampler is left alone (see the module docstring for how it resumes).
     """
     if not isinstance(dataloader, DataLoader):
         return None

@@ -35,6 +35,7 @@ from lightning_dpar._private_api import (
     default_process_group_backend,
     init_dist_connection,
     sync_ddp_if_available,
+    unfetched_training_iterator,
 )
 from lightning_dpar.checkpoint import full, layout, resume, sharded
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
@@ -132,6 +133,7 @@ class DparStrategy(ParallelStrategy):
         self._checkpoint_writer = CheckpointWriter(async_save=async_save)
         self._pending_resume: dict[str, Any] = {}  # RNG and data position of a loaded checkpoint, applied later
         self._train_sampler: resume.ResumableDistributedSampler | None = None
+        self._batches_to_skip = 0  # mid-epoch resume with a custom sampler (see `_skip_seen_batches`)
 
     # ------------------------------------------------------------------ precision
     @property
@@ -490,9 +492,15 @@ class DparStrategy(ParallelStrategy):
             "rng_states": resume.gather_rng_states(),
         }
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        if self._train_sampler is not None and trainer is not None:
+        if trainer is not None and self.dims is not None:
             batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-            record["data_position"] = self._train_sampler.position(batches).as_dict()
+            record["epoch_batches"] = {
+                "epoch": trainer.current_epoch,
+                "batches": batches,
+                "data_parallel_size": self.dims.data_parallel,
+            }
+            if self._train_sampler is not None:
+                record["data_position"] = self._train_sampler.position(batches).as_dict()
         return record
 
     def process_dataloader(self, dataloader: object) -> object:
@@ -502,18 +510,22 @@ class DparStrategy(ParallelStrategy):
             return dataloader
         self._train_sampler = resume.make_resumable(dataloader)
         position = self._pending_resume.get("data_position")
+        seen = self._pending_resume.get("epoch_batches", {})
         if self._train_sampler is not None and position is not None:
             self._train_sampler.start_at(resume.DataPosition(**position))
-        elif position is not None and position["batches"] > 0:
+        elif seen.get("batches", 0) > 0 and seen.get("data_parallel_size") == (self.dims and self.dims.data_parallel):
+            self._batches_to_skip = seen["batches"]  # a custom sampler: replay and drop them in `on_train_start`
+        elif seen.get("batches", 0) > 0:
             rank_zero_warn(
-                "The checkpoint was saved mid-epoch, but the training loader has a custom sampler or batch sampler, so"
-                " it cannot skip the batches already seen: this epoch restarts from its first batch. Use a plain"
-                " `DataLoader(dataset, batch_size=...)` (Lightning adds the distributed sampler) or a stateful loader."
+                "The checkpoint was saved mid-epoch with another data-parallel size, and the training loader has a"
+                " custom sampler or batch sampler, whose position cannot be mapped: this epoch restarts from its first"
+                " batch. Use a plain `DataLoader(dataset, batch_size=...)` (Lightning adds the distributed sampler)."
             )
         return dataloader
 
     def on_train_start(self) -> None:
         """Restore this rank's RNG streams right before training continues (after loaders and sanity checks)."""
+        self._skip_seen_batches()
         states = self._pending_resume.get("rng_states")
         if states is not None and len(states) == self.world_size:
             resume.restore_rng_state(states[self.global_rank])
@@ -532,6 +544,23 @@ class DparStrategy(ParallelStrategy):
         """
         self._checkpoint_writer.wait()
         self.barrier()
+
+    def _skip_seen_batches(self) -> None:
+        """Custom samplers cannot start mid-epoch: draw and drop the batches this epoch already trained on."""
+        skip, self._batches_to_skip = self._batches_to_skip, 0
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if not skip or trainer is None:
+            return
+        restored = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if restored != skip or skip >= trainer.num_training_batches:
+            return  # not resuming inside the epoch the checkpoint was taken in (e.g. saved at its end)
+        iterator = unfetched_training_iterator(trainer)
+        if iterator is None:
+            rank_zero_warn(f"Could not skip the {skip} batches already seen this epoch; the epoch restarts.")
+            return
+        rank_zero_info(f"Skipping the {skip} batches of this epoch seen before the checkpoint (custom sampler).")
+        for _ in range(skip):
+            next(iterator, None)
 
     def on_train_end(self) -> None:
         """The end of `fit` waits for the last background save, so its checkpoint is complete on return."""

@@ -65,8 +65,21 @@ class ResumeModule(ParityModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def train_loader() -> DataLoader:
-    return DataLoader(IndexedData(), batch_size=BATCH)
+def train_loader(sampler=None) -> DataLoader:
+    return DataLoader(IndexedData(), batch_size=BATCH, sampler=sampler)
+
+
+class ReversedSampler(torch.utils.data.Sampler):
+    """A custom (non-resumable) sampler: Lightning wraps it in `DistributedSamplerWrapper`."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return self.n
 
 
 def val_loader() -> DataLoader:
@@ -119,7 +132,7 @@ def error_of(fn) -> str | None:
 
 
 # ---------------------------------------------------------------------- Lightning's flow + exact resume
-def _resume_case(results: dict, name: str, strategy: str, **strategy_kwargs) -> None:
+def _resume_case(results: dict, name: str, strategy: str, sampler=None, **strategy_kwargs) -> None:
     """Full run with a checkpoint every 5 steps; resume from step 5 (mid-epoch 0, epoch 1 follows) in a new Trainer."""
     root = workdir() / f"resume_{name}"
     steps = 20  # 16 batches per epoch on 2 data-parallel ranks, 32 on one
@@ -140,14 +153,14 @@ def _resume_case(results: dict, name: str, strategy: str, **strategy_kwargs) -> 
         val_check_interval=5,
         enable_checkpointing=True,
     )
-    trainer.fit(full_run, train_loader(), val_loader())
+    trainer.fit(full_run, train_loader(sampler), val_loader())
     val_after_fit = trainer.validate(full_run, val_loader(), verbose=False)[0]["val_loss"]
 
     resumed = ResumeModule()
     trainer2 = trainer_for(
         strategy_for(strategy), max_steps=steps, val_check_interval=5, callbacks=[], enable_checkpointing=False
     )
-    trainer2.fit(resumed, train_loader(), val_loader(), ckpt_path=str(root / "every" / "step=5.ckpt"))
+    trainer2.fit(resumed, train_loader(sampler), val_loader(), ckpt_path=str(root / "every" / "step=5.ckpt"))
 
     evaluator = ResumeModule()
     trainer3 = trainer_for(strategy_for(strategy))
@@ -176,6 +189,7 @@ def group_resume(results):
     _resume_case(results, "2d", "2d")
     _resume_case(results, "fsdp_async", "fsdp", async_save=True)
     _resume_case(results, "fsdp_full", "fsdp", checkpoint_format="full")
+    _resume_case(results, "fsdp_custom_sampler", "fsdp", sampler=ReversedSampler(128))
 
 
 def group_resume_last(results):
