@@ -336,6 +336,14 @@ def group_bad_input(results):
             lenient_params["extra.weight"], Lenient(extra_layer=True).extra.weight
         )
     cases["lenient_warning"] = next((str(w.message) for w in caught if "strict_loading=False" in str(w.message)), None)
+    # ... and a checkpoint with keys the model lacks loads the rest, reporting them as unexpected.
+    lenient.save_checkpoint(root / "with_extra.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate(root / "with_extra.ckpt", Lenient)
+    cases["lenient_unexpected_warning"] = next(
+        (str(w.message) for w in caught if "strict_loading=False" in str(w.message)), None
+    )
     cases["strict_extra"] = error_of(lambda: validate(good, extra_layer=True))
     cases["incompatible"] = error_of(lambda: validate(good, hidden=8))
     cases["missing"] = error_of(lambda: validate(root / "missing.ckpt"))
