@@ -6,6 +6,8 @@ Importing the package registers the strategy names (`"dpar_replicate"`, `"dpar_f
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dpar.checkpoint import CheckpointLoadError
+from lightning_dpar.checkpoint.inference import load_from_checkpoint
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.precision import DparPrecision
 from lightning_dpar.strategies import (
@@ -21,6 +23,7 @@ for _strategy in (ReplicateStrategy, FullyShardStrategy, FSDPTensorParallelStrat
     _strategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "CheckpointLoadError",
     "DparPrecision",
     "DparStrategy",
     "FSDPTensorParallelStrategy",
@@ -28,4 +31,5 @@ __all__ = [
     "ParallelDims",
     "ReplicateStrategy",
     "__version__",
+    "load_from_checkpoint",
 ]

@@ -6,6 +6,8 @@ here means an upgrade that moves one of them breaks exactly one module, and a re
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn as nn
 
 # Lightning's launchers, process-group initialisation and reduction helper: the building blocks every built-in
@@ -49,3 +51,20 @@ def is_composable_replicated(module: nn.Module) -> bool:
 
     registry = _get_registry(module)
     return registry is not None and "replicate" in registry
+
+
+# DCP's reader for fsspec URLs (`s3://`, `memory://`). DCP picks it itself from a URL `checkpoint_id`, but to read the
+# index without `pickle.load` (see `checkpoint.safe_io`) we subclass it, which needs the class.
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: E402,F401
+
+
+def unfetched_training_iterator(trainer: Any) -> Any | None:
+    """The iterator Lightning's fit loop draws training batches from, if it has not pre-fetched any yet.
+
+    Lightning has no public handle on it. We need it to skip the batches a non-resumable loader (custom sampler)
+    already yielded before a mid-epoch checkpoint; with pre-fetched batches queued, skipping there would be wrong.
+    """
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if fetcher is None or getattr(fetcher, "batches", None) or getattr(fetcher, "iterator", None) is None:
+        return None
+    return fetcher.iterator

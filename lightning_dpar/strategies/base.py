@@ -10,7 +10,6 @@ from abc import abstractmethod
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -22,14 +21,13 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightning_dpar import checkpoint as ckpt
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import (
     IS_INTERACTIVE,
@@ -37,7 +35,12 @@ from lightning_dpar._private_api import (
     default_process_group_backend,
     init_dist_connection,
     sync_ddp_if_available,
+    unfetched_training_iterator,
 )
+from lightning_dpar.checkpoint import full, layout, resume, sharded
+from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
+from lightning_dpar.checkpoint.storage import Location
+from lightning_dpar.checkpoint.writer import CheckpointWriter
 from lightning_dpar.launchers import InteractiveLauncher
 from lightning_dpar.mesh import DATA_PARALLEL, TENSOR_PARALLEL, ParallelDims, SizeArg, build_device_mesh
 from lightning_dpar.plan import (
@@ -56,6 +59,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
 
 StartMethod = Literal["popen", "fork", "spawn"]
+CheckpointFormat = Literal["sharded", "full"]
 
 
 class DparStrategy(ParallelStrategy):
@@ -71,6 +75,9 @@ class DparStrategy(ParallelStrategy):
         timeout: collective timeout.
         start_method: `"popen"` re-runs the script per rank (default); `"fork"`/`"spawn"` launch from the current
             process. An interactive session (notebook, REPL) switches `"popen"` to `"fork"` automatically.
+        checkpoint_format: `"sharded"` (default; a DCP directory, each rank writes its shards) or `"full"` (one file
+            that `torch.load` and `LightningModule.load_from_checkpoint` read; gathers the model on rank 0).
+        async_save: write sharded checkpoints in the background (staged to CPU memory first).
     """
 
     strategy_name = "dpar"
@@ -86,6 +93,8 @@ class DparStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
+        checkpoint_format: CheckpointFormat = "sharded",
+        async_save: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -115,6 +124,16 @@ class DparStrategy(ParallelStrategy):
         # Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
         self._grad_sync_modules: list[nn.Module] = []
         self._parallelized_module: nn.Module | None = None
+        # Checkpointing (see the checkpointing section below).
+        if checkpoint_format not in ("sharded", "full"):
+            raise ValueError(f"`checkpoint_format={checkpoint_format!r}` is invalid; use 'sharded' or 'full'.")
+        if async_save and checkpoint_format != "sharded":
+            raise ValueError("`async_save=True` needs `checkpoint_format='sharded'`.")
+        self._checkpoint_format: CheckpointFormat = checkpoint_format
+        self._checkpoint_writer = CheckpointWriter(async_save=async_save)
+        self._pending_resume: dict[str, Any] = {}  # RNG and data position of a loaded checkpoint, applied later
+        self._train_sampler: resume.ResumableDistributedSampler | None = None
+        self._batches_to_skip = 0  # mid-epoch resume with a custom sampler (see `_skip_seen_batches`)
 
     # ------------------------------------------------------------------ precision
     @property
@@ -368,13 +387,17 @@ class DparStrategy(ParallelStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
-        return ckpt.sharded_model_state(self.model)
+        if self._checkpoint_format == "full":
+            return full.full_model_state(self.model)
+        return sharded.sharded_model_state(self.model)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return ckpt.sharded_optimizer_state(self.model, optimizer)
+        if self._checkpoint_format == "full":
+            return full.full_optimizer_state(self.model, optimizer)
+        return sharded.sharded_optimizer_state(self.model, optimizer)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # done by `load_checkpoint`, which has the wrapped model
@@ -383,19 +406,169 @@ class DparStrategy(ParallelStrategy):
         pass  # done by `load_checkpoint`
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Sharded: every rank writes its shards (atomically; in the background with `async_save`). Full: rank 0
+        writes one file. See `docs/checkpointing.md`."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
-        path = Path(self.broadcast(str(filepath)))
-        ckpt.save_sharded(path, checkpoint, self.is_global_zero)
-        self.barrier()
+        location = Location.parse(self.broadcast(str(filepath)))
+        if self._checkpoint_format == "full":
+            self._checkpoint_writer.wait()
+            checkpoint[layout.DPAR_KEY] = self._resume_record()
+            full.save_full(checkpoint, location, self.is_global_zero)
+            self.barrier()
+            return
+        tensor_state, metadata = sharded.split_checkpoint(checkpoint)
+        metadata[layout.DPAR_KEY] = self._resume_record()
+        self._checkpoint_writer.save(tensor_state, metadata, location)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Called by `ModelCheckpoint` for superseded checkpoints (directories here); waits if still being written."""
+        location = Location.parse(str(filepath))
+        if self._checkpoint_writer.is_pending(location.url):
+            self._checkpoint_writer.wait()
+        if self.is_global_zero:
+            location.remove()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
+        """Load model (and, when fitting, optimizer) state in place, resharding to this layout; return the rest.
+
+        Every rank checks the checkpoint and the ranks agree on the outcome before any collective read, so a bad
+        path or file raises the same `CheckpointLoadError` on every rank instead of hanging.
+        """
+        self._checkpoint_writer.wait()  # the checkpoint may be the one still being written
+        location = Location.parse(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
-        return ckpt.load_sharded(path, self.model, self.optimizers, strict=self.lightning_module.strict_loading)
+        strict = self.lightning_module.strict_loading
+        trainer = self.lightning_module._trainer
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        optimizers = self.optimizers if fitting else []
+        self._pending_resume = {}
+        self._raise_on_any_rank(layout.describe_problem(location))
+        if not location.is_dir():
+            checkpoint, problem = None, None
+            try:
+                checkpoint = full.read_full(location)
+            except CheckpointLoadError as error:
+                problem = str(error)
+            self._raise_on_any_rank(problem)
+            assert checkpoint is not None
+            record = checkpoint.pop(layout.DPAR_KEY, {})
+            self._pending_resume = record if fitting else {}
+            return full.load_full(checkpoint, self.model, optimizers, strict)
+        info, problem = None, None
+        try:
+            info = layout.inspect_checkpoint(location)
+            problem = layout.check_data_files(info, self.global_rank, self.world_size)
+        except CheckpointLoadError as error:
+            problem = str(error)
+        self._raise_on_any_rank(problem)
+        assert info is not None
+        report = sharded.load_sharded(info, self.model, optimizers, strict)
+        if report.missing or report.unexpected:
+            rank_zero_warn(
+                f"Loaded {location.url!r} with `strict_loading=False`. Keys of the model not in the checkpoint (left"
+                f" as they were): {report.missing}. Keys of the checkpoint not in the model (ignored):"
+                f" {report.unexpected}."
+            )
+        self._pending_resume = info.dpar_record if fitting else {}  # RNG and data position apply to `fit` only
+        return {k: v for k, v in info.metadata.items() if k != layout.DPAR_KEY}
+
+    def _raise_on_any_rank(self, problem: str | None) -> None:
+        """Raise `problem` (or the first other rank's) on every rank; a collective, so no rank is left waiting."""
+        problems: list[str | None] = [problem]
+        if dist.is_initialized():
+            problems = [None] * self.world_size
+            dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p is not None), None)
+        if first is not None:
+            raise CheckpointLoadError(first)
+
+    def _resume_record(self) -> dict[str, Any]:
+        """Our part of `meta.pt`: layout, per-rank RNG streams and the data position (see `checkpoint.resume`)."""
+        record: dict[str, Any] = {
+            "format_version": layout.FORMAT_VERSION,
+            "strategy": type(self).__name__,
+            "world_size": self.world_size,
+            "rng_states": resume.gather_rng_states(),
+        }
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is not None and self.dims is not None:
+            batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            record["epoch_batches"] = {
+                "epoch": trainer.current_epoch,
+                "batches": batches,
+                "data_parallel_size": self.dims.data_parallel,
+            }
+            if self._train_sampler is not None:
+                record["data_position"] = self._train_sampler.position(batches).as_dict()
+        return record
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make the training loader resumable mid-epoch and position it if a checkpoint was just loaded."""
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        self._train_sampler = resume.make_resumable(dataloader)
+        position = self._pending_resume.get("data_position")
+        seen = self._pending_resume.get("epoch_batches", {})
+        if self._train_sampler is not None and position is not None:
+            self._train_sampler.start_at(resume.DataPosition(**position))
+        elif seen.get("batches", 0) > 0 and seen.get("data_parallel_size") == (self.dims and self.dims.data_parallel):
+            self._batches_to_skip = seen["batches"]  # a custom sampler: replay and drop them in `on_train_start`
+        elif seen.get("batches", 0) > 0:
+            rank_zero_warn(
+                "The checkpoint was saved mid-epoch with another data-parallel size, and the training loader has a"
+                " custom sampler or batch sampler, whose position cannot be mapped: this epoch restarts from its first"
+                " batch. Use a plain `DataLoader(dataset, batch_size=...)` (Lightning adds the distributed sampler)."
+            )
+        return dataloader
+
+    def on_train_start(self) -> None:
+        """Restore this rank's RNG streams right before training continues (after loaders and sanity checks)."""
+        self._skip_seen_batches()
+        states = self._pending_resume.get("rng_states")
+        if states is not None and len(states) == self.world_size:
+            resume.restore_rng_state(states[self.global_rank])
+        elif states is not None:
+            rank_zero_info(
+                f"The checkpoint was saved by {len(states)} ranks and is resumed on {self.world_size}; the per-rank RNG"
+                " streams cannot be mapped, so the freshly seeded ones are used."
+            )
+        self._pending_resume = {}
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an `async_save` checkpoint still being written is complete under its final name.
+
+        The next save, a load, `ModelCheckpoint`'s removal of it and the end of `fit` already wait; call this after
+        your own `trainer.save_checkpoint(...)` if you read or copy the checkpoint before any of those happens.
+        """
+        self._checkpoint_writer.wait()
+        self.barrier()
+
+    def _skip_seen_batches(self) -> None:
+        """Custom samplers cannot start mid-epoch: draw and drop the batches this epoch already trained on."""
+        skip, self._batches_to_skip = self._batches_to_skip, 0
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if not skip or trainer is None:
+            return
+        restored = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if restored != skip or skip >= trainer.num_training_batches:
+            return  # not resuming inside the epoch the checkpoint was taken in (e.g. saved at its end)
+        iterator = unfetched_training_iterator(trainer)
+        if iterator is None:
+            rank_zero_warn(f"Could not skip the {skip} batches already seen this epoch; the epoch restarts.")
+            return
+        rank_zero_info(f"Skipping the {skip} batches of this epoch seen before the checkpoint (custom sampler).")
+        for _ in range(skip):
+            next(iterator, None)
+
+    def on_train_end(self) -> None:
+        """The end of `fit` waits for the last background save, so its checkpoint is complete on return."""
+        self.wait_for_checkpoint()
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
+        self._checkpoint_writer.close()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

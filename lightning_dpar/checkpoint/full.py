@@ -1,0 +1,103 @@
+"""`checkpoint_format="full"`: one file that plain `torch.load` and `LightningModule.load_from_checkpoint` read.
+
+Gathering a full state onto rank 0 is what this format is; it is opt-in (the sharded default never does). Optimizer
+state is stored the way a plain `torch.optim` optimizer stores it: keyed by parameter position, not by name, so
+`Trainer(strategy="auto").fit(ckpt_path=...)` on one device resumes from it.
+"""
+
+from __future__ import annotations
+
+import io
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from lightning_dpar.checkpoint.layout import PARTIAL_PREFIX
+from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, safe_torch_load
+from lightning_dpar.checkpoint.storage import Location
+
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(model: nn.Module) -> dict[str, Any]:
+    """The whole model on rank 0 (CPU); a collective, every rank must call it."""
+    return get_model_state_dict(model, options=_GATHER)
+
+
+def full_optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """The whole optimizer state on rank 0, keyed by parameter position like a plain optimizer's."""
+    return names_to_positions(get_optimizer_state_dict(model, optimizer, options=_GATHER))
+
+
+def names_to_positions(state: dict[str, Any]) -> dict[str, Any]:
+    """FQN-keyed optimizer state (DCP's form) -> position-keyed (`torch.optim.Optimizer.state_dict()`'s form)."""
+    if not state:  # ranks other than 0 receive nothing from a full gather
+        return state
+    position: dict[str, int] = {}
+    groups = []
+    for group in state["param_groups"]:
+        ids = []
+        for name in group["params"]:
+            position.setdefault(name, len(position))
+            ids.append(position[name])
+        groups.append({**group, "params": ids})
+    return {"state": {position[name]: value for name, value in state.get("state", {}).items()}, "param_groups": groups}
+
+
+def positions_to_names(state: dict[str, Any], model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """Inverse of `names_to_positions` for this optimizer: position `i` is the `i`-th parameter of its groups."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    if not state.get("state") or isinstance(next(iter(state["state"])), str):
+        return state
+    groups, offset = [], 0
+    for group in state["param_groups"]:
+        groups.append({**group, "params": names[offset : offset + len(group["params"])]})
+        offset += len(group["params"])
+    return {"state": {names[i]: value for i, value in state["state"].items()}, "param_groups": groups}
+
+
+def save_full(checkpoint: dict[str, Any], location: Location, is_global_zero: bool) -> None:
+    """Rank 0 writes the file under a temporary name and renames it: readers never see half a file."""
+    if not is_global_zero:
+        return
+    partial = location.sibling(f"{PARTIAL_PREFIX}{uuid.uuid4().hex[:8]}")
+    location.parent.makedirs()
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    with partial.open("wb") as f:
+        f.write(buffer.getvalue())
+    if location.exists():
+        location.remove()
+    partial.rename_to(location)
+
+
+def read_full(location: Location) -> dict[str, Any]:
+    """The whole checkpoint file, read with `weights_only=True` (raises `CheckpointLoadError` if unusable)."""
+    checkpoint = safe_torch_load(location)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise CheckpointLoadError(f"{location.url!r} is not a Lightning checkpoint: it holds no 'state_dict'.")
+    return checkpoint
+
+
+def load_full(
+    checkpoint: dict[str, Any], model: nn.Module, optimizers: Sequence[Optimizer], strict: bool
+) -> dict[str, Any]:
+    """Every rank holds the file's content (`read_full`) and keeps its own shards of model and optimizer state."""
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(model, checkpoint.pop("state_dict"), options=options)
+    optimizer_states = checkpoint.pop("optimizer_states", [])
+    for optimizer, state in zip(optimizers, optimizer_states):
+        set_optimizer_state_dict(model, optimizer, positions_to_names(state, model, optimizer), options=options)
+    return checkpoint

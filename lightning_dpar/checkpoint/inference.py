@@ -1,0 +1,40 @@
+"""`lightning_dpar.load_from_checkpoint(cls, path)`: a LightningModule from a sharded checkpoint, in one process.
+
+Lightning's `LightningModule.load_from_checkpoint` reads one file; on a sharded directory it raises
+`IsADirectoryError`. This helper assembles the weights (and hyperparameters) from the shards, then hands them to
+Lightning's own `load_from_checkpoint`, so hyperparameter restoration, `on_load_checkpoint` and `strict` behave
+exactly as for a single-file checkpoint. A full-format file is passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, TypeVar
+
+import lightning as L
+import torch
+
+from lightning_dpar.checkpoint.export import OfflineCheckpoint
+from lightning_dpar.checkpoint.storage import Location
+
+ModuleT = TypeVar("ModuleT", bound=L.LightningModule)
+
+
+def load_from_checkpoint(
+    cls: type[ModuleT], path: str | os.PathLike[str], strict: bool | None = None, **kwargs: Any
+) -> ModuleT:
+    """Build `cls` from the checkpoint at `path` (sharded directory or full file) for inference on one process.
+
+    `strict` and `**kwargs` (hyperparameter overrides, `map_location`) are passed to
+    `LightningModule.load_from_checkpoint`. Optimizer state is not read.
+    """
+    location = Location.parse(path)
+    if not location.is_dir():
+        return cls.load_from_checkpoint(str(path), strict=strict, weights_only=True, **kwargs)
+    checkpoint = OfflineCheckpoint(str(path)).lightning_checkpoint(with_optimizers=False)
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    del checkpoint
+    buffer.seek(0)
+    return cls.load_from_checkpoint(buffer, strict=strict, weights_only=True, **kwargs)

@@ -1,0 +1,124 @@
+"""Model and optimizer state as shards: what each rank hands to DCP on save, and loading shards back into a model
+parallelised in any layout (DCP reshards: a checkpoint from `dpar_2d` on 4 ranks loads into `dpar_fsdp` on 1).
+
+No rank ever gathers the full model or optimizer: the state dicts below hold DTensors / local tensors only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from lightning_dpar.checkpoint.layout import MODEL_KEY, CheckpointInfo, optimizer_key
+from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, SafeLoadPlanner, safe_storage_reader
+
+
+def sharded_model_state(model: nn.Module) -> dict[str, Any]:
+    """The model's state as DTensor shards / local tensors, keyed by FQN relative to the LightningModule."""
+    return get_model_state_dict(model)
+
+
+def sharded_optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """Optimizer state keyed by parameter FQN (not by position), so it survives a change of wrapper or mesh."""
+    return get_optimizer_state_dict(model, optimizer)
+
+
+def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Lightning's checkpoint dict -> (tensor state for DCP, everything else for `meta.pt`)."""
+    metadata = dict(checkpoint)
+    tensor_state = {MODEL_KEY: metadata.pop("state_dict")}
+    for index, optimizer_state in enumerate(metadata.pop("optimizer_states", [])):
+        tensor_state[optimizer_key(index)] = optimizer_state
+    return tensor_state, metadata
+
+
+@dataclass
+class LoadReport:
+    """What a non-strict load left out: model keys the checkpoint lacks, and checkpoint keys the model lacks."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def _shape_mismatches(info: CheckpointInfo, model_state: dict[str, Any]) -> list[str]:
+    mismatches = []
+    for key, value in model_state.items():
+        stored = info.index.state_dict_metadata.get(f"{info.model_key}.{key}")
+        if isinstance(stored, TensorStorageMetadata) and hasattr(value, "shape") and stored.size != value.shape:
+            mismatches.append(f"{key}: checkpoint {tuple(stored.size)}, model {tuple(value.shape)}")
+    return mismatches
+
+
+def _format_keys(keys: Sequence[str], limit: int = 20) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def load_sharded(info: CheckpointInfo, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> LoadReport:
+    """Load model (and, if given, optimizer) shards from `info` into `model`/`optimizers` in place.
+
+    Every check happens before the collective `dcp.load` and from the same index on every rank, so a bad
+    checkpoint fails identically everywhere and never hangs.
+    """
+    url = info.location.url
+    model_state = sharded_model_state(model)
+    stored = info.keys_under(info.model_key)
+    report = LoadReport(missing=sorted(set(model_state) - stored), unexpected=sorted(stored - set(model_state)))
+    if not (set(model_state) & stored):
+        raise CheckpointLoadError(
+            f"{url!r} holds no parameter of this model: it has {_format_keys(sorted(stored))}, the model has"
+            f" {_format_keys(sorted(model_state))}. It is a checkpoint of a different model."
+        )
+    if strict and (report.missing or report.unexpected):
+        raise CheckpointLoadError(
+            f"{url!r} does not match the model (strict loading). Missing in the checkpoint:"
+            f" [{_format_keys(report.missing)}]; unexpected in the checkpoint: [{_format_keys(report.unexpected)}]."
+            " Set `strict_loading = False` on the LightningModule to load the matching keys only."
+        )
+    mismatches = _shape_mismatches(info, model_state)
+    if mismatches:
+        raise CheckpointLoadError(
+            f"{url!r} has parameters of other shapes than the model: {_format_keys(mismatches)}. It is a checkpoint"
+            " of a differently configured model."
+        )
+    model_state = {k: v for k, v in model_state.items() if k in stored}
+    state: dict[str, Any] = {info.model_key: model_state}
+    for index, optimizer in enumerate(optimizers):
+        key = optimizer_key(index)
+        if not info.has_key(key):
+            raise CheckpointLoadError(
+                f"{url!r} holds no state for optimizer {index} ({type(optimizer).__name__}): it has the optimizers"
+                f" {sorted(k for k in _top_keys(info) if k.startswith('optimizer_'))}. Was it saved with"
+                " `save_weights_only=True`, or with other `configure_optimizers`? Load it with"
+                " `validate`/`test`/`predict` or `lightning_dpar.load_from_checkpoint` instead of resuming `fit`."
+            )
+        optimizer_state = sharded_optimizer_state(model, optimizer)
+        optimizer_state["state"] = {k: v for k, v in optimizer_state["state"].items() if k in stored}
+        state[key] = optimizer_state
+    dcp.load(
+        state,
+        storage_reader=safe_storage_reader(info.location),
+        planner=SafeLoadPlanner(allow_partial_load=not strict),
+    )
+    options = StateDictOptions(strict=strict)
+    set_model_state_dict(model, state[info.model_key], options=options)
+    for index, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(model, optimizer, state[optimizer_key(index)], options=options)
+    return report
+
+
+def _top_keys(info: CheckpointInfo) -> set[str]:
+    return {k.split(".", 1)[0] for k in info.index.state_dict_metadata}

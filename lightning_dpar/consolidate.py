@@ -1,0 +1,147 @@
+"""`consolidate CKPT_DIR OUT [--format lightning|safetensors] [--max-shard-size 5GB]`
+
+Turns a sharded checkpoint (lightning_dpar, Lightning's `ModelParallelStrategy` or
+`FSDPStrategy(state_dict_type="sharded")`) into:
+
+- `--format lightning` (default): one Lightning `.ckpt` file, optimizer state included and keyed by parameter
+  position like a plain optimizer's, which `LightningModule.load_from_checkpoint` and
+  `Trainer(strategy="auto").fit(ckpt_path=OUT)` on one device accept. It holds the whole model, so building it
+  needs the model's size in memory.
+- `--format safetensors`: the model weights as safetensors files of at most `--max-shard-size` each in the directory
+  OUT (`model.safetensors`, or `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`). Tensors are
+  read and written one at a time: peak memory is about the largest tensor, not the model.
+
+Runs in one process, no GPU or process group needed: `python -m lightning_dpar consolidate ...` or
+`python -m lightning_dpar.consolidate ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import struct
+import sys
+from pathlib import Path
+
+import torch
+
+from lightning_dpar.checkpoint.export import OfflineCheckpoint
+from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """`"5GB"` -> 5e9 bytes; decimal (KB, MB, GB) and binary (KiB, MiB, GiB) units."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use a number with a unit, e.g. 5GB, 500MB, 2GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def write_lightning(checkpoint: OfflineCheckpoint, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint.lightning_checkpoint(), out)
+
+
+def write_safetensors(checkpoint: OfflineCheckpoint, out: Path, max_shard_size: int) -> list[Path]:
+    """Stream the model's tensors into safetensors files; headers are computed from the index up front."""
+    tensors = checkpoint.model_tensors()
+    for name, meta in tensors.items():
+        if meta.properties.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name!r} has dtype {meta.properties.dtype}, which safetensors cannot store.")
+    shards: list[list[str]] = [[]]
+    shard_bytes = 0
+    for name, meta in tensors.items():
+        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
+        if shards[-1] and shard_bytes + nbytes > max_shard_size:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(name)
+        shard_bytes += nbytes
+    out.mkdir(parents=True, exist_ok=True)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    written = []
+    for file_name, shard in zip(names, shards):
+        header: dict[str, dict] = {"__metadata__": {"format": "pt"}}  # type: ignore[dict-item]
+        offset = 0
+        for name in shard:
+            meta = tensors[name]
+            end = offset + meta.size.numel() * meta.properties.dtype.itemsize
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPES[meta.properties.dtype],
+                "shape": list(meta.size),
+                "data_offsets": [offset, end],
+            }
+            offset = end
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
+        with open(out / file_name, "wb") as f:
+            f.write(struct.pack("<Q", len(encoded)))
+            f.write(encoded)
+            for name in shard:
+                tensor = checkpoint.read_tensor(name).contiguous()
+                if tensor.numel():
+                    f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # no extra copy
+                del tensor
+        written.append(out / file_name)
+    if len(shards) > 1:
+        total = sum(m.size.numel() * m.properties.dtype.itemsize for m in tensors.values())
+        weight_map = {name: file_name for file_name, shard in zip(names, shards) for name in shard}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return written
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="consolidate",
+        description="Convert a sharded checkpoint directory into one Lightning .ckpt or safetensors files.",
+    )
+    parser.add_argument("ckpt_dir", help="sharded checkpoint directory (local path or fsspec URL)")
+    parser.add_argument("out", help="output .ckpt file (lightning) or output directory (safetensors)")
+    parser.add_argument("--format", choices=["lightning", "safetensors"], default="lightning")
+    parser.add_argument(
+        "--max-shard-size", type=parse_size, default=parse_size("5GB"), help="safetensors file size limit (5GB)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `consolidate`; returns the process exit code (0 success, 1 unusable checkpoint)."""
+    args = build_parser().parse_args(argv)
+    try:
+        checkpoint = OfflineCheckpoint(args.ckpt_dir)
+    except CheckpointLoadError as error:
+        print(f"consolidate: {error}", file=sys.stderr)
+        return 1
+    if args.format == "lightning":
+        write_lightning(checkpoint, Path(args.out))
+        print(f"wrote {args.out}")
+    else:
+        for path in write_safetensors(checkpoint, Path(args.out), args.max_shard_size):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
