@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, WORKERS, _env, run_workers
+from tests.conftest import ROOT, WORKERS, run_workers, subprocess_env
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def after_kill(tmp_path_factory):
     shared = tmp_path_factory.mktemp("kill")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += [str(WORKERS / "run.py"), "ckpt_kill", str(shared / "killed.json")]
-    killed = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    killed = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=ROOT)
     assert killed.returncode != 0 and "SIGKILL" in killed.stdout + killed.stderr
     return run_workers(2, "ckpt_after_kill", shared)["after_kill"]
 
