@@ -6,6 +6,7 @@ Importing the package registers the strategy names (`"dpar_replicate"`, `"dpar_f
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dpar.callbacks import PerformanceMonitor
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.precision import DparPrecision
 from lightning_dpar.strategies import (
@@ -26,6 +27,7 @@ __all__ = [
     "FSDPTensorParallelStrategy",
     "FullyShardStrategy",
     "ParallelDims",
+    "PerformanceMonitor",
     "ReplicateStrategy",
     "__version__",
 ]

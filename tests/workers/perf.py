@@ -311,3 +311,31 @@ def _fsdp_params(module):
 
 
 GROUPS["memory"] = group_memory
+
+
+# ---------------------------------------------------------------------------------------------------- monitor
+
+
+def group_monitor(results):
+    """PerformanceMonitor under data parallelism (global samples = batch x dp) and TP (a TP group counts once)."""
+    from lightning_dpar import PerformanceMonitor
+
+    world = world_size()
+    for name, strategy, dp in (
+        ("fsdp", FullyShardStrategy(), world),
+        ("2d", FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN), world // 2),
+    ):
+        monitor = PerformanceMonitor(warmup_steps=1)
+        trainer = trainer_for(strategy, max_steps=4, callbacks=[monitor])
+        trainer.fit(ParityModule(), loader(RegressionData(), BATCH))
+        if trainer.global_rank == 0:
+            results[f"monitor_{name}"] = {
+                "dp": dp,
+                "samples_per_record": [r["samples"] for r in monitor.records],
+                "peak_memory_per_rank": monitor.peak_memory_per_rank,
+                "summary": monitor.format_summary(trainer),
+                "metrics": monitor.summary_metrics(trainer),
+            }
+
+
+GROUPS["monitor"] = group_monitor
