@@ -89,8 +89,8 @@ def markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         f" Medians of {raw['steps']} steps after {raw['warmup']} warm-up steps, {raw['repeats']} interleaved"
         f" repetitions (range: the repetitions' medians). torch {raw['torch']}, lightning {raw['lightning']}.",
         "",
-        "| variant | step (ms) | range (ms) | samples/s | vs plain loop | vs Lightning peer | peak mem/rank (MiB)"
-        " | params+optim/rank (MiB) |",
+        "| variant | step (ms) | range (ms) | samples/s | vs plain loop | vs Lightning peer"
+        f" | {'peak CUDA memory' if raw['device'] == 'cuda' else 'RSS growth'}/rank (MiB) | params+optim/rank (MiB) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in summary.items():
