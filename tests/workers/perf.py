@@ -8,6 +8,8 @@ FSDP2 / activation checkpointing actually did.
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 
 import lightning as L
 import torch
@@ -128,6 +130,9 @@ def group_compile_resume(results):
             "max_abs_diff": max((saved[k] - loaded[k]).abs().max().item() for k in saved),
             "same_keys": sorted(saved) == sorted(loaded),
         }
+    dist.barrier()
+    if resumed.global_rank == 0:
+        shutil.rmtree(os.path.dirname(path[0]), ignore_errors=True)
 
 
 GROUPS = {"compile": group_compile, "compile_resume": group_compile_resume}
