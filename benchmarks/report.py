@@ -23,6 +23,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         rank0_runs = [run[0] for run in variant["runs"]]
         measured = [t for run in rank0_runs for t in run["step_times"][warmup:]]
         rep_medians = [statistics.median(run["step_times"][warmup:]) for run in rank0_runs]
+        cpu_measured = [t for run in rank0_runs for t in run["cpu_times"][warmup:]]
         dp = world // 2 if variant["family"] == "2d" else world
         step = statistics.median(measured)
         checkpoint_keys = sorted({k for run in rank0_runs for k in run["checkpoint"]})
@@ -30,6 +31,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             **{k: variant[k] for k in ("family", "driver", "compiled")},
             "step_time_ms": step * 1e3,
             "rep_median_ms": [m * 1e3 for m in rep_medians],
+            "cpu_time_ms": statistics.median(cpu_measured) * 1e3,
             "samples_per_s": size["batch"] * dp / step,
             "tokens_per_s": size["batch"] * size["seq"] * dp / step,
             "peak_memory_mib_per_rank": [
@@ -48,10 +50,12 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             s["throughput_vs_plain"] = out[plain]["step_time_ms"] / s["step_time_ms"]
             s["overhead_vs_plain"] = s["step_time_ms"] / out[plain]["step_time_ms"] - 1
             s["meets_overhead_target"] = s["overhead_vs_plain"] <= OVERHEAD_TARGET
+            s["cpu_overhead_vs_plain"] = s["cpu_time_ms"] / out[plain]["cpu_time_ms"] - 1
         peer = _peer_name(s["family"])
         if s["driver"] == "dpar" and not s["compiled"] and peer in out:
             s["throughput_vs_lightning_peer"] = out[peer]["step_time_ms"] / s["step_time_ms"]
             s["meets_peer_parity"] = s["throughput_vs_lightning_peer"] >= 1 - OVERHEAD_TARGET
+            s["cpu_vs_lightning_peer"] = s["cpu_time_ms"] / out[peer]["cpu_time_ms"] - 1
         ckpt = s["checkpoint"]
         if "dcp_async_blocked_s" in ckpt:
             ckpt["async_blocked_over_sync"] = ckpt["dcp_async_blocked_s"] / ckpt["dcp_sync_s"]
@@ -89,11 +93,14 @@ def markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         f" Medians of {raw['steps']} steps after {raw['warmup']} warm-up steps, {raw['repeats']} interleaved"
         f" repetitions (range: the repetitions' medians). torch {raw['torch']}, lightning {raw['lightning']}.",
         "",
-        "| variant | step (ms) | range (ms) | samples/s | vs plain loop | vs Lightning peer"
+        "| variant | step (ms) | range (ms) | samples/s | vs plain loop | vs Lightning peer | CPU/step (ms)"
+        " | CPU vs plain | CPU vs peer"
         f" | {'peak CUDA memory' if raw['device'] == 'cuda' else 'RSS growth'}/rank (MiB) | params+optim/rank (MiB) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in summary.items():
+        cpu_plain = f"{s['cpu_overhead_vs_plain']:+.1%}" if "cpu_overhead_vs_plain" in s else ""
+        cpu_peer = f"{s['cpu_vs_lightning_peer']:+.1%}" if "cpu_vs_lightning_peer" in s else ""
         vs_plain = (
             f"{s['throughput_vs_plain']:.3f} ({s['overhead_vs_plain']:+.1%}){_mark(s['meets_overhead_target'])}"
             if "throughput_vs_plain" in s
@@ -112,13 +119,14 @@ def markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         lo, hi = min(s["rep_median_ms"]), max(s["rep_median_ms"])
         lines.append(
             f"| {name} | {s['step_time_ms']:.1f} | {lo:.1f}-{hi:.1f} | {s['samples_per_s']:.1f} | {vs_plain}"
-            f" | {vs_peer} | {max(s['peak_memory_mib_per_rank']):.0f} | {state} |"
+            f" | {vs_peer} | {s['cpu_time_ms']:.1f} | {cpu_plain} | {cpu_peer}"
+            f" | {max(s['peak_memory_mib_per_rank']):.0f} | {state} |"
         )
     lines += [
         "",
-        "| variant | save (s) | load (s) | DCP sync save (s) | DCP async: blocked (s) | async total (s)"
-        " | blocked / sync |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| variant | save (s) | load (s) | DCP sync save (s) | DCP async: blocked, first (s) | blocked, steady (s)"
+        " | async total (s) | steady blocked / sync |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in summary.items():
         c = s["checkpoint"]
@@ -128,11 +136,12 @@ def markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         if "dcp_sync_s" in c:
             cells += [
                 f"{c['dcp_sync_s']:.3f}",
+                f"{c['dcp_async_blocked_first_s']:.3f}",
                 f"{c['dcp_async_blocked_s']:.3f}",
                 f"{c['dcp_async_total_s']:.3f}",
                 f"{c['async_blocked_over_sync']:.2f}{_mark(s['meets_async_target'])}",
             ]
         else:
-            cells += ["", "", "", ""]
+            cells += ["", "", "", "", ""]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ from tests.conftest import ROOT, run_script
 def _rank(step_ms: float, state_mib: float, checkpoint: dict | None = None) -> dict:
     return {
         "step_times": [1.0] + [step_ms / 1e3] * 4,  # the first (warm-up) step is slow and must be ignored
+        "cpu_times": [1.0] + [step_ms / 2e3] * 4,
         "peak_memory_bytes": 100 * 1024**2,
         "state_bytes": {"params": int(state_mib * 1024**2 / 3), "optimizer": int(state_mib * 1024**2 * 2 / 3)},
         "checkpoint": checkpoint or {},
@@ -44,7 +45,14 @@ RAW = {
             False,
             102.0,
             24.0,
-            {"save_s": 1.0, "load_s": 1.0, "dcp_sync_s": 1.0, "dcp_async_blocked_s": 0.1, "dcp_async_total_s": 1.2},
+            {
+                "save_s": 1.0,
+                "load_s": 1.0,
+                "dcp_sync_s": 1.0,
+                "dcp_async_blocked_first_s": 0.3,
+                "dcp_async_blocked_s": 0.1,
+                "dcp_async_total_s": 1.2,
+            },
         ),
         "plain_fsdp": _variant("fsdp", "plain", False, 200.0, 12.0),
         "dpar_fsdp": _variant("fsdp", "dpar", False, 210.0, 12.5),
@@ -59,6 +67,7 @@ def test_summary_ratios_and_targets():
     assert replicate["samples_per_s"] == pytest.approx(8 * 2 / 0.102)
     assert replicate["overhead_vs_plain"] == pytest.approx(0.02) and replicate["meets_overhead_target"]
     assert replicate["throughput_vs_lightning_peer"] == pytest.approx(110 / 102) and replicate["meets_peer_parity"]
+    assert replicate["cpu_time_ms"] == pytest.approx(51.0) and replicate["cpu_overhead_vs_plain"] == pytest.approx(0.02)
     assert replicate["checkpoint"]["async_blocked_over_sync"] == pytest.approx(0.1) and replicate["meets_async_target"]
     fsdp = summary["dpar_fsdp"]
     assert fsdp["overhead_vs_plain"] == pytest.approx(0.05) and not fsdp["meets_overhead_target"]
