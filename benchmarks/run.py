@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from benchmarks.report import markdown, summarize
 
@@ -59,6 +60,17 @@ def run_world(args: argparse.Namespace, world: int) -> dict:
         return json.loads(raw_path.read_text())
 
 
+def _rounded(value: Any) -> Any:
+    """Floats to 4 significant digits (timings are noisier than that), so the raw results stay small."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -68,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         results.append({"raw": raw, "summary": summarize(raw)})
     command = "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv)
     (args.out / f"benchmark_{args.device}.json").write_text(
-        json.dumps({"command": command, "results": results}, indent=1)
+        json.dumps(_rounded({"command": command, "results": results}), separators=(",", ":"))
     )
     tables = "\n".join(markdown(r["raw"], r["summary"]) for r in results)
     (args.out / f"benchmark_{args.device}.md").write_text(f"Command: `{command}`\n\n{tables}")
