@@ -66,18 +66,20 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 
 
 class SyntheticTokens(Dataset):
-    """Fixed random `[seq, dim]` inputs and targets (embeddings already applied), `n` samples."""
+    """`n` samples of random `[seq, dim]` inputs and targets (embeddings already applied). Only `pool` distinct
+    samples are stored and repeated, so GPU-sized runs do not hold gigabytes of data in every process."""
 
-    def __init__(self, size: Size, n: int, seed: int = 1234) -> None:
+    def __init__(self, size: Size, n: int, pool: int = 32, seed: int = 1234) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, size.seq, size.dim, generator=g)
-        self.y = torch.randn(n, size.seq, size.dim, generator=g)
+        self.n = n
+        self.x = torch.randn(min(n, pool), size.seq, size.dim, generator=g)
+        self.y = torch.randn(min(n, pool), size.seq, size.dim, generator=g)
 
     def __len__(self) -> int:
-        return len(self.x)
+        return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
+        return self.x[i % len(self.x)], self.y[i % len(self.x)]
 
 
 def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
