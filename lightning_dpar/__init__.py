@@ -6,6 +6,7 @@ Importing the package registers the strategy names (`"dpar_replicate"`, `"dpar_f
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dpar.callbacks import PerformanceMonitor
 from lightning_dpar.checkpoint import CheckpointLoadError
 from lightning_dpar.checkpoint.inference import load_from_checkpoint
 from lightning_dpar.mesh import ParallelDims
@@ -29,6 +30,7 @@ __all__ = [
     "FSDPTensorParallelStrategy",
     "FullyShardStrategy",
     "ParallelDims",
+    "PerformanceMonitor",
     "ReplicateStrategy",
     "__version__",
     "load_from_checkpoint",

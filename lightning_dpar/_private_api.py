@@ -6,6 +6,8 @@ here means an upgrade that moves one of them breaks exactly one module, and a re
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch.nn as nn
@@ -33,6 +35,10 @@ from torch.distributed._composable.checkpoint_activation import checkpoint as ch
 # Composable DDP. The seeds' `replicate()` (bucket_cap_mb, gradient_as_bucket_view, comm hooks) only exists here;
 # the public `DistributedDataParallel` wrapper would change every FQN by inserting `module.`.
 from torch.distributed._composable.replicate import replicate as ddp_replicate  # noqa: F401
+
+# The traceable (functional) all-reduce: DDP's Python reducer runs comm hooks inside the compiled-autograd trace,
+# where only functional collectives can be captured; torch's own compress hooks use the same function.
+from torch.distributed._functional_collectives import all_reduce as functional_all_reduce  # noqa: F401
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -68,3 +74,27 @@ def unfetched_training_iterator(trainer: Any) -> Any | None:
     if fetcher is None or getattr(fetcher, "batches", None) or getattr(fetcher, "iterator", None) is None:
         return None
     return fetcher.iterator
+
+
+def compiled_autograd(compiler: Callable[[Any], Any]) -> AbstractContextManager[None]:
+    """Capture each backward pass into one graph compiled by `compiler` (compiled autograd).
+
+    Lightning calls `loss.backward()` outside any `torch.compile` region, so the public switch
+    (`torch._dynamo.config.compiled_autograd`, which only applies to backwards inside compiled code) cannot reach
+    it; this context manager is torch's own entry point for that case (`enable` before torch 2.9, `_enable` since).
+    """
+    from torch._dynamo import compiled_autograd as ca
+
+    enable = getattr(ca, "_enable", None) or ca.enable
+    return enable(compiler)
+
+
+def swap_ddp_optimize_mode(mode: Any) -> Any:
+    """Set dynamo's `optimize_ddp` mode and return the previous one. `"python_reducer"` makes DDP all-reduce
+    gradients from Python hooks that compiled autograd traces and Inductor buckets; DDP reads the mode when it is
+    built (on the first forward), dynamo whenever it compiles. Only a config attribute exists for it."""
+    import torch._dynamo
+
+    previous = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = mode
+    return previous

@@ -21,7 +21,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, is_composable_replicated
+from lightning_dpar._private_api import (
+    checkpoint_activations,
+    ddp_replicate,
+    functional_all_reduce,
+    is_composable_replicated,
+)
 
 CommHook = Union[str, Callable[..., Any]]
 
@@ -107,14 +112,18 @@ def compressed_allreduce_hook(dtype: torch.dtype) -> Callable[..., Any]:
     """A DDP comm hook that all-reduces each gradient bucket in `dtype` (halving the bytes on the wire).
 
     Same arithmetic as torch's `bf16_compress_hook` / `fp16_compress_hook`, but backend-agnostic: torch's bf16 hook
-    refuses anything but NCCL, which would make the option untestable on CPU (gloo reduces bf16 fine).
+    refuses anything but NCCL, which would make the option untestable on CPU (gloo reduces bf16 fine). Like torch's,
+    it also serves DDP's Python reducer under compiled autograd, which passes `(grad, param)` instead of a bucket
+    and traces the hook, so it must use a traceable (functional) all-reduce.
     """
 
     # No annotations: DDP checks them with `inspect` and this module's postponed (string) annotations fail that check.
     def hook(process_group, bucket):  # type: ignore[no-untyped-def]
         group = process_group if process_group is not None else dist.group.WORLD
-        buffer = bucket.buffer()
+        buffer = bucket[0] if isinstance(bucket, tuple) else bucket.buffer()
         compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+        if torch.compiler.is_compiling():
+            return buffer.copy_(functional_all_reduce(compressed, "sum", group))
         future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
         def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:

@@ -41,6 +41,7 @@ from lightning_dpar.checkpoint import full, layout, resume, sharded
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import CheckpointWriter
+from lightning_dpar.compilation import CompileSpec, compile_options, compile_units
 from lightning_dpar.launchers import InteractiveLauncher
 from lightning_dpar.mesh import DATA_PARALLEL, TENSOR_PARALLEL, ParallelDims, SizeArg, build_device_mesh
 from lightning_dpar.plan import (
@@ -71,6 +72,9 @@ class DparStrategy(ParallelStrategy):
         replicate_size: HSDP replica groups (1: plain FSDP).
         tp_plan: `{module-name pattern: style}`; see `lightning_dpar.plan`.
         activation_checkpointing: `True` (each sharded block) or a list of class names / module-name globs.
+        compile: `True`, or a dict of `torch.compile` options (`{"mode": "max-autotune"}`), compiles each block in
+            place after tensor parallelism and activation checkpointing, before the data-parallel wrapper; names
+            and checkpoint keys stay those of the eager model. See `lightning_dpar.compilation`.
         process_group_backend: `"nccl"`, `"gloo"`, ...; default: the device's usual backend.
         timeout: collective timeout.
         start_method: `"popen"` re-runs the script per rank (default); `"fork"`/`"spawn"` launch from the current
@@ -90,6 +94,7 @@ class DparStrategy(ParallelStrategy):
         replicate_size: SizeArg = 1,
         tp_plan: TPPlanSpec | None = None,
         activation_checkpointing: bool | Sequence[ModuleSelector] = False,
+        compile: CompileSpec = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
@@ -115,6 +120,7 @@ class DparStrategy(ParallelStrategy):
         self._replicate_size = replicate_size
         self._tp_plan = parse_tp_plan(tp_plan)
         self._activation_checkpointing = activation_checkpointing
+        self._compile_options = compile_options(compile)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method: StartMethod = start_method
@@ -272,18 +278,26 @@ class DparStrategy(ParallelStrategy):
             )
 
     def _apply_parallelism(self, module: nn.Module) -> None:
-        """TP -> activation checkpointing -> data-parallel wrapper -> materialise meta tensors, each exactly once."""
+        """TP -> activation checkpointing -> compile -> data-parallel wrapper -> materialise meta tensors, each
+        exactly once. A model the user parallelised in `configure_model` is compiled after adoption: in-place
+        `nn.Module.compile` looks the wrapper's hooks up at call time, so it compiles the same blocks either way."""
         parallelize.check_not_wrapped_by_other_parallelism(module, type(self).__name__)
         if parallelize.is_parallelized(module):
             self._adopt_user_parallelism(module)
+            self._compile_blocks(module, self._shard_units(module))
         else:
             self._check_tensor_parallel_config(module)
             plan = self.module_plan(module)
             if plan.tensor_parallel:
                 parallelize.apply_tensor_parallel(module, self.device_mesh[TENSOR_PARALLEL], plan.tensor_parallel)
             parallelize.apply_activation_checkpointing(module, plan.activation_checkpointing)
+            self._compile_blocks(module, plan.shard_units)
             self._grad_sync_modules = self._wrap_data_parallel(module, plan)
         parallelize.materialize_meta_tensors(module, self.root_device)
+
+    def _compile_blocks(self, module: nn.Module, shard_units: Sequence[str]) -> None:
+        if self._compile_options is not None:
+            parallelize.apply_compile(module, compile_units(module, shard_units), self._compile_options)
 
     def _adopt_user_parallelism(self, module: nn.Module) -> None:
         """A model the user parallelised in `configure_model` is only accepted by strategies that allow it."""

@@ -6,9 +6,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from torch import nn
+from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from lightning_dpar import parallelize
+from lightning_dpar._private_api import compiled_autograd, swap_ddp_optimize_mode
+from lightning_dpar.compilation import compiled_autograd_compiler
 from lightning_dpar.mesh import REPLICATE, SHARD, ParallelDims, SizeArg
 from lightning_dpar.parallelize import CommHook
 from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, select_modules
@@ -32,6 +35,10 @@ class ReplicateStrategy(DparStrategy):
         tensor_parallel_size: ranks per tensor-parallel group (1: pure data parallel).
         tp_plan: see `FSDPTensorParallelStrategy`.
         activation_checkpointing: `True` (each repeated block) or a list of class names / module-name globs.
+        compiled_autograd: with `compile`, also capture each backward pass in one compiled graph. DDP then
+            all-reduces from traced per-parameter hooks (its "python reducer") and Inductor fuses them into buckets
+            of `bucket_cap_mb`; without it, compiled blocks run under DDP's usual C++ reducer and dynamo's DDP
+            optimizer splits their graphs at bucket boundaries. DDP mode only (no `tensor_parallel_size > 1`).
         **kwargs: see `DparStrategy`.
     """
 
@@ -48,6 +55,7 @@ class ReplicateStrategy(DparStrategy):
         tensor_parallel_size: SizeArg = 1,
         tp_plan: TPPlanSpec | None = None,
         activation_checkpointing: bool | Sequence[ModuleSelector] = False,
+        compiled_autograd: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -66,6 +74,13 @@ class ReplicateStrategy(DparStrategy):
         self._comm_hook_spec = comm_hook
         self._comm_hook = parallelize.resolve_comm_hook(comm_hook)  # validates the name early
         self._ignored_modules = list(ignored_modules)
+        if compiled_autograd and self._compile_options is None:
+            raise ValueError(
+                "`compiled_autograd=True` compiles the backward of a compiled model; it needs `compile=True` (or a"
+                " dict of torch.compile options) as well."
+            )
+        self._compiled_autograd = compiled_autograd
+        self._previous_ddp_optimize_mode: Any = None
 
     def resolve_dims(self, world_size: int, devices_per_node: int, num_nodes: int) -> ParallelDims:
         # Every data-parallel rank is a replica: the shard dim has size 1.
@@ -77,6 +92,9 @@ class ReplicateStrategy(DparStrategy):
         ignored = select_modules(module, self._ignored_modules, "ignored_modules") if self._ignored_modules else []
         if self.dims.tensor_parallel == 1:
             self.precision_plugin.autocast_device_type = self.root_device.type
+            if self._compiled_autograd:
+                # Before the first forward, when composable `replicate` builds its DDP reducer.
+                self._previous_ddp_optimize_mode = swap_ddp_optimize_mode("python_reducer")
             group = self.data_parallel_group
             assert group is not None
             return parallelize.apply_ddp_replicate(
@@ -104,8 +122,23 @@ class ReplicateStrategy(DparStrategy):
             ignored_params=parallelize.ignored_parameters(module, ignored),
         )
 
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if not self._compiled_autograd:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        assert self._compile_options is not None
+        with compiled_autograd(compiled_autograd_compiler(self._compile_options)):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def teardown(self) -> None:
+        if self._previous_ddp_optimize_mode is not None:
+            swap_ddp_optimize_mode(self._previous_ddp_optimize_mode)
+            self._previous_ddp_optimize_mode = None
+        super().teardown()
+
     def _check_tp_compatible_options(self) -> None:
         ddp_only = {k: v for k, v in self._ddp_kwargs.items() if v}
+        if self._compiled_autograd:
+            ddp_only["compiled_autograd"] = True
         if callable(self._comm_hook_spec):
             ddp_only["comm_hook"] = self._comm_hook_spec
         if ddp_only:

@@ -17,9 +17,16 @@ warnings.filterwarnings("ignore")
 import torch.distributed as dist  # noqa: E402
 
 import lightning_dpar  # noqa: E402,F401
-from tests.workers import checkpoint, errors, features, parity, precision  # noqa: E402
+from tests.workers import checkpoint, errors, features, parity, perf, precision  # noqa: E402
 
-GROUPS = {**parity.GROUPS, **features.GROUPS, **errors.GROUPS, **precision.GROUPS, **checkpoint.GROUPS}
+GROUPS = {
+    **parity.GROUPS,
+    **features.GROUPS,
+    **errors.GROUPS,
+    **precision.GROUPS,
+    **checkpoint.GROUPS,
+    **perf.GROUPS,
+}
 
 if __name__ == "__main__":
     groups, out = sys.argv[1], sys.argv[2]

@@ -1,0 +1,147 @@
+"""Turn the workers' raw measurements into summary numbers (JSON) and markdown tables, with the targets checked:
+step-time overhead over the plain loop <= 3%, at least parity with each Lightning peer, async save blocking <= 1/5
+of the sync save, and FSDP per-rank parameter+optimizer memory ~1/N of replicate's."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+OVERHEAD_TARGET = 0.03
+ASYNC_BLOCK_TARGET = 0.2
+#: Per-rank FSDP state within this factor of the ideal 1/N (padding of uneven shards, replicated biases under TP).
+SHARDING_SLACK = 1.10
+MIB = 1024**2
+
+
+def summarize(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per-variant medians and ratios for one world size."""
+    world, warmup = raw["world_size"], raw["warmup"]
+    size = raw["size"]
+    out: dict[str, Any] = {}
+    for name, variant in raw["variants"].items():
+        rank0_runs = [run[0] for run in variant["runs"]]
+        measured = [t for run in rank0_runs for t in run["step_times"][warmup:]]
+        rep_medians = [statistics.median(run["step_times"][warmup:]) for run in rank0_runs]
+        cpu_measured = [t for run in rank0_runs for t in run["cpu_times"][warmup:]]
+        dp = world // 2 if variant["family"] == "2d" else world
+        step = statistics.median(measured)
+        checkpoint_keys = sorted({k for run in rank0_runs for k in run["checkpoint"]})
+        out[name] = {
+            **{k: variant[k] for k in ("family", "driver", "compiled")},
+            "step_time_ms": step * 1e3,
+            "rep_median_ms": [m * 1e3 for m in rep_medians],
+            "cpu_time_ms": statistics.median(cpu_measured) * 1e3,
+            "samples_per_s": size["batch"] * dp / step,
+            "tokens_per_s": size["batch"] * size["seq"] * dp / step,
+            "peak_memory_mib_per_rank": [
+                max(run[r]["peak_memory_bytes"] for run in variant["runs"]) / MIB for r in range(world)
+            ],
+            "state_mib_per_rank": [
+                (variant["runs"][0][r]["state_bytes"]["params"] + variant["runs"][0][r]["state_bytes"]["optimizer"])
+                / MIB
+                for r in range(world)
+            ],
+            "checkpoint": {k: statistics.median(run["checkpoint"][k] for run in rank0_runs) for k in checkpoint_keys},
+        }
+    for s in out.values():
+        plain = _plain_name(s["family"], s["compiled"])
+        if plain in out and s["driver"] != "plain":
+            s["throughput_vs_plain"] = out[plain]["step_time_ms"] / s["step_time_ms"]
+            s["overhead_vs_plain"] = s["step_time_ms"] / out[plain]["step_time_ms"] - 1
+            s["meets_overhead_target"] = s["overhead_vs_plain"] <= OVERHEAD_TARGET
+            s["cpu_overhead_vs_plain"] = s["cpu_time_ms"] / out[plain]["cpu_time_ms"] - 1
+        peer = _peer_name(s["family"])
+        if s["driver"] == "dpar" and not s["compiled"] and peer in out:
+            s["throughput_vs_lightning_peer"] = out[peer]["step_time_ms"] / s["step_time_ms"]
+            s["meets_peer_parity"] = s["throughput_vs_lightning_peer"] >= 1 - OVERHEAD_TARGET
+            s["cpu_vs_lightning_peer"] = s["cpu_time_ms"] / out[peer]["cpu_time_ms"] - 1
+        ckpt = s["checkpoint"]
+        if "dcp_async_blocked_s" in ckpt:
+            ckpt["async_blocked_over_sync"] = ckpt["dcp_async_blocked_s"] / ckpt["dcp_sync_s"]
+            s["meets_async_target"] = ckpt["async_blocked_over_sync"] <= ASYNC_BLOCK_TARGET
+    replicate = out.get("dpar_replicate")
+    for s in out.values():
+        if replicate and s["family"] in ("fsdp", "2d"):
+            ratio = max(s["state_mib_per_rank"]) / max(replicate["state_mib_per_rank"])
+            s["state_vs_replicate"] = ratio
+            s["meets_sharding_target"] = ratio <= SHARDING_SLACK / world
+    return out
+
+
+def _plain_name(family: str, compiled: bool) -> str:
+    base = {"replicate": "plain_ddp", "fsdp": "plain_fsdp", "2d": "plain_2d"}[family]
+    return base + ("_compiled" if compiled else "")
+
+
+def _peer_name(family: str) -> str:
+    return {"replicate": "lightning_ddp", "fsdp": "lightning_fsdp", "2d": "lightning_model_parallel"}[family]
+
+
+def _mark(ok: bool | None) -> str:
+    return "" if ok is None else (" ✅" if ok else " ❌")
+
+
+def markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
+    world = raw["world_size"]
+    size = raw["size"]
+    lines = [
+        f"### {world} ranks ({raw['device']}, {raw['device_name'] or 'unknown CPU'}, {raw['cpu_count']} cores)",
+        "",
+        f"Model: {size['depth']} residual MLP blocks, dim {size['dim']}, hidden {size['hidden']}; batch"
+        f" {size['batch']} x {size['seq']} tokens per data-parallel rank; AdamW. 2D runs: tensor-parallel size 2."
+        f" Medians of {raw['steps']} steps after {raw['warmup']} warm-up steps, {raw['repeats']} interleaved"
+        f" repetitions (range: the repetitions' medians). torch {raw['torch']}, lightning {raw['lightning']}.",
+        "",
+        "| variant | step (ms) | range (ms) | samples/s | vs plain loop | vs Lightning peer | CPU/step (ms)"
+        " | CPU vs plain | CPU vs peer"
+        f" | {'peak CUDA memory' if raw['device'] == 'cuda' else 'RSS growth'}/rank (MiB) | params+optim/rank (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in summary.items():
+        cpu_plain = f"{s['cpu_overhead_vs_plain']:+.1%}" if "cpu_overhead_vs_plain" in s else ""
+        cpu_peer = f"{s['cpu_vs_lightning_peer']:+.1%}" if "cpu_vs_lightning_peer" in s else ""
+        vs_plain = (
+            f"{s['throughput_vs_plain']:.3f} ({s['overhead_vs_plain']:+.1%}){_mark(s['meets_overhead_target'])}"
+            if "throughput_vs_plain" in s
+            else "baseline"
+            if s["driver"] == "plain"
+            else ""
+        )
+        vs_peer = (
+            f"{s['throughput_vs_lightning_peer']:.3f}{_mark(s['meets_peer_parity'])}"
+            if "throughput_vs_lightning_peer" in s
+            else ""
+        )
+        state = f"{max(s['state_mib_per_rank']):.1f}"
+        if "state_vs_replicate" in s:
+            state += f" ({s['state_vs_replicate']:.2f}x repl.){_mark(s['meets_sharding_target'])}"
+        lo, hi = min(s["rep_median_ms"]), max(s["rep_median_ms"])
+        lines.append(
+            f"| {name} | {s['step_time_ms']:.1f} | {lo:.1f}-{hi:.1f} | {s['samples_per_s']:.1f} | {vs_plain}"
+            f" | {vs_peer} | {s['cpu_time_ms']:.1f} | {cpu_plain} | {cpu_peer}"
+            f" | {max(s['peak_memory_mib_per_rank']):.0f} | {state} |"
+        )
+    lines += [
+        "",
+        "| variant | save (s) | load (s) | DCP sync save (s) | DCP async: blocked, first (s) | blocked, steady (s)"
+        " | async total (s) | steady blocked / sync |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in summary.items():
+        c = s["checkpoint"]
+        if not c:
+            continue
+        cells = [f"{c['save_s']:.3f}", f"{c['load_s']:.3f}"]
+        if "dcp_sync_s" in c:
+            cells += [
+                f"{c['dcp_sync_s']:.3f}",
+                f"{c['dcp_async_blocked_first_s']:.3f}",
+                f"{c['dcp_async_blocked_s']:.3f}",
+                f"{c['dcp_async_total_s']:.3f}",
+                f"{c['async_blocked_over_sync']:.2f}{_mark(s['meets_async_target'])}",
+            ]
+        else:
+            cells += ["", "", "", "", ""]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

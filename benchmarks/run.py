@@ -1,0 +1,91 @@
+"""Run the benchmark suite: `python -m benchmarks.run --world-size 2 4 --out benchmarks/results`.
+
+For each world size, one torchrun launch trains every variant (plain PyTorch loops, Lightning's strategies, this
+package's strategies eager and compiled) with the same model, data and mesh, then this process writes
+`<out>/benchmark_<device>.json` (raw measurements and summaries) and `<out>/benchmark_<device>.md` (tables).
+`--device cuda` runs the same suite with NCCL, one GPU per rank, and a larger model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import markdown, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, nargs="+", default=[2, 4], help="ranks per run (even numbers)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of each repetition's timing")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per repetition")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of every variant")
+    parser.add_argument("--only", nargs="*", default=None, help="variant names to run (default: all)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    return parser.parse_args(argv)
+
+
+def run_world(args: argparse.Namespace, world: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        raw_path = Path(tmp) / "raw.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            "-m",
+            "benchmarks.worker",
+            f"--device={args.device}",
+            f"--warmup={args.warmup}",
+            f"--steps={args.steps}",
+            f"--repeats={args.repeats}",
+            f"--out={raw_path}",
+        ]
+        if args.only:
+            cmd += ["--only", *args.only]
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        if args.device == "cpu":
+            env.setdefault("OMP_NUM_THREADS", "1")  # one core per rank, as torchrun sets it by default
+        subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+        return json.loads(raw_path.read_text())
+
+
+def _rounded(value: Any) -> Any:
+    """Floats to 4 significant digits (timings are noisier than that), so the raw results stay small."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for world in args.world_size:
+        raw = run_world(args, world)
+        results.append({"raw": raw, "summary": summarize(raw)})
+    command = "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv)
+    (args.out / f"benchmark_{args.device}.json").write_text(
+        json.dumps(_rounded({"command": command, "results": results}), separators=(",", ":"))
+    )
+    tables = "\n".join(markdown(r["raw"], r["summary"]) for r in results)
+    (args.out / f"benchmark_{args.device}.md").write_text(f"Command: `{command}`\n\n{tables}")
+    print(tables)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,379 @@
+"""Every benchmarked variant and how one repetition of it is measured.
+
+All variants train `benchmarks.model.Net` on the same data with the same per-rank batch, optimizer and mesh, and
+are timed by the same `StepClock` (wall time between the ends of consecutive steps, data loading included), so the
+only difference left is the training driver: a plain loop, Lightning's strategies, or this package's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from benchmarks.model import TP_PLAN, BenchModule, HandParallelModule, Size, SyntheticTokens, build_net, loss_fn
+from benchmarks.model import make_optimizer as make_bench_optimizer
+
+TENSOR_PARALLEL_SIZE = 2
+
+
+@dataclass
+class Context:
+    """What every variant of one run shares: sizes, device, data, meshes and repetition settings."""
+
+    size: Size
+    device: torch.device
+    warmup: int
+    steps: int
+    data: SyntheticTokens
+    mesh_2d: DeviceMesh
+    async_group: dist.ProcessGroup
+    checkpoint_root: str
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+
+@dataclass
+class Measurement:
+    """One repetition of one variant on this rank."""
+
+    step_times: list[float]
+    #: This process's CPU time per step: unlike wall time, barely affected by other processes on a busy machine.
+    cpu_times: list[float]
+    peak_memory_bytes: int
+    state_bytes: dict[str, int]
+    checkpoint: dict[str, float] = field(default_factory=dict)
+
+
+class StepClock:
+    """Step times and peak memory, measured identically for plain loops and Lightning (via `ClockCallback`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.times: list[float] = []
+        self.cpu_times: list[float] = []
+        self.peak_rss = 0
+        #: CPU: memory is reported as growth over the RSS before the variant built anything.
+        self.baseline_rss = current_rss_bytes()
+        self._last: float | None = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._sync()
+        self._last = time.perf_counter()
+        self._last_cpu = time.process_time()
+
+    def tick(self) -> None:
+        self._sync()
+        now, now_cpu = time.perf_counter(), time.process_time()
+        assert self._last is not None
+        self.times.append(now - self._last)
+        self.cpu_times.append(now_cpu - self._last_cpu)
+        self._last, self._last_cpu = now, now_cpu
+        self.sample_memory()
+
+    def sample_memory(self) -> None:
+        """CPU has no allocator statistics: sample the RSS (after forward, when activations are alive, and at the
+        end of each step, when gradients and optimizer state are)."""
+        if self.device.type != "cuda":
+            self.peak_rss = max(self.peak_rss, current_rss_bytes())
+
+    def peak_memory(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return max(self.peak_rss - self.baseline_rss, 0)
+
+
+class ClockCallback(L.Callback):
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self.clock.start()
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.clock.sample_memory()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.clock.tick()
+
+
+def current_rss_bytes() -> int:
+    """Resident set size now (Linux `/proc/self/statm`); 0 where unavailable."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of this rank's parameters and optimizer state (local shards only)."""
+    params = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    optim = sum(
+        _local(t).numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+    return {"params": params, "optimizer": optim}
+
+
+# ------------------------------------------------------------------------------------------ plain PyTorch loops
+
+
+def _compile_blocks(net: nn.Module) -> None:
+    for block in net.layers:
+        block.compile()
+
+
+def _plain_model(family: str, compiled: bool, ctx: Context) -> tuple[nn.Module, int, int]:
+    """The `Net` parallelised by hand exactly as the package does it; returns (model, dp size, dp rank)."""
+    net = build_net(ctx.size).to(ctx.device)
+    if family == "replicate":
+        if compiled:
+            _compile_blocks(net)
+        device_ids = [ctx.device] if ctx.device.type == "cuda" else None
+        return DistributedDataParallel(net, device_ids=device_ids), ctx.world, dist.get_rank()
+    if family == "fsdp":
+        mesh = None
+    else:
+        tp_mesh, mesh = ctx.mesh_2d["tensor_parallel"], ctx.mesh_2d["data_parallel"]
+        for block in net.layers:
+            parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    if compiled:
+        _compile_blocks(net)
+    for block in net.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    if mesh is None:
+        return net, ctx.world, dist.get_rank()
+    return net, mesh.size(), mesh.get_local_rank()
+
+
+def run_plain(family: str, compiled: bool, ctx: Context) -> Measurement:
+    clock = StepClock(ctx.device)
+    model, dp, dp_rank = _plain_model(family, compiled, ctx)
+    optimizer = make_bench_optimizer(model.parameters())
+    sampler = DistributedSampler(ctx.data, num_replicas=dp, rank=dp_rank, shuffle=False)
+    loader = DataLoader(ctx.data, batch_size=ctx.size.batch, sampler=sampler)
+    for step, batch in enumerate(loader):
+        if step == 0:
+            clock.start()
+        batch = [t.to(ctx.device, non_blocking=True) for t in batch]
+        loss = loss_fn(model, batch)
+        clock.sample_memory()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        clock.tick()
+        if step + 1 == ctx.total_steps:
+            break
+    return Measurement(clock.times, clock.cpu_times, clock.peak_memory(), state_bytes(model, optimizer))
+
+
+# ------------------------------------------------------------------------------------------ Lightning-driven
+
+
+def run_lightning(make_strategy: Callable[[], Any], module_cls: type, ctx: Context, checkpoint: str) -> Measurement:
+    """`checkpoint`: "" (none), "trainer" (save/load through the strategy) or "dcp" (also DCP sync vs async)."""
+    clock = StepClock(ctx.device)
+    trainer = L.Trainer(
+        accelerator="gpu" if ctx.device.type == "cuda" else "cpu",
+        devices=ctx.world,
+        strategy=make_strategy(),
+        max_steps=ctx.total_steps,
+        callbacks=[ClockCallback(clock)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    module = module_cls(ctx.size)
+    trainer.fit(module, DataLoader(ctx.data, batch_size=ctx.size.batch, shuffle=False))
+    optimizer = trainer.optimizers[0]
+    measurement = Measurement(clock.times, clock.cpu_times, clock.peak_memory(), state_bytes(module, optimizer))
+    if checkpoint:
+        measurement.checkpoint = _time_checkpoints(trainer, module, optimizer, ctx, with_dcp=checkpoint == "dcp")
+    return measurement
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _time_checkpoints(trainer, module, optimizer, ctx: Context, with_dcp: bool) -> dict[str, float]:
+    root = [tempfile.mkdtemp(dir=ctx.checkpoint_root)]
+    dist.broadcast_object_list(root)
+    path = os.path.join(root[0], "trainer.ckpt")
+    times = {
+        "save_s": _timed(lambda: trainer.save_checkpoint(path)),
+        "load_s": _timed(lambda: trainer.strategy.load_checkpoint(path)),
+    }
+    if with_dcp:
+        state = {"model": get_model_state_dict(module), "optim": get_optimizer_state_dict(module, optimizer)}
+        times["dcp_sync_s"] = _timed(lambda: dcp.save(state, checkpoint_id=os.path.join(root[0], "sync")))
+        # One stager for the run, as a training loop keeps it: the second save reuses its staging buffers.
+        cuda = ctx.device.type == "cuda"
+        stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+        for attempt in ("first", "steady"):
+            dist.barrier()
+            start = time.perf_counter()
+            future = dcp.async_save(
+                state,
+                checkpoint_id=os.path.join(root[0], f"async_{attempt}"),
+                process_group=ctx.async_group,
+                async_stager=stager,
+            )
+            blocked = torch.tensor(time.perf_counter() - start)
+            future.result()
+            dist.barrier()
+            total = time.perf_counter() - start
+            dist.all_reduce(blocked, op=dist.ReduceOp.MAX)  # training waits for the slowest rank
+            suffix = "_first" if attempt == "first" else ""
+            times[f"dcp_async_blocked{suffix}_s"] = blocked.item()
+            times[f"dcp_async_total{suffix}_s"] = total
+        stager.close()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root[0], ignore_errors=True)
+    return times
+
+
+def _dpar(name: str, **kwargs: Any) -> Callable[[], Any]:
+    def make() -> Any:
+        import lightning_dpar
+
+        if name == "2d":
+            return lightning_dpar.FSDPTensorParallelStrategy(
+                tensor_parallel_size=TENSOR_PARALLEL_SIZE, tp_plan=TP_PLAN, **kwargs
+            )
+        cls = {"replicate": lightning_dpar.ReplicateStrategy, "fsdp": lightning_dpar.FullyShardStrategy}[name]
+        return cls(**kwargs)
+
+    return make
+
+
+def _lightning_peer(family: str) -> Callable[[], Any]:
+    def make() -> Any:
+        from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+        from benchmarks.model import Block
+
+        if family == "replicate":
+            return DDPStrategy()
+        if family == "fsdp":
+            return FSDPStrategy(auto_wrap_policy={Block})
+        return ModelParallelStrategy(
+            data_parallel_size=dist.get_world_size() // TENSOR_PARALLEL_SIZE, tensor_parallel_size=TENSOR_PARALLEL_SIZE
+        )
+
+    return make
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    family: str  # replicate | fsdp | 2d: which plain loop it is compared with
+    driver: str  # plain | lightning | dpar
+    compiled: bool
+    run: Callable[[Context], Measurement]
+    #: Device types the variant can run on (Lightning's `FSDPStrategy` refuses the CPU).
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+
+def all_variants() -> list[Variant]:
+    variants = []
+    for family, plain_name, peer_name in (
+        ("replicate", "plain_ddp", "lightning_ddp"),
+        ("fsdp", "plain_fsdp", "lightning_fsdp"),
+        ("2d", "plain_2d", "lightning_model_parallel"),
+    ):
+        for compiled in (False, True):
+            suffix = "_compiled" if compiled else ""
+            variants.append(
+                Variant(
+                    plain_name + suffix,
+                    family,
+                    "plain",
+                    compiled,
+                    lambda ctx, f=family, c=compiled: run_plain(f, c, ctx),
+                )
+            )
+        module_cls = HandParallelModule if family == "2d" else BenchModule
+        variants.append(
+            Variant(
+                peer_name,
+                family,
+                "lightning",
+                False,
+                lambda ctx, f=family, m=module_cls: run_lightning(_lightning_peer(f), m, ctx, "trainer"),
+                devices=("cuda",) if family == "fsdp" else ("cpu", "cuda"),
+            )
+        )
+        for compiled in (False, True):
+            variants.append(
+                Variant(
+                    f"dpar_{family}" + ("_compiled" if compiled else ""),
+                    family,
+                    "dpar",
+                    compiled,
+                    lambda ctx, f=family, c=compiled: run_lightning(
+                        _dpar(f, compile=c), BenchModule, ctx, "" if c else "dcp"
+                    ),
+                )
+            )
+    return variants
+
+
+def build_context(size: Size, device: torch.device, warmup: int, steps: int, checkpoint_root: str) -> Context:
+    world = dist.get_world_size()
+    if world % TENSOR_PARALLEL_SIZE:
+        raise ValueError(f"--world-size {world} must be a multiple of the 2D runs' tensor-parallel size 2.")
+    mesh_2d = init_device_mesh(
+        device.type,
+        (world // TENSOR_PARALLEL_SIZE, TENSOR_PARALLEL_SIZE),
+        mesh_dim_names=("data_parallel", "tensor_parallel"),
+    )
+    data = SyntheticTokens(size, n=world * size.batch * (warmup + steps))
+    async_group = dist.new_group(backend="gloo")  # DCP's async save talks over its own CPU group
+    return Context(size, device, warmup, steps, data, mesh_2d, async_group, checkpoint_root)

@@ -1,0 +1,103 @@
+"""One benchmark run on N ranks (started by `benchmarks.run` under torchrun): every variant, `--repeats` times,
+interleaved (the variant order rotates each repetition, so drift on a shared machine hits all variants alike).
+Rank 0 writes the raw measurements as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+
+    from benchmarks.model import SIZES
+    from benchmarks.variants import all_variants, build_context
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    import lightning.pytorch as pl
+
+    pl.seed_everything(0, verbose=False)
+    size = SIZES[args.device]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = [tmp]
+        dist.broadcast_object_list(root)  # one checkpoint directory shared by all ranks (one machine)
+        ctx = build_context(size, device, args.warmup, args.steps, root[0])
+        variants = [v for v in all_variants() if args.device in v.devices and (not args.only or v.name in args.only)]
+        raw: dict[str, list] = {v.name: [] for v in variants}
+        started = time.time()
+        for rep in range(args.repeats):
+            shift = rep % len(variants)
+            for variant in variants[shift:] + variants[:shift]:
+                measurement = variant.run(ctx)
+                per_rank: list = [None] * dist.get_world_size()
+                dist.all_gather_object(per_rank, asdict(measurement))
+                raw[variant.name].append(per_rank)
+                if dist.get_rank() == 0:
+                    measured = measurement.step_times[args.warmup :]
+                    print(
+                        f"[rep {rep}] {variant.name:<28} median step {statistics.median(measured) * 1e3:8.1f} ms",
+                        flush=True,
+                    )
+        dist.barrier()
+    if dist.get_rank() == 0:
+        report = {
+            "world_size": dist.get_world_size(),
+            "device": args.device,
+            "device_name": torch.cuda.get_device_name(device) if args.device == "cuda" else cpu_name(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "lightning": pl.__version__,
+            "python": sys.version.split()[0],
+            "size": size.as_dict(),
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "wall_s": time.time() - started,
+            "variants": {
+                v.name: {"family": v.family, "driver": v.driver, "compiled": v.compiled, "runs": raw[v.name]}
+                for v in variants
+            },
+        }
+        with open(args.out, "w") as f:
+            json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""`PerformanceMonitor`: training throughput, step time, peak memory and model FLOPs utilisation (MFU), logged
+through any Lightning logger and summarised in a table at the end of `fit`.
+
+Works with any strategy (the package's or Lightning's own) and any accelerator. What each number means:
+
+- step time: wall time between the ends of consecutive training batches (data loading included, validation
+  excluded); on CUDA the device is synchronised first so queued kernels are counted.
+- samples/s, tokens/s: global, i.e. this rank's batch size times the number of data-parallel ranks (ranks of one
+  tensor-parallel group see the same batch and are counted once), divided by the step time. Tokens are counted when
+  `tokens_per_sample` is given or the batch's first tensor holds token ids (an integer tensor `[batch, seq, ...]`).
+- peak memory: per rank. CUDA: the allocator's peak (`torch.cuda.max_memory_allocated`, reset when training
+  starts). CPU: the process's peak resident set size (`ru_maxrss`), which covers the whole process lifetime.
+- MFU (CUDA only): achieved model FLOP/s over the device's peak. Model FLOPs per batch, first available of:
+  `flops_per_sample * batch size`; `6 * N * tokens` (N = parameter count, the standard dense-transformer estimate:
+  2 FLOPs per parameter per token forward, 4 backward; attention scores and activation recomputation are not
+  counted); otherwise measured on the first batch with `torch.utils.flop_counter.FlopCounterMode` (forward and
+  backward on this rank, which includes any activation recomputation). Peak FLOP/s come from `peak_flops` or the
+  table `PEAK_FLOPS` (dense, no sparsity) for the compute dtype implied by the Trainer's precision.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
+
+#: Dense peak FLOP/s per device by marketing name fragment (first match wins, so specific names come first) and
+#: compute dtype. Sources: NVIDIA H100/H200/A100 datasheets (SXM unless named).
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bf16": 756e12, "tf32": 378e12, "fp32": 51.2e12},
+    "H100": {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "H200": {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+    "A100": {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+}
+
+GIB = 1024**3
+
+
+class PerformanceMonitor(L.Callback):
+    """Log throughput, step time, peak memory per rank and (on GPU) MFU; print a summary at the end of `fit`.
+
+    Args:
+        tokens_per_sample: tokens in one sample, when the batch does not show it (e.g. fixed-length sequences in a
+            float tensor). Enables tokens/s and the `6 * N * tokens` FLOPs estimate.
+        flops_per_sample: model FLOPs (forward + backward) of one sample, overriding the estimate.
+        peak_flops: the device's peak FLOP/s for the compute dtype, for GPUs missing from `PEAK_FLOPS`.
+        warmup_steps: first batches left out of the summary's medians (compilation, allocator warm-up).
+        log_every_n_steps: how often to log; default: the Trainer's `log_every_n_steps`.
+        summary: print the summary table on rank 0 when `fit` ends.
+    """
+
+    def __init__(
+        self,
+        tokens_per_sample: int | None = None,
+        flops_per_sample: float | None = None,
+        peak_flops: float | None = None,
+        warmup_steps: int = 2,
+        log_every_n_steps: int | None = None,
+        summary: bool = True,
+    ) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"`warmup_steps={warmup_steps}` must be >= 0.")
+        self.tokens_per_sample = tokens_per_sample
+        self.flops_per_sample = flops_per_sample
+        self.peak_flops = peak_flops
+        self.warmup_steps = warmup_steps
+        self.log_every_n_steps = log_every_n_steps
+        self.summary = summary
+        #: One record per training batch: step time (s), global samples and tokens, model FLOPs on this rank.
+        self.records: list[dict[str, float]] = []
+        #: Peak memory (bytes) of every rank, gathered when training ends.
+        self.peak_memory_per_rank: list[int] = []
+        self._last: float | None = None
+        self._flop_counter: Any = None
+        self._flops_per_batch: float | None = None
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.records.clear()
+        self._flops_per_batch = None
+        if self._is_cuda(trainer):
+            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+        self._last = None
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._last is None:  # first batch (or first after validation): time from here
+            self._sync(trainer)
+            self._last = time.perf_counter()
+        if self._needs_flop_count(trainer, batch):
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self._flop_counter = FlopCounterMode(display=False)
+            self._flop_counter.__enter__()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._flop_counter is not None:
+            self._flop_counter.__exit__(None, None, None)
+            self._flops_per_batch = float(self._flop_counter.get_total_flops())
+            self._flop_counter = None
+        self._sync(trainer)
+        now = time.perf_counter()
+        assert self._last is not None
+        step_time, self._last = now - self._last, now
+        samples, tokens = self._batch_size(batch)
+        replicas = _data_parallel_size(trainer)
+        record = {
+            "step_time_s": step_time,
+            "samples": float(samples * replicas),
+            "tokens": float(tokens * replicas) if tokens else 0.0,
+            "flops": self._model_flops(pl_module, samples, tokens),
+        }
+        self.records.append(record)
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if len(self.records) % max(every, 1) == 0:
+            self._log(trainer, self._metrics(trainer, record))
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last = None  # validation time is not training step time
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        peak = _peak_memory_bytes(trainer)
+        if dist.is_available() and dist.is_initialized():
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, peak)
+            self.peak_memory_per_rank = [int(v) for v in gathered]
+        else:
+            self.peak_memory_per_rank = [peak]
+        if self.summary and trainer.is_global_zero:
+            print(self.format_summary(trainer), flush=True)
+
+    # ------------------------------------------------------------------ metrics
+    def summary_metrics(self, trainer: L.Trainer) -> dict[str, float]:
+        """Medians over the batches after warm-up (all batches when there are no more)."""
+        measured = self.records[self.warmup_steps :] or self.records
+        if not measured:
+            return {}
+        step_time = statistics.median(r["step_time_s"] for r in measured)
+        record = {
+            "step_time_s": step_time,
+            "samples": statistics.median(r["samples"] for r in measured),
+            "tokens": statistics.median(r["tokens"] for r in measured),
+            "flops": statistics.median(r["flops"] for r in measured),
+        }
+        return self._metrics(trainer, record)
+
+    def format_summary(self, trainer: L.Trainer) -> str:
+        metrics = self.summary_metrics(trainer)
+        skipped = min(self.warmup_steps, max(len(self.records) - 1, 0)) if self.records else 0
+        rows = [("batches measured", f"{len(self.records) - skipped} (after {skipped} warm-up)")]
+        labels = {
+            "perf/step_time_s": ("step time (median)", "{:.4f} s"),
+            "perf/samples_per_s": ("samples/s (global)", "{:,.1f}"),
+            "perf/tokens_per_s": ("tokens/s (global)", "{:,.0f}"),
+            "perf/mfu": ("MFU", "{:.1%}"),
+        }
+        rows += [(label, fmt.format(metrics[key])) for key, (label, fmt) in labels.items() if key in metrics]
+        memory_kind = "CUDA allocator peak" if self._is_cuda(trainer) else "peak RSS"
+        for rank, peak in enumerate(self.peak_memory_per_rank):
+            rows.append((f"rank {rank} {memory_kind}", f"{peak / GIB:.3f} GiB"))
+        width = max(len(label) for label, _ in rows)
+        lines = [f"{label:<{width}} | {value}" for label, value in rows]
+        return "\n".join(["PerformanceMonitor summary", "-" * max(len(line) for line in lines), *lines])
+
+    def _metrics(self, trainer: L.Trainer, record: dict[str, float]) -> dict[str, float]:
+        step_time = record["step_time_s"]
+        metrics = {
+            "perf/step_time_s": step_time,
+            "perf/samples_per_s": record["samples"] / step_time,
+            "perf/peak_memory_gb": _peak_memory_bytes(trainer) / GIB,
+        }
+        if record["tokens"]:
+            metrics["perf/tokens_per_s"] = record["tokens"] / step_time
+        peak = self._device_peak_flops(trainer)
+        if peak and record["flops"]:
+            metrics["perf/mfu"] = record["flops"] / step_time / peak
+        return metrics
+
+    def _log(self, trainer: L.Trainer, metrics: dict[str, float]) -> None:
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    # ------------------------------------------------------------------ batch, FLOPs and device details
+    def _batch_size(self, batch: Any) -> tuple[int, int]:
+        """(samples, tokens) in this rank's batch; tokens 0 when unknown."""
+        first = _first_tensor(batch)
+        if first is None or first.dim() == 0:
+            return 0, 0
+        samples = first.shape[0]
+        if self.tokens_per_sample is not None:
+            return samples, samples * self.tokens_per_sample
+        if first.dim() >= 2 and not torch.is_floating_point(first) and not first.is_complex():
+            return samples, first.shape[0] * first.shape[1]
+        return samples, 0
+
+    def _needs_flop_count(self, trainer: L.Trainer, batch: Any) -> bool:
+        return (
+            self._is_cuda(trainer)
+            and self._flops_per_batch is None
+            and self.flops_per_sample is None
+            and not self._batch_size(batch)[1]
+            and bool(self._device_peak_flops(trainer))
+        )
+
+    def _model_flops(self, pl_module: L.LightningModule, samples: int, tokens: int) -> float:
+        """Model FLOPs of this rank's batch (0 when unknown)."""
+        if self.flops_per_sample is not None:
+            return self.flops_per_sample * samples
+        if tokens:
+            # Each rank computes its own tokens over the whole model (its TP/FSDP shards together make it whole),
+            # so the per-rank share of 6*N*tokens is divided by the ranks that split one batch's compute.
+            return 6.0 * _parameter_count(pl_module) * tokens / _model_parallel_size(pl_module)
+        return self._flops_per_batch or 0.0
+
+    def _device_peak_flops(self, trainer: L.Trainer) -> float | None:
+        if self.peak_flops is not None:
+            return self.peak_flops
+        if not self._is_cuda(trainer):
+            return None
+        name = torch.cuda.get_device_name(trainer.strategy.root_device)
+        precision = str(trainer.precision)
+        if "bf16" in precision or "16" in precision:
+            dtype = "bf16"
+        else:
+            dtype = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+        for fragment, table in PEAK_FLOPS.items():
+            if fragment in name:
+                return table[dtype]
+        return None
+
+    @staticmethod
+    def _is_cuda(trainer: L.Trainer) -> bool:
+        return trainer.strategy.root_device.type == "cuda"
+
+    def _sync(self, trainer: L.Trainer) -> None:
+        if self._is_cuda(trainer):
+            torch.cuda.synchronize(trainer.strategy.root_device)
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, found.append)
+    return found[0] if found else None
+
+
+def _data_parallel_size(trainer: L.Trainer) -> int:
+    """Ranks that see different batches (Lightning's sampler replicas), else the world size."""
+    try:
+        return int(trainer.strategy.distributed_sampler_kwargs["num_replicas"])
+    except (AttributeError, KeyError, TypeError):
+        return trainer.world_size
+
+
+def _parameter_count(module: torch.nn.Module) -> int:
+    """Full (unsharded) parameter count: DTensor `numel()` is the global size."""
+    return sum(p.numel() for p in module.parameters())
+
+
+def _model_parallel_size(module: torch.nn.Module) -> int:
+    """Ranks that share one batch's compute through tensor parallelism (1 without TP)."""
+    mesh = getattr(module, "_device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
+
+
+def _peak_memory_bytes(trainer: L.Trainer) -> int:
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB, macOS bytes
