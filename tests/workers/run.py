@@ -17,9 +17,9 @@ warnings.filterwarnings("ignore")
 import torch.distributed as dist  # noqa: E402
 
 import lightning_dpar  # noqa: E402,F401
-from tests.workers import errors, features, parity  # noqa: E402
+from tests.workers import cli_configs, errors, features, parity  # noqa: E402
 
-GROUPS = {**parity.GROUPS, **features.GROUPS, **errors.GROUPS}
+GROUPS = {**parity.GROUPS, **features.GROUPS, **errors.GROUPS, **cli_configs.GROUPS}
 
 if __name__ == "__main__":
     groups, out = sys.argv[1], sys.argv[2]
