@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+import torch
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import Strategy
@@ -90,14 +91,23 @@ def _registered_names() -> set[str]:
     return set(StrategyRegistry.available_strategies())
 
 
-def cli_main(args: list[str] | None = None, run: bool = True) -> DparCLI:
+class _MetaModelCLI(DparCLI):
+    """Builds the model (and datamodule) on the meta device: no memory, for the `plan` dry-run."""
+
+    def instantiate_classes(self) -> None:
+        with torch.device("meta"):
+            super().instantiate_classes()
+
+
+def cli_main(args: list[str] | None = None, run: bool = True, model_on_meta: bool = False) -> DparCLI:
     """Build the CLI from `args` (without the program name).
 
     With `run=True`, `args` starts with a subcommand (`["fit", "--config", f]`) and the CLI runs it; with
-    `run=False` there is no subcommand and only the configured objects are built (tests, the `plan` dry-run).
+    `run=False` there is no subcommand and only the configured objects are built (tests, the `plan` dry-run);
+    `model_on_meta=True` builds them on the meta device.
     """
     defaults = {"default_config_files": [str(DEFAULT_CONFIG)]}
-    return DparCLI(
+    return (_MetaModelCLI if model_on_meta else DparCLI)(
         subclass_mode_model=True,
         subclass_mode_data=True,
         parser_kwargs={sub: defaults for sub in TRAINER_SUBCOMMANDS} if run else defaults,

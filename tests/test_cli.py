@@ -210,6 +210,18 @@ def test_example_configs_agree_where_the_math_is_the_same(configs_run):
     assert configs_run["config_fsdp"]["precision"] == "bf16-mixed"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["2d", "2d_tp_plan", "hsdp", "fsdp", "replicate"])
+def test_plan_dry_run_predicts_the_real_runs_local_shapes(configs_run, name):
+    """`plan` (one process, meta device, fake process group) gives rank 0 the shards the 4-rank run gave it."""
+    from lightning_dpar.dry_run import plan
+    from tests.workers.cli_configs import TINY
+
+    cli = cli_main(["--config", str(CONFIGS / f"{name}.yaml"), *TINY], run=False, model_on_meta=True)
+    report = plan(cli.trainer.strategy, cli.model, world_size=4)
+    assert {r.name: list(r.local_shape) for r in report.params} == configs_run[f"config_{name}"]["local_shapes"]
+
+
 MAIN_JOB_OVERRIDES = [
     "--trainer.val_check_interval=3",
     "--trainer.limit_val_batches=2",
