@@ -22,6 +22,7 @@ USAGE = """usage: python -m lightning_dpar {fit,validate,test,predict,plan,conso
 
 
 def main(argv: list[str] | None = None) -> int:
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     if command in ("fit", "validate", "test", "predict"):
         from lightning_dpar.cli import cli_main
 
-        cli_main([command, *rest])
+        cli_main(None if from_command_line else argv)  # None: LightningCLI reads sys.argv itself
         return 0
     if command == "plan":
         from lightning_dpar.dry_run import main as plan_main
