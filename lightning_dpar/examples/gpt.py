@@ -103,8 +103,12 @@ class GPT(L.LightningModule):
     Args:
         vocab_size: 256 for raw bytes.
         block_size: context length in tokens.
-        n_layer, n_head, n_embd: depth, attention heads (a multiple of the tensor-parallel size), width.
-        learning_rate, weight_decay, warmup_steps: AdamW settings.
+        n_layer: number of transformer blocks.
+        n_head: attention heads (a multiple of the tensor-parallel size).
+        n_embd: model width (a multiple of `n_head`).
+        learning_rate: AdamW peak learning rate.
+        weight_decay: AdamW weight decay of the matrices (norms and biases get none).
+        warmup_steps: linear warm-up length in optimizer steps.
     """
 
     def __init__(
