@@ -15,6 +15,7 @@ import lightning_dpar
 from lightning_dpar.dry_run import main, plan
 from lightning_dpar.memory import format_bytes
 from tests.conftest import ROOT
+from tests.models import Net
 
 EXAMPLE_2D = str(ROOT / "examples" / "configs" / "2d.yaml")
 BIG = str(ROOT / "examples" / "plan" / "gpt_70b.yaml")
@@ -126,3 +127,29 @@ def test_format_bytes():
 def test_plan_refuses_a_materialised_model():
     with pytest.raises(ValueError, match="meta device"):
         plan(lightning_dpar.FullyShardStrategy(), TwoLinears(), world_size=2)
+
+
+class HandParallelised(L.LightningModule):
+    """Written for Lightning's ModelParallelStrategy: applies TP itself in `configure_model`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Net()
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {"layers.0.fc1": ColwiseParallel(), "layers.0.fc2": RowwiseParallel()}
+        parallelize_module(self.model, self.device_mesh["tensor_parallel"], plan)
+
+
+def test_plan_adopts_a_model_parallel_strategy_configure_model():
+    strategy = lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2)
+    report = plan(strategy, _meta(HandParallelised), world_size=4)
+    assert "configure_model applied its own parallelism" in report.notes[0]
+    rows = {r.name: r for r in report.params}
+    # (12, 15) colwise over TP 2 -> 6 rows, then FSDP over the 2 data-parallel ranks -> 3 rows.
+    assert rows["model.layers.0.fc1.weight"].local_shape == (3, 15)
+    assert "tensor_parallel:S(0)" in rows["model.layers.0.fc1.weight"].placement
+    assert rows["model.layers.1.fc1.weight"].placement == "shard:S(0)"  # untouched by TP, sharded by FSDP
+    assert "FSDP unit" in report.modules["model"]
