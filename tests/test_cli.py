@@ -232,23 +232,29 @@ MAIN_JOB_OVERRIDES = [
 
 @pytest.fixture(scope="module")
 def main_job(tmp_path_factory):
-    """`python -m lightning_dpar fit` (Lightning re-launches `-m lightning_dpar` per rank), then a resume."""
+    """`python -m lightning_dpar fit` (Lightning re-launches `-m lightning_dpar` per rank), `validate` on its
+    checkpoint, then a resume. Logs: version_0 fit, version_1 validate, version_2 resumed fit."""
     workdir = tmp_path_factory.mktemp("main_job")
     first = run_script(["-m", "lightning_dpar", "fit", "--trainer.max_steps=6", *MAIN_JOB_OVERRIDES], workdir)
+    validated = run_script(["-m", "lightning_dpar", "validate", "--ckpt_path", "last", *MAIN_JOB_OVERRIDES], workdir)
     resumed = run_script(
         ["-m", "lightning_dpar", "fit", "--trainer.max_steps=9", "--ckpt_path", "last", *MAIN_JOB_OVERRIDES], workdir
     )
-    return workdir, first, resumed
+    return workdir, first, validated, resumed
+
+
+def _metrics(workdir: Path, version: int) -> list[dict[str, str]]:
+    with open(workdir / "lightning_logs" / "gpt" / f"version_{version}" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
 
 
 def _logged_steps(workdir: Path, version: int) -> list[int]:
-    with open(workdir / "lightning_logs" / "gpt" / f"version_{version}" / "metrics.csv") as f:
-        return sorted({int(row["step"]) for row in csv.DictReader(f)})
+    return sorted({int(row["step"]) for row in _metrics(workdir, version)})
 
 
 @pytest.mark.slow
 def test_main_job_trains_with_a_progress_bar_and_saves_a_sharded_checkpoint(main_job):
-    workdir, first, _ = main_job
+    workdir, first, _, _ = main_job
     assert first.returncode == 0, first.stderr[-4000:]
     assert "Epoch 0: 100%" in first.stdout and "`max_steps=6` reached" in first.stderr
     last = workdir / "checkpoints" / "gpt" / "last.ckpt"
@@ -258,10 +264,19 @@ def test_main_job_trains_with_a_progress_bar_and_saves_a_sharded_checkpoint(main
 
 
 @pytest.mark.slow
+def test_validate_on_the_checkpoint_reproduces_the_trained_models_val_loss(main_job):
+    workdir, _, validated, _ = main_job
+    assert validated.returncode == 0, validated.stderr[-4000:]
+    trained = [float(row["val_loss"]) for row in _metrics(workdir, 0) if row["val_loss"]][-1]  # after step 6
+    (restored,) = [float(row["val_loss"]) for row in _metrics(workdir, 1) if row["val_loss"]]
+    assert restored == pytest.approx(trained, abs=1e-6)
+
+
+@pytest.mark.slow
 def test_main_job_resumes_from_last(main_job):
-    workdir, _, resumed = main_job
+    workdir, _, _, resumed = main_job
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
-    assert _logged_steps(workdir, 1)[0] >= 6  # continues after step 6 instead of starting over at 0
+    assert _logged_steps(workdir, 2)[0] >= 6  # continues after step 6 instead of starting over at 0
     # 3 more optimizer steps (global step 6 -> 9), and the newest checkpoint replaced the old one (top-1).
     assert sorted(p.name for p in (workdir / "checkpoints" / "gpt").iterdir()) == ["epoch=0-step=9.ckpt", "last.ckpt"]
