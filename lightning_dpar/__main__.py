@@ -13,7 +13,7 @@ import sys
 
 USAGE = """usage: python -m lightning_dpar {fit,validate,test,predict,plan,consolidate} [ARGS...]
 
-  fit|validate|test|predict   LightningCLI; defaults train the bundled GPT example (4 CPU processes, dpar_2d).
+  fit|validate|test|predict   LightningCLI; defaults train the bundled GPT example (4 CPU processes, TP 2 x FSDP 2).
                               Add --config FILE.yaml, --trainer.strategy=NAME, --ckpt_path last, --help, ...
   plan                        dry-run: mesh, per-module plan, parameter placement and per-rank memory, without
                               launching processes or allocating the model (--help for options).
