@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_dpar import FSDPTensorParallelStrategy
-from lightning_dpar.cli import cli_main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 STEPS = 4
@@ -47,6 +46,8 @@ def run_config(name: str) -> dict:
     config = CONFIGS / f"{name}.yaml"
     if name == "2d_compile" and not strategy_accepts(FSDPTensorParallelStrategy, "compile"):
         return {"skipped": "FSDPTensorParallelStrategy has no `compile` argument on this branch"}
+    from lightning_dpar.cli import cli_main  # here: other worker groups need not import LightningCLI
+
     workdir = Path(sys.argv[2]).parent / "cli" / name  # same path on every rank
     workdir.mkdir(parents=True, exist_ok=True)
     os.chdir(workdir)
