@@ -207,7 +207,11 @@ def test_example_configs_agree_where_the_math_is_the_same(configs_run):
     losses = [configs_run[f"config_{n}"]["train_loss"] for n in ("replicate", "hsdp", "fsdp_offload")]
     assert max(losses) - min(losses) < 1e-4
     assert abs(configs_run["config_2d"]["train_loss"] - configs_run["config_2d_tp_plan"]["train_loss"]) < 1e-6
-    assert configs_run["config_fsdp"]["precision"] == "bf16-mixed"
+    # fsdp.yaml trains in bf16-mixed on the same batches: bf16 compute shows in the loss, within bf16 precision,
+    # while the sharded master weights stay fp32.
+    fsdp = configs_run["config_fsdp"]
+    assert fsdp["precision"] == "bf16-mixed" and fsdp["param_dtypes"] == ["torch.float32"]
+    assert 1e-5 < abs(fsdp["train_loss"] - configs_run["config_replicate"]["train_loss"]) < 1e-2
 
 
 @pytest.mark.slow

@@ -65,6 +65,7 @@ def run_config(name: str) -> dict:
         "ln_placement": _placement(module, "model.blocks.0.ln_1.weight"),
         "checkpoint_files": sorted(p.name for p in last.iterdir()) if last.is_dir() else [],
         "precision": trainer.precision,
+        "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
         "local_shapes": {
             name: list(p.to_local().shape if isinstance(p, DTensor) else p.shape)
             for name, p in module.named_parameters()
