@@ -98,3 +98,16 @@ def swap_ddp_optimize_mode(mode: Any) -> Any:
     previous = torch._dynamo.config.optimize_ddp
     torch._dynamo.config.optimize_ddp = mode
     return previous
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """A process group of `world_size` ranks inside this one process, whose collectives do nothing.
+
+    The `plan` dry-run uses it to build the real device mesh and run the real `parallelize_module` / `fully_shard`
+    calls on meta tensors without launching processes. torch registers the `"fake"` backend only when its testing
+    module `torch.testing._internal.distributed.fake_pg` is imported; there is no public equivalent.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

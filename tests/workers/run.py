@@ -17,7 +17,7 @@ warnings.filterwarnings("ignore")
 import torch.distributed as dist  # noqa: E402
 
 import lightning_dpar  # noqa: E402,F401
-from tests.workers import checkpoint, errors, features, parity, perf, precision  # noqa: E402
+from tests.workers import checkpoint, cli_configs, errors, features, parity, perf, precision  # noqa: E402
 
 GROUPS = {
     **parity.GROUPS,
@@ -26,6 +26,7 @@ GROUPS = {
     **precision.GROUPS,
     **checkpoint.GROUPS,
     **perf.GROUPS,
+    **cli_configs.GROUPS,
 }
 
 if __name__ == "__main__":

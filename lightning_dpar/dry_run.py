@@ -1,0 +1,319 @@
+"""`python -m lightning_dpar plan`: what a strategy will do to a model on N ranks, without launching anything.
+
+The model is built on the meta device (no memory), a fake process group of N ranks stands in for the real one
+(collectives do nothing), and the strategy then runs its own training code path (`DparStrategy.resolve_dims`,
+`build_device_mesh`, `module_plan` and `_apply_parallelism`: tensor parallel, activation checkpointing, FSDP or
+replicate) on that model. The printed placements and local shapes are those of the real run, a bad plan fails
+with the error training would raise, and a 70B-parameter plan takes seconds on a laptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_dpar import memory, parallelize
+from lightning_dpar._private_api import init_fake_process_group, is_composable_replicated
+from lightning_dpar.mesh import TENSOR_PARALLEL, ParallelDims, build_device_mesh
+from lightning_dpar.plan import ModulePlan
+from lightning_dpar.strategies.base import DparStrategy
+
+
+@dataclass
+class ParamRow:
+    name: str
+    global_shape: tuple[int, ...]
+    placement: str
+    local_shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class PlanReport:
+    """Everything `plan` prints; `render()` formats it."""
+
+    strategy: str
+    dims: ParallelDims
+    num_nodes: int
+    rank: int
+    coordinate: dict[str, int]
+    precision: str
+    modules: dict[str, list[str]]  # fqn -> what is applied to it
+    params: list[ParamRow]
+    total_params: int
+    memory: memory.MemoryEstimate
+    optimizers: list[str]
+    largest_unit: tuple[str, int] | None  # (fqn, bytes all-gathered for compute)
+    notes: list[str] = field(default_factory=list)
+
+    def render(self, all_params: bool = False) -> str:
+        d = self.dims
+        lines = [
+            f"{self.strategy} on {d.world_size} ranks ({self.num_nodes} node(s) x {d.world_size // self.num_nodes}"
+            f" devices), precision {self.precision}, showing rank {self.rank}",
+            "",
+            "Mesh",
+            f"  {d.describe()}; data_parallel = {d.data_parallel} (ranks that see different batches)",
+            f"  rank {self.rank} is at " + ", ".join(f"{k}={v}" for k, v in self.coordinate.items()),
+            "",
+            "Modules",
+        ]
+        lines += _table(
+            [(name, ", ".join(what), f"x{n}" if n > 1 else "") for name, what, n in _group_modules(self.modules)],
+            ("module", "applied", ""),
+        ) or ["  (nothing: every parameter stays whole on every rank)"]
+        lines += ["", f"Parameters on rank {self.rank} ({self.total_params:,} in total)"]
+        rows = [(r.name, _shape(r.global_shape), r.placement, _shape(r.local_shape), r.dtype, "") for r in self.params]
+        if not all_params:
+            rows = _group_params(self.params)
+        lines += _table(rows, ("parameter", "global shape", "placement", "local shape", "dtype", ""))
+        m = self.memory
+        optimizer = (
+            memory.format_bytes(m.optimizer)
+            if m.optimizer is not None
+            else f"unknown ({', '.join(m.unknown_optimizers)} not in lightning_dpar.memory.STATES_PER_PARAMETER)"
+        )
+        lines += [
+            "",
+            f"Estimated memory on rank {self.rank} (see lightning_dpar.memory for the formula)",
+            f"  parameters  {memory.format_bytes(m.parameters)}",
+            f"  gradients   {memory.format_bytes(m.gradients)}",
+            f"  optimizer   {optimizer}   [{'; '.join(self.optimizers) or 'no optimizer'}]",
+            f"  total       {memory.format_bytes(m.total)}",
+        ]
+        if self.largest_unit:
+            fqn, size = self.largest_unit
+            lines.append(f"  + the largest FSDP unit all-gathered for compute: {memory.format_bytes(size)} ({fqn})")
+        lines.append("  not included: activations, communication buffers, allocator overhead")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
+    if not rows:
+        return []
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return ["  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def _group_modules(modules: dict[str, list[str]]) -> list[tuple[str, list[str], int]]:
+    """Collapse `blocks.0.x`, `blocks.1.x`, ... that get the same treatment into `blocks.*.x  xN`."""
+    groups: dict[tuple[str, tuple[str, ...]], int] = {}
+    for fqn, what in modules.items():
+        key = (_INDEX.sub("*", fqn), tuple(what))
+        groups[key] = groups.get(key, 0) + 1
+    return [(name, list(what), n) for (name, what), n in groups.items()]
+
+
+def _group_params(params: list[ParamRow]) -> list[tuple[str, ...]]:
+    groups: dict[tuple[str, ...], int] = {}
+    for r in params:
+        key = (_INDEX.sub("*", r.name), _shape(r.global_shape), r.placement, _shape(r.local_shape), r.dtype)
+        groups[key] = groups.get(key, 0) + 1
+    return [(*key, f"x{n}" if n > 1 else "") for key, n in groups.items()]
+
+
+def _placement(param: torch.Tensor) -> str:
+    if not isinstance(param, DTensor):
+        return "whole on every rank"
+    names = param.device_mesh.mesh_dim_names or tuple(str(i) for i in range(param.device_mesh.ndim))
+    return ", ".join(f"{name}:{p}" for name, p in zip(names, param.placements))
+
+
+def _describe_modules(module: nn.Module, plan: ModulePlan | None) -> dict[str, list[str]]:
+    described: dict[str, list[str]] = {}
+    for fqn, style in (plan.tensor_parallel if plan else {}).items():
+        described.setdefault(fqn, []).append(f"TP {type(style).__name__}")
+    for fqn in plan.activation_checkpointing if plan else []:
+        described.setdefault(fqn, []).append("activation checkpointing")
+    for fqn, sub in module.named_modules():
+        if not fqn:
+            continue
+        if isinstance(sub, FSDPModule):
+            described.setdefault(fqn, []).append("FSDP unit")
+        if is_composable_replicated(sub):
+            described.setdefault(fqn, []).append("replicate (DDP)")
+    order = {fqn: i for i, (fqn, _) in enumerate(module.named_modules())}
+    return dict(sorted(described.items(), key=lambda item: order[item[0]]))
+
+
+def _largest_fsdp_unit(module: nn.Module, compute_dtype: torch.dtype | None) -> tuple[str, int] | None:
+    """The FSDP unit whose own parameters (not nested units') are largest once all-gathered (TP shards stay)."""
+    best: tuple[str, int] | None = None
+    for fqn, unit in module.named_modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        nested = {
+            id(p)
+            for _, sub in unit.named_modules()
+            if sub is not unit and isinstance(sub, FSDPModule)
+            for p in sub.parameters()
+        }
+        size = sum(
+            memory.unsharded_numel(p, [TENSOR_PARALLEL])
+            * (p.element_size() if compute_dtype is None else compute_dtype.itemsize)
+            for p in unit.parameters()
+            if id(p) not in nested
+        )
+        if best is None or size > best[1]:
+            best = (fqn, size)
+    return best
+
+
+def _optimizers(configured: Any) -> list[Optimizer]:
+    """Optimizers from any of the return shapes `configure_optimizers` may use."""
+    if isinstance(configured, Optimizer):
+        return [configured]
+    if isinstance(configured, dict):
+        return _optimizers(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)):
+        if len(configured) == 2 and all(isinstance(x, (list, tuple)) for x in configured):
+            return _optimizers(configured[0])
+        return [opt for item in configured for opt in _optimizers(item)]
+    return []
+
+
+def plan(
+    strategy: DparStrategy,
+    module: L.LightningModule,
+    world_size: int,
+    num_nodes: int = 1,
+    rank: int = 0,
+) -> PlanReport:
+    """Apply `strategy` to `module` (built on the meta device) as rank `rank` of `world_size` would, and report.
+
+    Raises the same errors as training for sizes that do not tile the world or plans that do not fit the model.
+    """
+    if not isinstance(strategy, DparStrategy):
+        raise TypeError(f"`plan` needs a lightning_dpar strategy, got {type(strategy).__name__}.")
+    if world_size % num_nodes:
+        raise ValueError(f"`world_size={world_size}` is not a multiple of `num_nodes={num_nodes}`.")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"`rank={rank}` must be in [0, {world_size}).")
+    if any(not t.is_meta for t in module.parameters()):
+        raise ValueError("`plan` expects a model built on the meta device (`with torch.device('meta'): ...`).")
+    if dist.is_initialized():
+        raise RuntimeError("`plan` needs a process without a process group (it creates a fake one of N ranks).")
+    devices_per_node = world_size // num_nodes
+    dims = strategy.resolve_dims(world_size, devices_per_node, num_nodes)  # same validation as training
+    init_fake_process_group(rank, world_size)
+    try:
+        with warnings.catch_warnings():
+            # DTensor notes that CPU meshes lack its RNG; a dry run draws no random numbers.
+            warnings.filterwarnings("ignore", message=".*DTensor random operators.*")
+            return _plan_on_fake_world(strategy, module, dims, num_nodes, rank, devices_per_node)
+    finally:
+        dist.destroy_process_group()
+
+
+def _plan_on_fake_world(
+    strategy: DparStrategy,
+    module: L.LightningModule,
+    dims: ParallelDims,
+    num_nodes: int,
+    rank: int,
+    devices_per_node: int,
+) -> PlanReport:
+    # The strategy state `setup_environment` would create, with meta "devices" so nothing is ever allocated.
+    strategy.num_nodes = num_nodes
+    strategy.parallel_devices = [torch.device("meta")] * devices_per_node
+    strategy.dims = dims
+    mesh: DeviceMesh = build_device_mesh(dims, "cpu")
+    strategy._device_mesh = mesh
+    module._device_mesh = mesh
+    with torch.device("meta"):
+        module.configure_model()
+    module = strategy.precision_plugin.convert_module(module)
+    plan_ = None if parallelize.is_parallelized(module) else strategy.module_plan(module)
+    strategy._apply_parallelism(module)  # the training code path: TP, activation checkpointing, FSDP/replicate
+    notes = []
+    if plan_ is None:
+        notes.append("the model's configure_model applied its own parallelism; it is shown as applied")
+    try:
+        optimizers = _optimizers(module.configure_optimizers())
+    except Exception as err:  # e.g. configure_optimizers reads self.trainer, which a dry run does not have
+        optimizers = []
+        notes.append(f"configure_optimizers could not run without a Trainer ({type(err).__name__}: {err})")
+    precision = strategy.precision_plugin.precision
+    compute_dtype = torch.bfloat16 if precision in ("bf16-mixed", "bf16-true") else None
+    return PlanReport(
+        strategy=type(strategy).__name__,
+        dims=dims,
+        num_nodes=num_nodes,
+        rank=rank,
+        coordinate=dict(zip(mesh.mesh_dim_names or (), mesh.get_coordinate() or ())),
+        precision=precision,
+        modules=_describe_modules(module, plan_),
+        params=[
+            ParamRow(
+                name,
+                tuple(p.shape),
+                _placement(p),
+                tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape),
+                str(p.dtype).replace("torch.", ""),
+            )
+            for name, p in module.named_parameters()
+        ],
+        total_params=sum(p.numel() for p in module.parameters()),
+        memory=memory.estimate_memory(module, optimizers),
+        optimizers=sorted(
+            {
+                f"{e.optimizer}: {e.states} states/param" if e.states is not None else e.optimizer
+                for e in memory.optimizer_states(optimizers)
+            }
+        ),
+        largest_unit=_largest_fsdp_unit(module, compute_dtype),
+        notes=notes,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m lightning_dpar plan [--world-size N] [--num-nodes M] [--rank R] [CLI args such as --config F]`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_dpar plan",
+        description="Print the mesh, per-module plan, parameter placements and per-rank memory of a configuration"
+        " without launching processes or allocating the model. Other arguments (--config FILE, --trainer.*,"
+        " --model.*) are read as by `python -m lightning_dpar fit`.",
+    )
+    parser.add_argument("--world-size", type=int, help="ranks to plan for (default: trainer devices x num_nodes)")
+    parser.add_argument("--num-nodes", type=int, help="nodes the ranks span (default: trainer num_nodes)")
+    parser.add_argument("--rank", type=int, default=0, help="whose shards to show (default: 0, the largest)")
+    parser.add_argument("--all-params", action="store_true", help="one line per parameter (no x N grouping)")
+    args, cli_args = parser.parse_known_args(argv)
+    from lightning_dpar.cli import cli_main
+
+    with warnings.catch_warnings():
+        # Expected: the CLI is given `plan`'s leftover arguments rather than sys.argv.
+        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
+        cli = cli_main(cli_args, run=False, model_on_meta=True)
+    trainer = cli.trainer
+    num_nodes = args.num_nodes or trainer.num_nodes
+    world_size = args.world_size or trainer.num_devices * num_nodes
+    try:
+        report = plan(trainer.strategy, cli.model, world_size, num_nodes, args.rank)
+    except (ValueError, TypeError) as err:
+        print(f"plan failed: {err}", file=sys.stderr)
+        return 1
+    print(report.render(all_params=args.all_params))
+    return 0

@@ -1,0 +1,116 @@
+"""Per-rank memory estimate for parameters, gradients and optimizer state, from the parameters a rank holds.
+
+The estimate counts what lives for the whole run, on one rank, from the real (sharded) parameters:
+
+- parameters: local elements x the parameter dtype's size (fp32 under "32-true" and "bf16-mixed", whose master
+  weights stay fp32; bf16 under "bf16-true");
+- gradients: the same (gradients have the parameter's shape and dtype; FSDP2 reduces them in fp32 under
+  "bf16-mixed");
+- optimizer state: local elements x states per element x the parameter dtype's size, with the states per element
+  of each optimizer in `STATES_PER_PARAMETER` (Adam/AdamW: `exp_avg` and `exp_avg_sq`, +1 with `amsgrad`; SGD: 1
+  momentum buffer when `momentum > 0`, else 0; ...);
+- while FSDP computes a unit it all-gathers that unit's parameters in the compute dtype (bf16 under
+  "bf16-mixed"): reported separately as the largest unit's size.
+
+Not counted: activations (they depend on batch and sequence length), DDP's gradient buckets, temporary buffers,
+the CUDA context and allocator fragmentation. Keep head-room on top of the total.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
+
+#: Optimizer state tensors per parameter element, as a function of the parameter group's options.
+STATES_PER_PARAMETER: dict[str, Callable[[dict], int]] = {
+    "Adam": lambda group: 2 + bool(group.get("amsgrad")),
+    "AdamW": lambda group: 2 + bool(group.get("amsgrad")),
+    "Adamax": lambda group: 2,
+    "NAdam": lambda group: 2,
+    "RAdam": lambda group: 2,
+    "Adadelta": lambda group: 2,
+    "Adagrad": lambda group: 1,
+    "SGD": lambda group: 1 if group.get("momentum", 0) else 0,
+    "RMSprop": lambda group: 1 + bool(group.get("momentum", 0)) + bool(group.get("centered")),
+}
+
+
+def local_numel(param: torch.Tensor) -> int:
+    """Elements this rank stores: its shard for a DTensor, everything for a plain tensor."""
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+
+
+def unsharded_numel(param: torch.Tensor, keep_sharded_dims: Iterable[str]) -> int:
+    """Elements after all-gathering every mesh dim except `keep_sharded_dims` (e.g. FSDP's all-gather keeps TP)."""
+    if not isinstance(param, DTensor):
+        return param.numel()
+    keep = set(keep_sharded_dims)
+    names = param.device_mesh.mesh_dim_names or ()
+    divisor = 1
+    for dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard) and dim < len(names) and names[dim] in keep:
+            divisor *= param.device_mesh.size(dim)
+    return param.numel() // divisor
+
+
+@dataclass(frozen=True)
+class OptimizerStates:
+    """States per parameter for one optimizer's parameters; `states is None` when the optimizer is not known."""
+
+    optimizer: str
+    states: int | None
+    params: tuple[nn.Parameter, ...]
+
+
+def optimizer_states(optimizers: Iterable[Optimizer]) -> list[OptimizerStates]:
+    """One entry per (optimizer, parameter group)."""
+    entries = []
+    for optimizer in optimizers:
+        name = type(optimizer).__name__
+        rule = STATES_PER_PARAMETER.get(name)
+        for group in optimizer.param_groups:
+            entries.append(OptimizerStates(name, rule(group) if rule else None, tuple(group["params"])))
+    return entries
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank; `optimizer is None` when some optimizer's state size is unknown."""
+
+    parameters: int
+    gradients: int
+    optimizer: int | None
+    unknown_optimizers: tuple[str, ...]
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + (self.optimizer or 0)
+
+
+def estimate_memory(module: nn.Module, optimizers: Iterable[Optimizer]) -> MemoryEstimate:
+    """Persistent bytes on this rank for `module`'s parameters, their gradients and `optimizers`' state."""
+    params = list(module.parameters())
+    param_bytes = sum(local_numel(p) * p.element_size() for p in params)
+    grad_bytes = sum(local_numel(p) * p.element_size() for p in params if p.requires_grad)
+    optimizer_bytes, unknown = 0, set()
+    for entry in optimizer_states(optimizers):
+        if entry.states is None:
+            unknown.add(entry.optimizer)
+            continue
+        optimizer_bytes += sum(local_numel(p) * p.element_size() * entry.states for p in entry.params)
+    return MemoryEstimate(param_bytes, grad_bytes, None if unknown else optimizer_bytes, tuple(sorted(unknown)))
+
+
+def format_bytes(n: float) -> str:
+    """`1536` -> `"1.50 KiB"`."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    index = 0
+    while abs(n) >= 1024 and index < len(units) - 1:
+        n /= 1024
+        index += 1
+    return f"{n:.0f} B" if index == 0 else f"{n:.2f} {units[index]}"

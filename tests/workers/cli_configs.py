@@ -1,0 +1,73 @@
+"""Every `examples/configs/*.yaml` trained for a few steps through the real CLI (`lightning_dpar.cli.cli_main`),
+all in one torchrun launch of 4 ranks (Lightning is imported once, the process group is reused)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
+STEPS = 4
+#: A smaller GPT and less data than the example's defaults, so each config trains in seconds.
+TINY = [
+    f"--trainer.max_steps={STEPS}",
+    "--trainer.val_check_interval=2",
+    "--trainer.limit_val_batches=1",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--model.n_embd=64",
+    "--model.block_size=32",
+    "--data.block_size=32",
+    "--data.batch_size=4",
+    "--data.max_bytes=40000",
+]
+
+
+def _placement(module: torch.nn.Module, name: str) -> list[str] | None:
+    param = module.get_parameter(name)
+    return [str(p) for p in param.placements] if isinstance(param, DTensor) else None
+
+
+def run_config(name: str) -> dict:
+    config = CONFIGS / f"{name}.yaml"
+    from lightning_dpar.cli import cli_main  # here: other worker groups need not import LightningCLI
+
+    workdir = Path(sys.argv[2]).parent / "cli" / name  # same path on every rank
+    workdir.mkdir(parents=True, exist_ok=True)
+    os.chdir(workdir)
+    cli = cli_main(["fit", "--config", str(config), *TINY])
+    trainer, module = cli.trainer, cli.model
+    dims = trainer.strategy.dims
+    last = workdir / "checkpoints" / "gpt" / "last.ckpt"
+    return {
+        "strategy": type(trainer.strategy).__name__,
+        "dims": [dims.replicate, dims.shard, dims.tensor_parallel],
+        "global_step": trainer.global_step,
+        "train_loss": float(trainer.callback_metrics["train_loss"]),
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "q_placement": _placement(module, "model.blocks.0.attn.q.weight"),
+        "ln_placement": _placement(module, "model.blocks.0.ln_1.weight"),
+        "checkpoint_files": sorted(p.name for p in last.iterdir()) if last.is_dir() else [],
+        "precision": trainer.precision,
+        "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+        "local_shapes": {
+            name: list(p.to_local().shape if isinstance(p, DTensor) else p.shape)
+            for name, p in module.named_parameters()
+        },
+    }
+
+
+def example_configs(results: dict) -> None:
+    for config in sorted(CONFIGS.glob("*.yaml")):
+        results[f"config_{config.stem}"] = run_config(config.stem)
+        dist.barrier()
+    results["finite"] = all(math.isfinite(r["train_loss"]) for k, r in results.items() if k.startswith("config_"))
+
+
+GROUPS = {"example_configs": example_configs}
