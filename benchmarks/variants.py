@@ -18,10 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -45,7 +42,6 @@ class Context:
     steps: int
     data: SyntheticTokens
     mesh_2d: DeviceMesh
-    async_group: dist.ProcessGroup
     checkpoint_root: str
 
     @property
@@ -210,7 +206,7 @@ def run_plain(family: str, compiled: bool, ctx: Context) -> Measurement:
 
 
 def run_lightning(make_strategy: Callable[[], Any], module_cls: type, ctx: Context, checkpoint: str) -> Measurement:
-    """`checkpoint`: "" (none), "trainer" (save/load through the strategy) or "dcp" (also DCP sync vs async)."""
+    """`checkpoint`: "" (none), "trainer" (save/load through the strategy) or "async" (also `async_save`)."""
     clock = StepClock(ctx.device)
     trainer = L.Trainer(
         accelerator="gpu" if ctx.device.type == "cuda" else "cpu",
@@ -229,7 +225,7 @@ def run_lightning(make_strategy: Callable[[], Any], module_cls: type, ctx: Conte
     optimizer = trainer.optimizers[0]
     measurement = Measurement(clock.times, clock.cpu_times, clock.peak_memory(), state_bytes(module, optimizer))
     if checkpoint:
-        measurement.checkpoint = _time_checkpoints(trainer, module, optimizer, ctx, with_dcp=checkpoint == "dcp")
+        measurement.checkpoint = _time_checkpoints(trainer, ctx.checkpoint_root, with_async=checkpoint == "async")
     return measurement
 
 
@@ -241,38 +237,34 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def _time_checkpoints(trainer, module, optimizer, ctx: Context, with_dcp: bool) -> dict[str, float]:
-    root = [tempfile.mkdtemp(dir=ctx.checkpoint_root)]
+def _time_checkpoints(trainer: L.Trainer, checkpoint_root: str, with_async: bool) -> dict[str, float]:
+    """Save and load through the strategy; with `with_async`, also two `async_save` saves of the same state.
+
+    Async "blocked" is the time until `save_checkpoint` returns on the slowest rank (training waits for it); "total"
+    also waits for the background write to be complete under its final name. The first async save also creates
+    the writer's thread and process group; "steady" is the next one, as every later save in a run.
+    """
+    root = [tempfile.mkdtemp(dir=checkpoint_root)]
     dist.broadcast_object_list(root)
-    path = os.path.join(root[0], "trainer.ckpt")
+    path = os.path.join(root[0], "sync.ckpt")
     times = {
         "save_s": _timed(lambda: trainer.save_checkpoint(path)),
         "load_s": _timed(lambda: trainer.strategy.load_checkpoint(path)),
     }
-    if with_dcp:
-        state = {"model": get_model_state_dict(module), "optim": get_optimizer_state_dict(module, optimizer)}
-        times["dcp_sync_s"] = _timed(lambda: dcp.save(state, checkpoint_id=os.path.join(root[0], "sync")))
-        # One stager for the run, as a training loop keeps it: the second save reuses its staging buffers.
-        cuda = ctx.device.type == "cuda"
-        stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+    if with_async:
+        trainer.strategy.async_save = True
         for attempt in ("first", "steady"):
             dist.barrier()
             start = time.perf_counter()
-            future = dcp.async_save(
-                state,
-                checkpoint_id=os.path.join(root[0], f"async_{attempt}"),
-                process_group=ctx.async_group,
-                async_stager=stager,
-            )
+            trainer.save_checkpoint(os.path.join(root[0], f"async_{attempt}.ckpt"))
             blocked = torch.tensor(time.perf_counter() - start)
-            future.result()
-            dist.barrier()
+            trainer.strategy.wait_for_checkpoint()
             total = time.perf_counter() - start
-            dist.all_reduce(blocked, op=dist.ReduceOp.MAX)  # training waits for the slowest rank
+            dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
             suffix = "_first" if attempt == "first" else ""
-            times[f"dcp_async_blocked{suffix}_s"] = blocked.item()
-            times[f"dcp_async_total{suffix}_s"] = total
-        stager.close()
+            times[f"async_blocked{suffix}_s"] = blocked.item()
+            times[f"async_total{suffix}_s"] = total
+        trainer.strategy.async_save = False
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(root[0], ignore_errors=True)
@@ -358,7 +350,7 @@ def all_variants() -> list[Variant]:
                     "dpar",
                     compiled,
                     lambda ctx, f=family, c=compiled: run_lightning(
-                        _dpar(f, compile=c), BenchModule, ctx, "" if c else "dcp"
+                        _dpar(f, compile=c), BenchModule, ctx, "" if c else "async"
                     ),
                 )
             )
@@ -375,5 +367,4 @@ def build_context(size: Size, device: torch.device, warmup: int, steps: int, che
         mesh_dim_names=("data_parallel", "tensor_parallel"),
     )
     data = SyntheticTokens(size, n=world * size.batch * (warmup + steps))
-    async_group = dist.new_group(backend="gloo")  # DCP's async save talks over its own CPU group
-    return Context(size, device, warmup, steps, data, mesh_2d, async_group, checkpoint_root)
+    return Context(size, device, warmup, steps, data, mesh_2d, checkpoint_root)

@@ -15,6 +15,16 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Undo what a test leaves in `os.environ`: an in-process LightningCLI run sets `PL_GLOBAL_SEED`, which every
+    later worker would inherit and use as its distributed sampler's seed, silently changing its data order."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"

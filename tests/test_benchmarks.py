@@ -48,10 +48,9 @@ RAW = {
             {
                 "save_s": 1.0,
                 "load_s": 1.0,
-                "dcp_sync_s": 1.0,
-                "dcp_async_blocked_first_s": 0.3,
-                "dcp_async_blocked_s": 0.1,
-                "dcp_async_total_s": 1.2,
+                "async_blocked_first_s": 0.3,
+                "async_blocked_s": 0.1,
+                "async_total_s": 1.2,
             },
         ),
         "plain_fsdp": _variant("fsdp", "plain", False, 200.0, 12.0),
@@ -85,5 +84,5 @@ def test_benchmark_command_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "benchmark_cpu.json").read_text())["results"][0]
     assert set(result["summary"]) == {"plain_ddp", "dpar_replicate"}
-    assert result["summary"]["dpar_replicate"]["checkpoint"]["dcp_async_blocked_s"] > 0
+    assert result["summary"]["dpar_replicate"]["checkpoint"]["async_blocked_s"] > 0
     assert "| dpar_replicate |" in (tmp_path / "benchmark_cpu.md").read_text()

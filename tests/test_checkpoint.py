@@ -220,3 +220,17 @@ def test_safetensors_export_streams(results):
     assert isinstance(growth["safetensors"], float), growth["safetensors"]
     assert growth["safetensors"] < memory["model_mib"] / 3
     assert growth["lightning"] > memory["model_mib"] * 0.9  # the contrast: the measurement sees a whole model
+
+
+def test_async_save_is_settable_between_saves_and_needs_the_sharded_format():
+    import lightning_dpar
+
+    strategy = lightning_dpar.FullyShardStrategy(async_save=True)
+    assert strategy.async_save
+    strategy.async_save = False
+    assert not strategy.async_save
+    with pytest.raises(ValueError, match=r"`async_save=True` needs `checkpoint_format='sharded'`, not 'full'"):
+        lightning_dpar.FullyShardStrategy(checkpoint_format="full", async_save=True)
+    full = lightning_dpar.ReplicateStrategy(checkpoint_format="full")
+    with pytest.raises(ValueError, match="not 'full'"):
+        full.async_save = True

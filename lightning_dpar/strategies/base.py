@@ -133,10 +133,9 @@ class DparStrategy(ParallelStrategy):
         # Checkpointing (see the checkpointing section below).
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"`checkpoint_format={checkpoint_format!r}` is invalid; use 'sharded' or 'full'.")
-        if async_save and checkpoint_format != "sharded":
-            raise ValueError("`async_save=True` needs `checkpoint_format='sharded'`.")
         self._checkpoint_format: CheckpointFormat = checkpoint_format
-        self._checkpoint_writer = CheckpointWriter(async_save=async_save)
+        self._checkpoint_writer = CheckpointWriter()
+        self.async_save = async_save
         self._pending_resume: dict[str, Any] = {}  # RNG and data position of a loaded checkpoint, applied later
         self._train_sampler: resume.ResumableDistributedSampler | None = None
         self._batches_to_skip = 0  # mid-epoch resume with a custom sampler (see `_skip_seen_batches`)
@@ -549,6 +548,21 @@ class DparStrategy(ParallelStrategy):
                 " streams cannot be mapped, so the freshly seeded ones are used."
             )
         self._pending_resume = {}
+
+    @property
+    def async_save(self) -> bool:
+        """Whether sharded saves are written in the background. Settable between saves, e.g. to `False` before a
+        final save that must be on disk when `save_checkpoint` returns."""
+        return self._checkpoint_writer.async_save
+
+    @async_save.setter
+    def async_save(self, enabled: bool) -> None:
+        if enabled and self._checkpoint_format != "sharded":
+            raise ValueError(
+                f"`async_save=True` needs `checkpoint_format='sharded'`, not {self._checkpoint_format!r}: "
+                "a full checkpoint is gathered to rank 0 and written there."
+            )
+        self._checkpoint_writer.async_save = enabled
 
     def wait_for_checkpoint(self) -> None:
         """Block until an `async_save` checkpoint still being written is complete under its final name.

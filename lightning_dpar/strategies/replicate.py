@@ -27,8 +27,10 @@ class ReplicateStrategy(DparStrategy):
     all-reduce, full parameters on every rank.
 
     Args:
-        bucket_cap_mb, gradient_as_bucket_view, static_graph, find_unused_parameters: as in
-            `DistributedDataParallel` (DDP mode only).
+        bucket_cap_mb: gradient bucket size, as in `DistributedDataParallel` (DDP mode only).
+        gradient_as_bucket_view: as in `DistributedDataParallel` (DDP mode only).
+        static_graph: as in `DistributedDataParallel` (DDP mode only).
+        find_unused_parameters: as in `DistributedDataParallel` (DDP mode only).
         ignored_modules: class names or module-name globs whose gradients are not synchronised.
         comm_hook: `"bf16_compress"`, `"fp16_compress"` or a DDP comm-hook callable. With TP the two names set the
             gradient all-reduce dtype; callables need DDP mode.
