@@ -4,7 +4,6 @@ LightningCLI parsing rules (parsing tests run in this process; only real trainin
 from __future__ import annotations
 
 import csv
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -152,12 +151,9 @@ def test_main_dispatch_usage_and_unknown_command(capsys):
     assert "Unknown command 'train'" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("lightning_dpar.consolidate") is not None, reason="consolidate is installed"
-)
-def test_consolidate_without_the_module_says_so(capsys):
-    assert main(["consolidate", "ckpt"]) == 1
-    assert "`consolidate` is not available" in capsys.readouterr().err
+def test_consolidate_command_is_dispatched_and_names_a_missing_path(capsys):
+    assert main(["consolidate", "/nonexistent/ckpt", "out.ckpt"]) == 1
+    assert "Checkpoint path '/nonexistent/ckpt' does not exist" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- real training runs
