@@ -136,7 +136,10 @@ class PerformanceMonitor(L.Callback):
             self.peak_memory_per_rank = [int(v) for v in gathered]
         else:
             self.peak_memory_per_rank = [peak]
-        if self.summary and trainer.is_global_zero:
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Here rather than in `on_train_end`: the progress bar has finished its line by now.
+        if self.summary and trainer.is_global_zero and self.records:
             print(self.format_summary(trainer), flush=True)
 
     # ------------------------------------------------------------------ metrics

@@ -21,7 +21,6 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -239,8 +238,8 @@ def _plan_on_fake_world(
     strategy.num_nodes = num_nodes
     strategy.parallel_devices = [torch.device("meta")] * devices_per_node
     strategy.dims = dims
-    mesh: DeviceMesh = build_device_mesh(dims, "cpu")
-    strategy._device_mesh = mesh
+    mesh, data_parallel_mesh = build_device_mesh(dims, "cpu")
+    strategy._device_mesh, strategy._data_parallel_mesh = mesh, data_parallel_mesh
     module._device_mesh = mesh
     with torch.device("meta"):
         module.configure_model()

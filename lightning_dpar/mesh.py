@@ -92,19 +92,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def build_device_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The world mesh `(replicate, shard, tensor_parallel)` plus the flattened `data_parallel` dim.
+def build_device_mesh(dims: ParallelDims, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """The world mesh `(replicate, shard, tensor_parallel)`, with the flattened `data_parallel` dim registered on it,
+    and that 1-D `data_parallel` mesh itself.
 
     Rank layout is row-major, so tensor-parallel peers are adjacent ranks (same node) and replicas are the
-    farthest apart (across nodes), as HSDP and TP want.
+    farthest apart (across nodes), as HSDP and TP want. The data-parallel mesh is returned rather than looked up
+    later because torch deprecates slicing a flattened dim from the world mesh (it warns on every lookup).
     """
     mesh = init_device_mesh(
         device_type,
         (dims.replicate, dims.shard, dims.tensor_parallel),
         mesh_dim_names=(REPLICATE, SHARD, TENSOR_PARALLEL),
     )
-    flatten_mesh(mesh[REPLICATE, SHARD], DATA_PARALLEL)
-    return mesh
+    return mesh, flatten_mesh(mesh[REPLICATE, SHARD], DATA_PARALLEL)
 
 
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:

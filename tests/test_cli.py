@@ -247,6 +247,7 @@ def test_main_job_trains_with_a_progress_bar_and_saves_a_sharded_checkpoint(main
     workdir, first, _, _ = main_job
     assert first.returncode == 0, first.stderr[-4000:]
     assert "Epoch 0: 100%" in first.stdout and "`max_steps=6` reached" in first.stderr
+    assert "PerformanceMonitor summary" in first.stdout and "tokens/s (global)" in first.stdout
     last = workdir / "checkpoints" / "gpt" / "last.ckpt"
     assert last.is_symlink() and (last / "meta.pt").is_file()
     assert sorted(p.name for p in last.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]

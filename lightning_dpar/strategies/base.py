@@ -43,7 +43,7 @@ from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import CheckpointWriter
 from lightning_dpar.compilation import CompileSpec, compile_options, compile_units
 from lightning_dpar.launchers import InteractiveLauncher
-from lightning_dpar.mesh import DATA_PARALLEL, TENSOR_PARALLEL, ParallelDims, SizeArg, build_device_mesh
+from lightning_dpar.mesh import TENSOR_PARALLEL, ParallelDims, SizeArg, build_device_mesh
 from lightning_dpar.plan import (
     ModulePlan,
     ModuleSelector,
@@ -127,6 +127,7 @@ class DparStrategy(ParallelStrategy):
         self.num_nodes = 1
         self.dims: ParallelDims | None = None
         self._device_mesh: DeviceMesh | None = None
+        self._data_parallel_mesh: DeviceMesh | None = None
         # Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
         self._grad_sync_modules: list[nn.Module] = []
         self._parallelized_module: nn.Module | None = None
@@ -175,7 +176,7 @@ class DparStrategy(ParallelStrategy):
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         """Ranks that see different batches; metrics and logged values reduce over this group only."""
-        return self._device_mesh[DATA_PARALLEL].get_group() if self._device_mesh is not None else None
+        return self._data_parallel_mesh.get_group() if self._data_parallel_mesh is not None else None
 
     def resolve_dims(self, world_size: int, devices_per_node: int, num_nodes: int) -> ParallelDims:
         """Mesh sizes for a world; pure arithmetic, shared with the `plan` dry-run."""
@@ -214,7 +215,7 @@ class DparStrategy(ParallelStrategy):
                 device_id=self.root_device if self.root_device.type != "cpu" else None,
             )
         if self._device_mesh is None:  # fit then validate reuse the mesh the parameters already live on
-            self._device_mesh = build_device_mesh(self.dims, self.root_device.type)
+            self._device_mesh, self._data_parallel_mesh = build_device_mesh(self.dims, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -232,7 +233,8 @@ class DparStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        mesh = self.device_mesh[DATA_PARALLEL]
+        mesh = self._data_parallel_mesh
+        assert mesh is not None, "the data-parallel mesh is built in `setup_environment`"
         return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 
     # ------------------------------------------------------------------ model setup
