@@ -4,18 +4,21 @@ through any Lightning logger and summarised in a table at the end of `fit`.
 Works with any strategy (the package's or Lightning's own) and any accelerator. What each number means:
 
 - step time: wall time between the ends of consecutive training batches (data loading included, validation
-  excluded); on CUDA the device is synchronised first so queued kernels are counted.
+  excluded); on CUDA the device is synchronised first so queued kernels are counted (Lightning's progress bar
+  reads the loss every step, which synchronises anyway).
 - samples/s, tokens/s: global, i.e. this rank's batch size times the number of data-parallel ranks (ranks of one
   tensor-parallel group see the same batch and are counted once), divided by the step time. Tokens are counted when
-  `tokens_per_sample` is given or the batch's first tensor holds token ids (an integer tensor `[batch, seq, ...]`).
+  `tokens_per_sample` is given or the batch's first tensor holds token ids (an int32/int64 tensor `[batch, seq]`).
 - peak memory: per rank. CUDA: the allocator's peak (`torch.cuda.max_memory_allocated`, reset when training
   starts). CPU: the process's peak resident set size (`ru_maxrss`), which covers the whole process lifetime.
-- MFU (CUDA only): achieved model FLOP/s over the device's peak. Model FLOPs per batch, first available of:
-  `flops_per_sample * batch size`; `6 * N * tokens` (N = parameter count, the standard dense-transformer estimate:
-  2 FLOPs per parameter per token forward, 4 backward; attention scores and activation recomputation are not
-  counted); otherwise measured on the first batch with `torch.utils.flop_counter.FlopCounterMode` (forward and
-  backward on this rank, which includes any activation recomputation). Peak FLOP/s come from `peak_flops` or the
-  table `PEAK_FLOPS` (dense, no sparsity) for the compute dtype implied by the Trainer's precision.
+- MFU: achieved model FLOP/s over the device's peak, when both are known. Model FLOPs per batch:
+  `flops_per_sample * batch size`, else `6 * N * tokens` (N = parameter count, the standard dense-transformer
+  estimate: 2 FLOPs per parameter per token forward, 4 backward; attention scores and activation recomputation are
+  not counted); per rank, divided by the tensor-parallel size (ranks that share one batch's compute). Peak FLOP/s
+  come from `peak_flops` or, on CUDA, the table `PEAK_FLOPS` (dense, no sparsity) for the compute dtype implied by
+  the Trainer's precision. FLOPs are never measured by tracing a batch: a dispatch mode active during a compiled
+  block's first call would make dynamo skip that code for the rest of the process.
+- Memory of the records: the most recent `RECORDS_KEPT` batches; the summary's medians are over those.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import resource
 import statistics
 import sys
 import time
+from collections import deque
 from typing import Any
 
 import lightning as L
@@ -41,6 +45,9 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 }
 
 GIB = 1024**3
+
+#: Batches whose records are kept (bounded so a long run does not grow memory); the summary uses these.
+RECORDS_KEPT = 10_000
 
 
 class PerformanceMonitor(L.Callback):
@@ -73,21 +80,29 @@ class PerformanceMonitor(L.Callback):
         self.warmup_steps = warmup_steps
         self.log_every_n_steps = log_every_n_steps
         self.summary = summary
-        #: One record per training batch: step time (s), global samples and tokens, model FLOPs on this rank.
-        self.records: list[dict[str, float]] = []
+        #: One record per recent training batch: step time (s), global samples and tokens, model FLOPs on this rank.
+        self.records: deque[dict[str, float]] = deque(maxlen=RECORDS_KEPT)
         #: Peak memory (bytes) of every rank, gathered when training ends.
         self.peak_memory_per_rank: list[int] = []
+        self._batches = 0
         self._last: float | None = None
-        self._flop_counter: Any = None
-        self._flops_per_batch: float | None = None
+        # Fixed for a run; computed once in `on_train_start`.
+        self._data_parallel_size = 1
+        self._model_parallel_size = 1
+        self._parameter_count = 0
+        self._peak_flops: float | None = None
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.records.clear()
-        self._flops_per_batch = None
+        self._batches = 0
         if self._is_cuda(trainer):
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
         self._last = None
+        self._data_parallel_size = _data_parallel_size(trainer)
+        self._model_parallel_size = _model_parallel_size(pl_module)
+        self._parameter_count = _parameter_count(pl_module)
+        self._peak_flops = self._device_peak_flops(trainer)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -95,34 +110,26 @@ class PerformanceMonitor(L.Callback):
         if self._last is None:  # first batch (or first after validation): time from here
             self._sync(trainer)
             self._last = time.perf_counter()
-        if self._needs_flop_count(trainer, batch):
-            from torch.utils.flop_counter import FlopCounterMode
-
-            self._flop_counter = FlopCounterMode(display=False)
-            self._flop_counter.__enter__()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._flop_counter is not None:
-            self._flop_counter.__exit__(None, None, None)
-            self._flops_per_batch = float(self._flop_counter.get_total_flops())
-            self._flop_counter = None
         self._sync(trainer)
         now = time.perf_counter()
         assert self._last is not None
         step_time, self._last = now - self._last, now
         samples, tokens = self._batch_size(batch)
-        replicas = _data_parallel_size(trainer)
+        replicas = self._data_parallel_size
         record = {
             "step_time_s": step_time,
             "samples": float(samples * replicas),
             "tokens": float(tokens * replicas) if tokens else 0.0,
-            "flops": self._model_flops(pl_module, samples, tokens),
+            "flops": self._model_flops(samples, tokens),
         }
         self.records.append(record)
+        self._batches += 1
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        if len(self.records) % max(every, 1) == 0:
+        if self._batches % max(every, 1) == 0:
             self._log(trainer, self._metrics(trainer, record))
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -143,9 +150,16 @@ class PerformanceMonitor(L.Callback):
             print(self.format_summary(trainer), flush=True)
 
     # ------------------------------------------------------------------ metrics
+    def _measured(self) -> tuple[list[dict[str, float]], int]:
+        """The kept records after warm-up (all of them when there are no more), and how many were skipped."""
+        records = list(self.records)
+        warmup_still_kept = max(0, self.warmup_steps - (self._batches - len(records)))
+        skipped = warmup_still_kept if warmup_still_kept < len(records) else 0
+        return records[skipped:], skipped
+
     def summary_metrics(self, trainer: L.Trainer) -> dict[str, float]:
-        """Medians over the batches after warm-up (all batches when there are no more)."""
-        measured = self.records[self.warmup_steps :] or self.records
+        """Medians over the kept batches after warm-up (all batches when there are no more)."""
+        measured, _ = self._measured()
         if not measured:
             return {}
         step_time = statistics.median(r["step_time_s"] for r in measured)
@@ -159,8 +173,8 @@ class PerformanceMonitor(L.Callback):
 
     def format_summary(self, trainer: L.Trainer) -> str:
         metrics = self.summary_metrics(trainer)
-        skipped = min(self.warmup_steps, max(len(self.records) - 1, 0)) if self.records else 0
-        rows = [("batches measured", f"{len(self.records) - skipped} (after {skipped} warm-up)")]
+        measured, skipped = self._measured()
+        rows = [("batches measured", f"{len(measured)} (after {skipped} warm-up)")]
         labels = {
             "perf/step_time_s": ("step time (median)", "{:.4f} s"),
             "perf/samples_per_s": ("samples/s (global)", "{:,.1f}"),
@@ -184,9 +198,8 @@ class PerformanceMonitor(L.Callback):
         }
         if record["tokens"]:
             metrics["perf/tokens_per_s"] = record["tokens"] / step_time
-        peak = self._device_peak_flops(trainer)
-        if peak and record["flops"]:
-            metrics["perf/mfu"] = record["flops"] / step_time / peak
+        if self._peak_flops and record["flops"]:
+            metrics["perf/mfu"] = record["flops"] / step_time / self._peak_flops
         return metrics
 
     def _log(self, trainer: L.Trainer, metrics: dict[str, float]) -> None:
@@ -203,28 +216,22 @@ class PerformanceMonitor(L.Callback):
         samples = first.shape[0]
         if self.tokens_per_sample is not None:
             return samples, samples * self.tokens_per_sample
-        if first.dim() >= 2 and not torch.is_floating_point(first) and not first.is_complex():
+        if first.dim() == 2 and first.dtype in (torch.int32, torch.int64):  # token ids [batch, seq]
             return samples, first.shape[0] * first.shape[1]
         return samples, 0
 
-    def _needs_flop_count(self, trainer: L.Trainer, batch: Any) -> bool:
-        return (
-            self._is_cuda(trainer)
-            and self._flops_per_batch is None
-            and self.flops_per_sample is None
-            and not self._batch_size(batch)[1]
-            and bool(self._device_peak_flops(trainer))
-        )
+    def _model_flops(self, samples: int, tokens: int) -> float:
+        """Model FLOPs this rank computes for its batch (0 when unknown).
 
-    def _model_flops(self, pl_module: L.LightningModule, samples: int, tokens: int) -> float:
-        """Model FLOPs of this rank's batch (0 when unknown)."""
+        The ranks of one tensor-parallel group compute one batch together, so each does 1/TP of its FLOPs.
+        """
         if self.flops_per_sample is not None:
-            return self.flops_per_sample * samples
-        if tokens:
-            # Each rank computes its own tokens over the whole model (its TP/FSDP shards together make it whole),
-            # so the per-rank share of 6*N*tokens is divided by the ranks that split one batch's compute.
-            return 6.0 * _parameter_count(pl_module) * tokens / _model_parallel_size(pl_module)
-        return self._flops_per_batch or 0.0
+            batch_flops = self.flops_per_sample * samples
+        elif tokens:
+            batch_flops = 6.0 * self._parameter_count * tokens
+        else:
+            return 0.0
+        return batch_flops / self._model_parallel_size
 
     def _device_peak_flops(self, trainer: L.Trainer) -> float | None:
         if self.peak_flops is not None:

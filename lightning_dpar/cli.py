@@ -27,7 +27,7 @@ TRAINER_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 #: any other strategy class the user picks (a `ReplicateStrategy` would silently inherit `tensor_parallel_size: 2`).
 DEFAULT_STRATEGY = Namespace(
     class_path="lightning_dpar.FSDPTensorParallelStrategy",
-    init_args=Namespace(tensor_parallel_size=2, data_parallel_size=2),
+    init_args=Namespace(tensor_parallel_size=2),  # data_parallel_size "auto": the rest of the world
 )
 
 

@@ -34,6 +34,19 @@ class TinyLanguageModel(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class ImageModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Linear(3 * 4 * 4, 1)
+
+    def training_step(self, batch, batch_idx):
+        (images,) = batch
+        return self.model(images.flatten(1).float()).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 def _fit(tmp_path, module, data, monitor, steps=6):
     trainer = L.Trainer(
         accelerator="cpu",
@@ -69,7 +82,7 @@ def test_logs_tokens_samples_step_time_and_memory_for_token_batches(tmp_path, ca
     assert "PerformanceMonitor summary" in summary and "4 (after 2 warm-up)" in summary
     assert "tokens/s (global)" in summary and "rank 0 peak RSS" in summary
     metrics = monitor.summary_metrics(trainer)
-    times = sorted(r["step_time_s"] for r in monitor.records[2:])
+    times = sorted(r["step_time_s"] for r in list(monitor.records)[2:])
     assert metrics["perf/step_time_s"] == pytest.approx((times[1] + times[2]) / 2)
 
 
@@ -80,6 +93,16 @@ def test_float_features_count_samples_not_tokens_unless_told(tmp_path):
     _, rows = _fit(tmp_path / "b", ParityModule(), loader(RegressionData(), BATCH), monitor, steps=4)
     assert len(rows) == 2  # logged every 2 batches
     assert float(rows[0]["perf/tokens_per_s"]) == pytest.approx(10 * float(rows[0]["perf/samples_per_s"]))
+
+
+def test_integer_images_are_not_token_ids_and_warmup_is_reported_as_used(tmp_path, capsys):
+    images = torch.randint(0, 255, (16, 3, 4, 4), dtype=torch.uint8)
+    module = ImageModule()
+    monitor = PerformanceMonitor(warmup_steps=2)
+    _, rows = _fit(tmp_path, module, DataLoader(TensorDataset(images), batch_size=BATCH), monitor, steps=2)
+    assert "perf/tokens_per_s" not in rows[0]
+    # Two batches and warmup_steps=2: no batch is left after warm-up, so the medians use both, and say so.
+    assert "2 (after 0 warm-up)" in capsys.readouterr().out
 
 
 def test_invalid_warmup_is_refused():
@@ -99,6 +122,8 @@ def test_counts_global_samples_over_data_parallel_ranks_and_gathers_memory(monit
     assert result["samples_per_record"] == [4.0 * result["dp"]] * 4
     assert len(result["peak_memory_per_rank"]) == 2 and min(result["peak_memory_per_rank"]) > 50 * 1024**2
     assert "rank 1 peak RSS" in result["summary"]
-    assert result["metrics"]["perf/samples_per_s"] == pytest.approx(
-        4.0 * result["dp"] / result["metrics"]["perf/step_time_s"]
-    )
+    metrics = result["metrics"]
+    assert metrics["perf/samples_per_s"] == pytest.approx(4.0 * result["dp"] / metrics["perf/step_time_s"])
+    # MFU: this rank's share of 6 * N * tokens (a tensor-parallel group shares one batch) per second, over the peak.
+    rank_flops = 6 * result["parameter_count"] * result["rank_batch"] * 3 / result["tp"]
+    assert metrics["perf/mfu"] == pytest.approx(rank_flops / metrics["perf/step_time_s"] / 1e12)

@@ -35,6 +35,8 @@ def test_defaults_are_the_example_on_4_cpu_ranks_with_tp2_fsdp2():
     strategy = cli.trainer.strategy
     assert type(strategy) is lightning_dpar.FSDPTensorParallelStrategy
     assert strategy.resolve_dims(4, 4, 1).describe() == "world=4 = replicate 1 x shard 2 x tensor_parallel 2"
+    # The default strategy also fits other device counts: FSDP takes the ranks TP leaves.
+    assert strategy.resolve_dims(32, 8, 4).describe() == "world=32 = replicate 1 x shard 16 x tensor_parallel 2"
     assert cli.trainer.num_devices == 4 and cli.trainer.accelerator.__class__.__name__ == "CPUAccelerator"
     assert isinstance(cli.model, GPT) and isinstance(cli.datamodule, StdlibBytes)
     assert cli.model.tp_plan["model.blocks.*.attn.proj"] == "rowwise"

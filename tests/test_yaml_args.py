@@ -115,6 +115,15 @@ def test_comm_hook_callable_by_import_path(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "hook", ["torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook", default_hooks.allreduce_hook]
+)
+def test_ddp_comm_hook_with_tensor_parallel_is_refused_by_name(hook):
+    strategy = lightning_dpar.ReplicateStrategy(tensor_parallel_size=2, comm_hook=hook)
+    with pytest.raises(ValueError, match=r"\['comm_hook'\] configure DDP's bucketed reducer"):
+        strategy._check_tp_compatible_options()
+
+
+@pytest.mark.parametrize(
     ("name", "strategy_type"),
     [
         ("dpar_replicate", lightning_dpar.ReplicateStrategy),

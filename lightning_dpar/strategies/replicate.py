@@ -103,9 +103,7 @@ class ReplicateStrategy(DparStrategy):
                 module, group, ignored, self._ddp_kwargs, self._comm_hook, self.root_device
             )
         self._check_tp_compatible_options()
-        reduce_dtype = (
-            parallelize.COMPRESS_HOOK_DTYPES[self._comm_hook_spec] if isinstance(self._comm_hook_spec, str) else None
-        )
+        reduce_dtype = parallelize.COMPRESS_HOOK_DTYPES.get(self._comm_hook_spec)  # type: ignore[arg-type]
 
         def mp_policy(top_level: bool) -> Any:
             policy = self.precision_plugin.mixed_precision_policy(top_level)
@@ -141,8 +139,8 @@ class ReplicateStrategy(DparStrategy):
         ddp_only = {k: v for k, v in self._ddp_kwargs.items() if v}
         if self._compiled_autograd:
             ddp_only["compiled_autograd"] = True
-        if callable(self._comm_hook_spec):
-            ddp_only["comm_hook"] = self._comm_hook_spec
+        if self._comm_hook_spec is not None and self._comm_hook_spec not in parallelize.COMPRESS_HOOK_DTYPES:
+            ddp_only["comm_hook"] = self._comm_hook_spec  # a callable, or an import path resolved to one
         if ddp_only:
             raise ValueError(
                 f"{sorted(ddp_only)} configure DDP's bucketed reducer, which is not used with"

@@ -326,16 +326,22 @@ def group_monitor(results):
     from lightning_dpar import PerformanceMonitor
 
     world = world_size()
-    for name, strategy, dp in (
-        ("fsdp", FullyShardStrategy(), world),
-        ("2d", FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN), world // 2),
+    for name, strategy, dp, tp in (
+        ("fsdp", FullyShardStrategy(), world, 1),
+        ("2d", FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN), world // 2, 2),
     ):
-        monitor = PerformanceMonitor(warmup_steps=1)
+        # `peak_flops` given, so MFU is computed on CPU too (the 6 * N * tokens estimate, 3 tokens per sample).
+        monitor = PerformanceMonitor(warmup_steps=1, tokens_per_sample=3, peak_flops=1e12)
+        module = ParityModule()
+        full_parameter_count = sum(p.numel() for p in module.parameters())  # before sharding
         trainer = trainer_for(strategy, max_steps=4, callbacks=[monitor])
-        trainer.fit(ParityModule(), loader(RegressionData(), BATCH))
+        trainer.fit(module, loader(RegressionData(), BATCH))
         if trainer.global_rank == 0:
             results[f"monitor_{name}"] = {
                 "dp": dp,
+                "tp": tp,
+                "rank_batch": BATCH,
+                "parameter_count": full_parameter_count,
                 "samples_per_record": [r["samples"] for r in monitor.records],
                 "peak_memory_per_rank": monitor.peak_memory_per_rank,
                 "summary": monitor.format_summary(trainer),
