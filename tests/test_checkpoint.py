@@ -119,6 +119,8 @@ def test_strict_loading_false_loads_matching_keys_and_reports_the_rest(results):
         ("not_a_checkpoint_file", ["notes.txt", "not written by `torch.save`"]),
         ("truncated", ["truncated.ckpt/__1_0.distcp", "is truncated"]),
         ("corrupted", ["corrupted.ckpt/__0_0.distcp", "is corrupted"]),
+        ("newer_sharded", ["newer_sharded.ckpt", "written in checkpoint format 99", "Upgrade lightning_dpar"]),
+        ("newer_full", ["newer_full.ckpt", "written in checkpoint format 99", "Upgrade lightning_dpar"]),
     ],
 )
 def test_bad_checkpoint_fails_on_every_rank_naming_path_and_problem(results, case, expected):

@@ -17,7 +17,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from lightning_dpar.checkpoint.full import names_to_positions
-from lightning_dpar.checkpoint.layout import DPAR_KEY, CheckpointInfo, check_data_files, inspect_checkpoint
+from lightning_dpar.checkpoint.layout import (
+    DPAR_KEY,
+    CheckpointInfo,
+    check_data_files,
+    inspect_checkpoint,
+    optimizer_key,
+)
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, SafeLoadPlanner, safe_storage_reader
 from lightning_dpar.checkpoint.storage import Location
 
@@ -63,7 +69,7 @@ class OfflineCheckpoint:
         state = _unflatten(flat, self.info.index.planner_data or {})
         with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            reader = safe_storage_reader(self.info.location)
+            reader = safe_storage_reader(self.info.location, self.info.index)
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         return state
 
@@ -71,15 +77,17 @@ class OfflineCheckpoint:
         """Every optimizer's full state, keyed by parameter position the way a plain `torch.optim` optimizer is."""
         states = []
         index = 0
-        while entries := self._entries(f"optimizer_{index}"):
-            states.append(names_to_positions(self._read(entries)[f"optimizer_{index}"]))
+        while entries := self._entries(optimizer_key(index)):
+            states.append(names_to_positions(self._read(entries)[optimizer_key(index)]))
             index += 1
         return states
 
     def lightning_checkpoint(self, with_optimizers: bool = True) -> dict[str, Any]:
         """A single-file Lightning checkpoint: `state_dict`, `optimizer_states` and the rest of `meta.pt`."""
         checkpoint = {k: v for k, v in self.info.metadata.items() if k != DPAR_KEY}
-        checkpoint["state_dict"] = dict(self.iter_model())
+        model_key = self.info.model_key
+        tensors = {f"{model_key}.{name}": meta for name, meta in self.model_tensors().items()}
+        checkpoint["state_dict"] = self._read(tensors)[model_key]  # one read: this format holds it all anyway
         if with_optimizers:
             checkpoint["optimizer_states"] = self.optimizer_states()
         return checkpoint

@@ -7,12 +7,10 @@ state is stored the way a plain `torch.optim` optimizer stores it: keyed by para
 
 from __future__ import annotations
 
-import io
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -23,9 +21,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from lightning_dpar.checkpoint.layout import PARTIAL_PREFIX
+from lightning_dpar.checkpoint.layout import check_format_version, partial_name
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
+from lightning_dpar.checkpoint.writer import publish, remove_leftovers
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -69,18 +68,15 @@ def positions_to_names(state: dict[str, Any], model: nn.Module, optimizer: Optim
 
 
 def save_full(checkpoint: dict[str, Any], location: Location, is_global_zero: bool) -> None:
-    """Rank 0 writes the file under a temporary name and renames it: readers never see half a file."""
+    """Rank 0 writes the file under a temporary name and publishes it the way sharded checkpoints are published:
+    readers never see half a file, and replacing `last.ckpt` never leaves no checkpoint at all."""
     if not is_global_zero:
         return
-    partial = location.sibling(f"{PARTIAL_PREFIX}{uuid.uuid4().hex[:8]}")
     location.parent.makedirs()
-    buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
-    with partial.open("wb") as f:
-        f.write(buffer.getvalue())
-    if location.exists():
-        location.remove()
-    partial.rename_to(location)
+    remove_leftovers(location)
+    partial = location.sibling(partial_name(location.name, uuid.uuid4().hex[:8]))
+    partial.write_torch(checkpoint)
+    publish(partial, location)
 
 
 def read_full(location: Location) -> dict[str, Any]:
@@ -88,6 +84,7 @@ def read_full(location: Location) -> dict[str, Any]:
     checkpoint = safe_torch_load(location)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise CheckpointLoadError(f"{location.url!r} is not a Lightning checkpoint: it holds no 'state_dict'.")
+    check_format_version(checkpoint, location)
     return checkpoint
 
 

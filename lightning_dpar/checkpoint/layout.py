@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -126,6 +127,16 @@ def describe_problem(location: Location) -> str | None:
     return None
 
 
+def check_format_version(metadata: dict[str, Any], location: Location) -> None:
+    """Refuse a checkpoint written by a newer lightning_dpar in a format this one cannot read."""
+    version = metadata.get(DPAR_KEY, {}).get("format_version", FORMAT_VERSION)
+    if version > FORMAT_VERSION:
+        raise CheckpointLoadError(
+            f"{location.url!r} was written in checkpoint format {version}; this lightning_dpar reads up to"
+            f" {FORMAT_VERSION}. Upgrade lightning_dpar."
+        )
+
+
 def inspect_checkpoint(location: Location) -> CheckpointInfo:
     """Read and check the index and metadata of a sharded checkpoint; raise `CheckpointLoadError` if unusable."""
     problem = describe_problem(location)
@@ -135,12 +146,7 @@ def inspect_checkpoint(location: Location) -> CheckpointInfo:
     metadata = safe_torch_load(location.child(METADATA_FILENAME))
     if not isinstance(metadata, dict):
         raise CheckpointLoadError(f"{location.child(METADATA_FILENAME).url!r} does not hold a dict of metadata.")
-    version = metadata.get(DPAR_KEY, {}).get("format_version", FORMAT_VERSION)
-    if version > FORMAT_VERSION:
-        raise CheckpointLoadError(
-            f"{location.url!r} was written in checkpoint format {version}; this lightning_dpar reads up to"
-            f" {FORMAT_VERSION}. Upgrade lightning_dpar."
-        )
+    check_format_version(metadata, location)
     info_keys = {k.split(".", 1)[0] for k in index.state_dict_metadata}
     model_key = MODEL_KEY if MODEL_KEY in info_keys else FSDP1_MODEL_KEY if FSDP1_MODEL_KEY in info_keys else None
     if model_key is None:
@@ -153,20 +159,21 @@ def inspect_checkpoint(location: Location) -> CheckpointInfo:
 
 def check_data_files(info: CheckpointInfo, rank: int, world_size: int) -> str | None:
     """Verify the data files against the index (sizes) and the saved checksums; `rank` checks every
-    `world_size`-th file, so together the ranks read each file once. Returns a problem description or None."""
+    `world_size`-th file, so together the ranks check each file once (callers share what any rank found).
+    Returns a problem description or None."""
     needed: dict[str, int] = {}
     for storage in (info.index.storage_data or {}).values():
         name = str(storage.relative_path)
         needed[name] = max(needed.get(name, 0), int(storage.offset) + int(storage.length))
     recorded: dict[str, tuple[int, int]] = info.dpar_record.get("files", {})
-    for position, name in enumerate(sorted(needed)):
+    for name in sorted(needed)[rank::world_size]:
         file = info.location.child(name)
         if not file.exists():
             return f"{file.url!r} is missing: the checkpoint is incomplete (a rank's shard was deleted or not copied)."
         size = file.size()
         if size < needed[name]:
             return f"{file.url!r} is truncated: {size} bytes, the index needs at least {needed[name]}."
-        if name in recorded and position % world_size == rank:
+        if name in recorded:
             want_size, want_crc = recorded[name]
             got_size, got_crc = file_checksum(file)
             if (got_size, got_crc) != (want_size, want_crc):

@@ -96,13 +96,14 @@ def safe_torch_load(location: Location) -> Any:
         ) from error
 
 
-def safe_storage_reader(location: Location) -> FileSystemReader:
-    """DCP reader for `location` whose index is read by `read_dcp_index` instead of `pickle.load`."""
+def safe_storage_reader(location: Location, index: Metadata | None = None) -> FileSystemReader:
+    """DCP reader for `location` whose index is read by `read_dcp_index` instead of `pickle.load`; pass the `index`
+    already read (`CheckpointInfo.index`) so DCP does not read and parse it again."""
     base = FileSystemReader if location.is_local else FsspecReader
 
     class _SafeReader(base):  # type: ignore[misc, valid-type]
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            metadata = read_dcp_index(location)
+            metadata = index if index is not None else read_dcp_index(location)
             metadata.storage_meta.load_id = self.load_id
             return metadata
 

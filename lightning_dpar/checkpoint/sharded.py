@@ -110,7 +110,7 @@ def load_sharded(info: CheckpointInfo, model: nn.Module, optimizers: Sequence[Op
         state[key] = optimizer_state
     dcp.load(
         state,
-        storage_reader=safe_storage_reader(info.location),
+        storage_reader=safe_storage_reader(info.location, info.index),
         planner=SafeLoadPlanner(allow_partial_load=not strict),
     )
     options = StateDictOptions(strict=strict)

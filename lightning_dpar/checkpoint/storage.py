@@ -7,6 +7,7 @@ local disks and object stores. Local paths (including `file://` URLs) use plain 
 
 from __future__ import annotations
 
+import io
 import os
 import posixpath
 import shutil
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import fsspec
+import torch
 from fsspec.implementations.local import LocalFileSystem
 
 
@@ -68,6 +70,13 @@ class Location:
 
     def open(self, mode: str) -> IO[Any]:
         return self.fs.open(self.path, mode)
+
+    def write_torch(self, obj: Any) -> None:
+        """`torch.save` `obj` into this file (serialised in memory first: fsspec files may not be seekable)."""
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        with self.open("wb") as f:
+            f.write(buffer.getvalue())
 
     def makedirs(self) -> None:
         self.fs.makedirs(self.path, exist_ok=True)

@@ -14,7 +14,6 @@ of `fit` wait for it, so whatever Lightning's `ModelCheckpoint` refers to is com
 from __future__ import annotations
 
 import copy
-import io
 import logging
 import os
 import time
@@ -24,7 +23,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -71,9 +69,7 @@ class CheckpointWriter:
         token = _agree_on(uuid.uuid4().hex[:8])
         partial = location.sibling(partial_name(location.name, token))
         if rank == 0:
-            parent = location.parent
-            for leftover in partial_names_for(location.name, parent.list_names()):
-                parent.child(leftover).remove()  # from an earlier save that was killed
+            remove_leftovers(location)
             partial.makedirs()
         _barrier(None)
         timing = SaveTiming(blocked_s=0.0)
@@ -174,11 +170,8 @@ def _finish(partial: Location, final: Location, metadata: dict[str, Any], group:
         try:
             record = dict(metadata.get(DPAR_KEY, {}))
             record["files"] = {name: checksum for rank_files, _ in gathered for name, checksum in rank_files.items()}
-            buffer = io.BytesIO()
-            torch.save({**metadata, DPAR_KEY: record}, buffer)
-            with partial.child(METADATA_FILENAME).open("wb") as f:
-                f.write(buffer.getvalue())
-            _publish(partial, final)
+            partial.child(METADATA_FILENAME).write_torch({**metadata, DPAR_KEY: record})
+            publish(partial, final)
         except Exception as exc:  # reported to every rank below, so none waits forever
             errors.append(f"rank 0 could not write the metadata or rename into place: {exc}")
     outcome = [errors[0] if errors else None]
@@ -190,8 +183,16 @@ def _finish(partial: Location, final: Location, metadata: dict[str, Any], group:
         )
 
 
-def _publish(partial: Location, final: Location) -> None:
-    """Give the complete checkpoint its final name, replacing an older one of the same name (e.g. `last.ckpt`)."""
+def remove_leftovers(location: Location) -> None:
+    """Delete what earlier, killed saves to `location`'s name left beside it (rank 0, before a new save)."""
+    parent = location.parent
+    for leftover in partial_names_for(location.name, parent.list_names()):
+        parent.child(leftover).remove()
+
+
+def publish(partial: Location, final: Location) -> None:
+    """Give the complete checkpoint (file or directory) its final name, replacing an older one of the same name
+    (e.g. `last.ckpt`): the old one is moved aside first, so a kill in between leaves it recoverable."""
     replaced = None
     if final.exists() or (final.is_local and os.path.lexists(final.path)):  # lexists: a `save_last="link"` link
         replaced = final.sibling(REPLACED_PREFIX + partial.name[len(PARTIAL_PREFIX) :])

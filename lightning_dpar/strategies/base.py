@@ -426,8 +426,7 @@ class DparStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
         location = Location.parse(self.broadcast(str(filepath)))
-        if self._checkpoint_format == "full":
-            self._checkpoint_writer.wait()
+        if self._checkpoint_format == "full":  # never async (see the `async_save` setter)
             checkpoint[layout.DPAR_KEY] = self._resume_record()
             full.save_full(checkpoint, location, self.is_global_zero)
             self.barrier()
@@ -458,25 +457,21 @@ class DparStrategy(ParallelStrategy):
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
         self._pending_resume = {}
-        self._raise_on_any_rank(layout.describe_problem(location))
-        if not location.is_dir():
-            checkpoint, problem = None, None
-            try:
-                checkpoint = full.read_full(location)
-            except CheckpointLoadError as error:
-                problem = str(error)
-            self._raise_on_any_rank(problem)
-            assert checkpoint is not None
-            record = checkpoint.pop(layout.DPAR_KEY, {})
-            self._pending_resume = record if fitting else {}
-            return full.load_full(checkpoint, self.model, optimizers, strict)
-        info, problem = None, None
+        checkpoint, info, problem = None, None, None
         try:
-            info = layout.inspect_checkpoint(location)
-            problem = layout.check_data_files(info, self.global_rank, self.world_size)
+            if location.is_dir():  # sharded
+                info = layout.inspect_checkpoint(location)
+                problem = layout.check_data_files(info, self.global_rank, self.world_size)
+            else:  # one file (`checkpoint_format="full"`), or nothing there
+                problem = layout.describe_problem(location)
+                checkpoint = full.read_full(location) if problem is None else None
         except CheckpointLoadError as error:
             problem = str(error)
         self._raise_on_any_rank(problem)
+        if checkpoint is not None:
+            record = checkpoint.pop(layout.DPAR_KEY, {})
+            self._pending_resume = record if fitting else {}
+            return full.load_full(checkpoint, self.model, optimizers, strict)
         assert info is not None
         report = sharded.load_sharded(info, self.model, optimizers, strict)
         if report.missing or report.unexpected:

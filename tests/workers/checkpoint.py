@@ -358,11 +358,19 @@ def group_bad_input(results):
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
+        # Written by a future lightning_dpar: a sharded directory and a full-format file.
+        os.system(f"cp -r {good} {root / 'newer_sharded.ckpt'}")
+        meta = torch.load(root / "newer_sharded.ckpt" / "meta.pt", weights_only=False)
+        meta["dpar"]["format_version"] = 99
+        torch.save(meta, root / "newer_sharded.ckpt" / "meta.pt")
+        torch.save({"state_dict": {}, "dpar": {"format_version": 99}}, root / "newer_full.ckpt")
     dist.barrier()
     cases["not_a_checkpoint"] = error_of(lambda: validate(root / "not_a_checkpoint"))
     cases["not_a_checkpoint_file"] = error_of(lambda: validate(root / "not_a_checkpoint" / "notes.txt"))
     cases["truncated"] = error_of(lambda: validate(root / "truncated.ckpt"))
     cases["corrupted"] = error_of(lambda: validate(root / "corrupted.ckpt"))
+    cases["newer_sharded"] = error_of(lambda: validate(root / "newer_sharded.ckpt"))
+    cases["newer_full"] = error_of(lambda: validate(root / "newer_full.ckpt"))
     all_cases = gather(cases)
     if trainer.global_rank == 0:
         results["bad_input"] = {"root": str(root), "per_rank": all_cases}
