@@ -25,6 +25,13 @@ def _restore_environment():
     os.environ.update(saved)
 
 
+@pytest.fixture
+def no_pytest_argv(monkeypatch):
+    """Only the `args` given to LightningCLI or `plan` are parsed: pytest's own command line is not the CLI's (and
+    LightningCLI warns when both are given)."""
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+
+
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"

@@ -4,7 +4,6 @@ LightningCLI parsing rules (parsing tests run in this process; only real trainin
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,7 @@ def parse(*args: str):
     return cli_main(list(args), run=False)
 
 
-@pytest.fixture(autouse=True)
-def _no_pytest_argv(monkeypatch):
-    monkeypatch.setattr(sys, "argv", sys.argv[:1])  # LightningCLI warns when both args and sys.argv are given
+pytestmark = pytest.mark.usefixtures("no_pytest_argv")
 
 
 def test_defaults_are_the_example_on_4_cpu_ranks_with_tp2_fsdp2():

@@ -53,10 +53,10 @@ def test_each_block_is_compiled_in_place_and_keys_are_unchanged(compiled, case):
 @pytest.mark.parametrize("case", CASES)
 def test_no_recompile_after_the_first_step(compiled, case):
     result = compiled[f"compile_{case}"]
-    # Everything is compiled during step 1 (or reused from an earlier case's cache); steps 2..6 add nothing.
+    # Everything is compiled during step 1 (dynamo is reset before each case); steps 2..6 add nothing.
+    assert 1 <= result["new_graphs_per_step"][0] <= 2
     assert result["new_graphs_per_step"][1:] == [0] * 5
     assert result["backward_captures_per_step"][1:] == [0] * 5
-    assert result["new_graphs_per_step"][0] <= 2
 
 
 @pytest.mark.slow

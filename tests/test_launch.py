@@ -4,7 +4,7 @@ started by SLURM's `srun` (simulated: one process per task with the variables sr
 from __future__ import annotations
 
 import json
-import os
+import socket
 import subprocess
 import sys
 
@@ -27,6 +27,13 @@ def test_launch_without_torchrun(tmp_path, interactive):
     assert result["max_abs_diff"] < 1e-5
 
 
+def _free_port() -> int:
+    """A port nothing listens on now (a fixed or pid-derived one can collide with another test's store)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("num_nodes", [1, 2], ids=["one_node", "two_nodes"])
 def test_slurm_tasks(tmp_path, num_nodes):
@@ -43,24 +50,32 @@ def test_slurm_tasks(tmp_path, num_nodes):
         "SLURM_JOB_NAME": "train",
         "SLURM_NODELIST": "127.0.0.1",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(29500 + os.getpid() % 1000 + num_nodes),
+        "MASTER_PORT": str(_free_port()),
     }
-    procs = []
-    for rank in range(world):
-        task = {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % tasks_per_node)}
-        task["SLURM_NODEID"] = str(rank // tasks_per_node)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKERS / "launch_script.py"), str(out), str(num_nodes)],
-                env={**subprocess_env(), **slurm, **task},
-                cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    logs = [proc.communicate(timeout=300)[0] for proc in procs]
-    assert all(proc.returncode == 0 for proc in procs) and out.exists(), logs[0][-4000:]
+    procs, logs = [], [tmp_path / f"rank{rank}.log" for rank in range(world)]
+    try:
+        for rank in range(world):
+            task = {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % tasks_per_node)}
+            task["SLURM_NODEID"] = str(rank // tasks_per_node)
+            with open(logs[rank], "w") as log:  # files, not pipes: a full pipe would stall a rank mid-collective
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(WORKERS / "launch_script.py"), str(out), str(num_nodes)],
+                        env={**subprocess_env(), **slurm, **task},
+                        cwd=tmp_path,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        for proc in procs:
+            proc.wait(timeout=300)
+    finally:
+        for proc in procs:
+            proc.kill()  # no-op for those that exited; a hung rank must not outlive the test
+    assert all(proc.returncode == 0 for proc in procs) and out.exists(), "\n".join(
+        f"rank {rank} (exit {proc.returncode}): {log.read_text()[-3000:]}"
+        for rank, (proc, log) in enumerate(zip(procs, logs))
+    )
     result = json.loads(out.read_text())
     assert result["environment"] == "SLURMEnvironment"
     assert result["launcher"] == "NoneType"  # srun created the processes; nothing is re-launched

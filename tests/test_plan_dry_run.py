@@ -3,7 +3,7 @@ in this one process."""
 
 from __future__ import annotations
 
-import sys
+import resource
 import time
 
 import lightning as L
@@ -21,9 +21,7 @@ EXAMPLE_2D = str(ROOT / "examples" / "configs" / "2d.yaml")
 BIG = str(ROOT / "examples" / "plan" / "gpt_70b.yaml")
 
 
-@pytest.fixture(autouse=True)
-def _no_pytest_argv(monkeypatch):
-    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+pytestmark = pytest.mark.usefixtures("no_pytest_argv")
 
 
 class TwoLinears(L.LightningModule):
@@ -83,6 +81,13 @@ def test_example_2d_plan(capsys):
     assert "optimizer   1.07 MiB   [AdamW: 2 states/param]" in out
 
 
+def test_offload_plan_says_where_the_memory_lives(capsys):
+    assert main(["--config", str(ROOT / "examples" / "configs" / "fsdp_offload.yaml")]) == 0
+    assert "note: cpu_offload: parameters, gradients and optimizer state below live in CPU memory" in (
+        capsys.readouterr().out
+    )
+
+
 def test_rank_option_shows_that_ranks_coordinate(capsys):
     assert main(["--config", EXAMPLE_2D, "--rank", "3"]) == 0
     assert "rank 3 is at replicate=0, shard=1, tensor_parallel=1" in capsys.readouterr().out
@@ -108,9 +113,12 @@ def test_bad_plans_fail_with_the_training_errors(capsys, args, message):
 
 
 def test_65b_plan_on_64_ranks_runs_in_seconds_without_memory(capsys):
+    peak_rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     start = time.perf_counter()
     assert main(["--config", BIG]) == 0
     elapsed = time.perf_counter() - start
+    # The model is never allocated: 65B fp32 parameters would be 242 GiB, even one rank's shard 3.8 GiB.
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak_rss_before < 2**30
     out = capsys.readouterr().out
     assert "64,984,989,696 in total" in out
     assert "world=64 = replicate 1 x shard 8 x tensor_parallel 8" in out

@@ -14,11 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import lightning_dpar
 
-
-@pytest.fixture(autouse=True)
-def no_pytest_argv(monkeypatch):
-    """Only the `args` given to LightningCLI are parsed; pytest's own command line is not the CLI's."""
-    monkeypatch.setattr("sys.argv", ["lightning_dpar"])
+pytestmark = pytest.mark.usefixtures("no_pytest_argv")
 
 
 def build_strategy(tmp_path, strategy_config) -> lightning_dpar.DparStrategy:

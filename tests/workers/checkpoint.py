@@ -212,19 +212,13 @@ def group_resume_last(results):
 
 
 # ---------------------------------------------------------------------- resharding chain
-CHAIN = [  # (launch world size, strategy, tensor_parallel_size)
+CHAIN = [  # (stage, world size of the launch that runs it, strategy)
     ("a", 4, "2d"),
     ("b", 2, "fsdp"),
     ("c", 2, "replicate"),
     ("d", 1, "fsdp"),
     ("e", 2, "2d"),
 ]
-
-
-def _chain_strategy(name: str):
-    if name == "2d":
-        return FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN)
-    return strategy_for(name)
 
 
 def _chain_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
@@ -235,16 +229,17 @@ def _chain_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
 
 def _chain_step(results: dict, stage: str) -> None:
     index = [s for s, *_ in CHAIN].index(stage)
-    _, _, strategy = CHAIN[index]
+    _, world, strategy = CHAIN[index]
+    assert world_size() == world, f"chain stage {stage!r} must run on {world} ranks, not {world_size()}"
     root = workdir() / "chain"
     module = ResumeModule()
     if index == 0:
-        trainer = trainer_for(_chain_strategy(strategy), max_steps=4)
+        trainer = trainer_for(strategy_for(strategy), max_steps=4)
         trainer.fit(module, train_loader())
         compare = None
     else:
         previous = CHAIN[index - 1][0]
-        trainer = trainer_for(_chain_strategy(strategy), max_steps=4)  # already reached: restores, trains nothing
+        trainer = trainer_for(strategy_for(strategy), max_steps=4)  # already reached: restores, trains nothing
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.fit(module, train_loader(), ckpt_path=str(root / f"{previous}.ckpt"))
