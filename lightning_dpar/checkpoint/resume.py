@@ -153,11 +153,13 @@ def _as_tuples(value: Any) -> Any:
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def gather_rng_states() -> list[dict[str, Any]]:
-    """Every rank's RNG state, in rank order (a collective; the states are a few KiB each)."""
+def gather_rng_states() -> list[dict[str, Any]] | None:
+    """Every rank's RNG state, in rank order, on rank 0 (which writes the metadata); None on the other ranks.
+    A collective; the states are a few KiB each."""
     state = capture_rng_state()
     if not dist.is_initialized():
         return [state]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, state)
+    is_rank_zero = dist.get_rank() == 0
+    gathered: list[Any] | None = [None] * dist.get_world_size() if is_rank_zero else None
+    dist.gather_object(state, gathered, dst=0)
     return gathered

@@ -65,13 +65,7 @@ class CheckpointWriter:
         """Write `tensor_state` (DCP, every rank its shards) and `metadata` (rank 0) to `location`; collective."""
         start = time.perf_counter()
         self.wait()
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        token = _agree_on(uuid.uuid4().hex[:8])
-        partial = location.sibling(partial_name(location.name, token))
-        if rank == 0:
-            remove_leftovers(location)
-            partial.makedirs()
-        _barrier(None)
+        partial = _prepare_partial_directory(location)
         timing = SaveTiming(blocked_s=0.0)
         self.timings.append(timing)
         if not self.async_save:
@@ -80,7 +74,8 @@ class CheckpointWriter:
             timing.blocked_s = timing.total_s = time.perf_counter() - start
             return
         group = self._checkpoint_group()
-        metadata = copy.deepcopy(metadata)  # training goes on mutating callbacks' state
+        # Training goes on mutating callbacks' state; only rank 0 writes the metadata, so only it keeps a copy.
+        metadata = copy.deepcopy(metadata) if not dist.is_initialized() or dist.get_rank() == 0 else {}
         upload = dcp.async_save(tensor_state, checkpoint_id=partial.url, process_group=group)
         timing.blocked_s = time.perf_counter() - start
 
@@ -137,17 +132,25 @@ def _result(upload: Any) -> Future:
     return getattr(upload, "upload_completion", upload)
 
 
-def _agree_on(value: str) -> str:
-    if not dist.is_initialized():
-        return value
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return holder[0]
-
-
-def _barrier(group: dist.ProcessGroup | None) -> None:
+def _prepare_partial_directory(location: Location) -> Location:
+    """Rank 0 sweeps leftovers of killed saves and creates the hidden directory this save writes into, then tells
+    every rank its name (the broadcast also makes the others wait until it exists); collective."""
+    name, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        name = partial_name(location.name, uuid.uuid4().hex[:8])
+        try:
+            remove_leftovers(location)
+            location.sibling(name).makedirs()
+        except OSError as exc:  # sent to every rank, so none waits in a collective rank 0 never joins
+            error = f"rank 0 could not prepare {location.sibling(name).url!r}: {exc}"
     if dist.is_initialized():
-        dist.barrier(group=group)
+        holder = [(name, error)]
+        dist.broadcast_object_list(holder, src=0)
+        name, error = holder[0]
+    if error is not None:
+        raise RuntimeError(f"Saving checkpoint {location.url!r} failed: {error}")
+    assert name is not None
+    return location.sibling(name)
 
 
 def _finish(partial: Location, final: Location, metadata: dict[str, Any], group: dist.ProcessGroup | None) -> None:
