@@ -36,7 +36,9 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
 #: Dense peak FLOP/s per device by marketing name fragment (first match wins, so specific names come first) and
-#: compute dtype. Sources: NVIDIA H100/H200/A100 datasheets (SXM unless named).
+#: compute dtype. Sources: NVIDIA H100/H200/A100 datasheets (SXM unless named). Not Lightning's
+#: `get_available_flops`: its H200 entries are the with-sparsity peaks (2x dense) and it does not match the plain
+#: "NVIDIA H200" device name, which would make MFU half of the truth or missing on the GPUs this project targets.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H100 PCIe": {"bf16": 756e12, "tf32": 378e12, "fp32": 51.2e12},
     "H100": {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},

@@ -106,6 +106,7 @@ def test_strict_loading_false_loads_matching_keys_and_reports_the_rest(results):
     assert rank0["lenient_extra_is_fresh"] is True
     assert "not in the checkpoint (left as they were): ['extra.bias', 'extra.weight']" in rank0["lenient_warning"]
     assert "not in the model (ignored): ['extra.bias', 'extra.weight']" in rank0["lenient_unexpected_warning"]
+    assert "not in the checkpoint (left as they were): ['extra.bias', 'extra.weight']" in rank0["lenient_full_warning"]
 
 
 @pytest.mark.slow

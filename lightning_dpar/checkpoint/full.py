@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from lightning_dpar.checkpoint.layout import check_format_version, partial_name
+from lightning_dpar.checkpoint.layout import LoadReport, check_format_version, partial_name
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import publish, remove_leftovers
@@ -90,11 +90,16 @@ def read_full(location: Location) -> dict[str, Any]:
 
 def load_full(
     checkpoint: dict[str, Any], model: nn.Module, optimizers: Sequence[Optimizer], strict: bool
-) -> dict[str, Any]:
-    """Every rank holds the file's content (`read_full`) and keeps its own shards of model and optimizer state."""
+) -> LoadReport:
+    """Every rank holds the file's content (`read_full`) and keeps its own shards of model and optimizer state.
+    Takes the model and optimizer states out of `checkpoint`, leaving Lightning's part of it."""
     options = StateDictOptions(full_state_dict=True, strict=strict)
-    set_model_state_dict(model, checkpoint.pop("state_dict"), options=options)
+    model_state = checkpoint.pop("state_dict")
+    # Computed here: with `strict=False`, `set_model_state_dict` fills what is missing and reports nothing.
+    model_keys = set(model.state_dict())
+    report = LoadReport(missing=sorted(model_keys - set(model_state)), unexpected=sorted(set(model_state) - model_keys))
+    set_model_state_dict(model, model_state, options=options)
     optimizer_states = checkpoint.pop("optimizer_states", [])
     for optimizer, state in zip(optimizers, optimizer_states):
         set_optimizer_state_dict(model, optimizer, positions_to_names(state, model, optimizer), options=options)
-    return checkpoint
+    return report

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -125,6 +125,14 @@ def describe_problem(location: Location) -> str | None:
             " checkpoint saved by lightning_dpar, ModelParallelStrategy or FSDPStrategy(state_dict_type='sharded'))."
         )
     return None
+
+
+@dataclass
+class LoadReport:
+    """What a non-strict load left out: model keys the checkpoint lacks, and checkpoint keys the model lacks."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
 
 
 def check_format_version(metadata: dict[str, Any], location: Location) -> None:

@@ -7,7 +7,6 @@ No rank ever gathers the full model or optimizer: the state dicts below hold DTe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -22,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from lightning_dpar.checkpoint.layout import MODEL_KEY, CheckpointInfo, optimizer_key
+from lightning_dpar.checkpoint.layout import MODEL_KEY, CheckpointInfo, LoadReport, optimizer_key
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, SafeLoadPlanner, safe_storage_reader
 
 
@@ -43,14 +42,6 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     for index, optimizer_state in enumerate(metadata.pop("optimizer_states", [])):
         tensor_state[optimizer_key(index)] = optimizer_state
     return tensor_state, metadata
-
-
-@dataclass
-class LoadReport:
-    """What a non-strict load left out: model keys the checkpoint lacks, and checkpoint keys the model lacks."""
-
-    missing: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
 
 
 def _shape_mismatches(info: CheckpointInfo, model_state: dict[str, Any]) -> list[str]:

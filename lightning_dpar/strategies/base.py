@@ -469,19 +469,21 @@ class DparStrategy(ParallelStrategy):
             problem = str(error)
         self._raise_on_any_rank(problem)
         if checkpoint is not None:
-            record = checkpoint.pop(layout.DPAR_KEY, {})
-            self._pending_resume = record if fitting else {}
-            return full.load_full(checkpoint, self.model, optimizers, strict)
-        assert info is not None
-        report = sharded.load_sharded(info, self.model, optimizers, strict)
+            report = full.load_full(checkpoint, self.model, optimizers, strict)
+            record, rest = checkpoint.pop(layout.DPAR_KEY, {}), checkpoint
+        else:
+            assert info is not None
+            report = sharded.load_sharded(info, self.model, optimizers, strict)
+            record = info.dpar_record
+            rest = {k: v for k, v in info.metadata.items() if k != layout.DPAR_KEY}
         if report.missing or report.unexpected:
             rank_zero_warn(
                 f"Loaded {location.url!r} with `strict_loading=False`. Keys of the model not in the checkpoint (left"
                 f" as they were): {report.missing}. Keys of the checkpoint not in the model (ignored):"
                 f" {report.unexpected}."
             )
-        self._pending_resume = info.dpar_record if fitting else {}  # RNG and data position apply to `fit` only
-        return {k: v for k, v in info.metadata.items() if k != layout.DPAR_KEY}
+        self._pending_resume = record if fitting else {}  # RNG and data position apply to `fit` only
+        return rest
 
     def _raise_on_any_rank(self, problem: str | None) -> None:
         """Raise `problem` (or the first other rank's) on every rank; a collective, so no rank is left waiting."""

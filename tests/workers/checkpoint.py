@@ -339,6 +339,16 @@ def group_bad_input(results):
     cases["lenient_unexpected_warning"] = next(
         (str(w.message) for w in caught if "strict_loading=False" in str(w.message)), None
     )
+    # The same from a full-format file.
+    converter = trainer_for(FullyShardStrategy(checkpoint_format="full"))
+    converter.validate(ResumeModule(), val_loader(), ckpt_path=str(good), verbose=False)
+    converter.save_checkpoint(root / "good_full.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validate(root / "good_full.ckpt", Lenient, extra_layer=True)
+    cases["lenient_full_warning"] = next(
+        (str(w.message) for w in caught if "strict_loading=False" in str(w.message)), None
+    )
     cases["strict_extra"] = error_of(lambda: validate(good, extra_layer=True))
     cases["incompatible"] = error_of(lambda: validate(good, hidden=8))
     cases["missing"] = error_of(lambda: validate(root / "missing.ckpt"))
