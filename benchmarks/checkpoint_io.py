@@ -100,7 +100,7 @@ def run(mode: str, out: str, blocks: int, width: int) -> dict:
     start = time.perf_counter()
     trainer.fit(Stack(blocks, width), DataLoader(data, batch_size=4))
     fit_s = time.perf_counter() - start
-    timings = strategy._checkpoint_writer.timings
+    timings = strategy.checkpoints.writer.timings
     params = sum(p.numel() for p in Stack(blocks, width).parameters())
     return {
         "mode": mode,

@@ -111,3 +111,16 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+# The base class of Lightning's launchers: the only hook that runs before Lightning resolves `ckpt_path="last"`
+# (in `Trainer._fit_impl` and friends), where a crashed save must be looked past (`checkpoint.discovery`).
+from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher  # noqa: E402,F401
+
+
+def model_checkpoint_dir(callback: Any, trainer: Any) -> str | None:
+    """The directory a `ModelCheckpoint` saves into. Before `fit` sets it up, only its private resolver knows (it
+    derives the directory from the trainer's root directory and logger)."""
+    if callback.dirpath is not None:
+        return str(callback.dirpath)
+    return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))

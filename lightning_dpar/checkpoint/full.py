@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -21,7 +22,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from lightning_dpar.checkpoint.layout import LoadReport, check_format_version, partial_name
+from lightning_dpar.checkpoint.agreement import first_problem
+from lightning_dpar.checkpoint.errors import CheckpointSaveError
+from lightning_dpar.checkpoint.layout import DPAR_KEY, LoadReport, check_format_version, describe_problem, partial_name
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import publish, remove_leftovers
@@ -67,15 +70,17 @@ def positions_to_names(state: dict[str, Any], model: nn.Module, optimizer: Optim
     return {"state": {names[i]: value for i, value in state["state"].items()}, "param_groups": groups}
 
 
-def save_full(checkpoint: dict[str, Any], location: Location, is_global_zero: bool) -> None:
-    """Rank 0 writes the file under a temporary name and publishes it the way sharded checkpoints are published:
-    readers never see half a file, and replacing `last.ckpt` never leaves no checkpoint at all."""
-    if not is_global_zero:
-        return
+def save_full(checkpoint: dict[str, Any], location: Location) -> None:
+    """Write the file under a temporary name and publish it the way sharded checkpoints are published: readers
+    never see half a file, and replacing `last.ckpt` never leaves no checkpoint at all. Rank 0 only."""
     location.parent.makedirs()
     remove_leftovers(location)
     partial = location.sibling(partial_name(location.name, uuid.uuid4().hex[:8]))
-    partial.write_torch(checkpoint)
+    try:
+        partial.write_torch(checkpoint)
+    except OSError:
+        partial.remove()  # a full disk: give the space back, keep nothing partial
+        raise
     publish(partial, location)
 
 
@@ -103,3 +108,49 @@ def load_full(
     for optimizer, state in zip(optimizers, optimizer_states):
         set_optimizer_state_dict(model, optimizer, positions_to_names(state, model, optimizer), options=options)
     return report
+
+
+class FullFormat:
+    """`checkpoint_format="full"`: one file, gathered to and written by rank 0; every rank reads it on load."""
+
+    name = "full"
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        return full_model_state(model)
+
+    def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        return full_optimizer_state(model, optimizer)
+
+    def save(self, checkpoint: dict[str, Any], record: dict[str, Any], location: Location, writer: Any) -> None:
+        """Rank 0 writes; every rank raises the same `CheckpointSaveError` if that fails. Never in the background."""
+        problem = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            try:
+                save_full({**checkpoint, DPAR_KEY: record}, location)
+            except OSError as error:
+                problem = f"rank 0 could not write it: {type(error).__name__}: {error}"
+        problem = first_problem(problem)
+        if problem is not None:
+            raise CheckpointSaveError(
+                f"Saving checkpoint {location.url!r} failed: {problem}. Nothing was published under that name and the"
+                " previous checkpoint is untouched; fix the cause (free space, permissions) and save again."
+            )
+
+    @staticmethod
+    def open(location: Location, rank: int, world_size: int) -> FullSource:
+        problem = describe_problem(location)
+        if problem is not None:
+            raise CheckpointLoadError(problem)
+        return FullSource(read_full(location))
+
+
+class FullSource:
+    """A full-format checkpoint read into memory (every rank keeps only its shards once loaded)."""
+
+    def __init__(self, checkpoint: dict[str, Any]) -> None:
+        self.checkpoint = checkpoint
+        self.record: dict[str, Any] = checkpoint.pop(DPAR_KEY, {})
+        self.rest = checkpoint
+
+    def load(self, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> LoadReport:
+        return load_full(self.checkpoint, model, optimizers, strict)

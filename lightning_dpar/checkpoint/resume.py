@@ -29,7 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+from lightning_dpar._private_api import unfetched_training_iterator
+from lightning_dpar.checkpoint.layout import FORMAT_VERSION
 
 
 @dataclass(frozen=True)
@@ -163,3 +167,87 @@ def gather_rng_states() -> list[dict[str, Any]] | None:
     gathered: list[Any] | None = [None] * dist.get_world_size() if is_rank_zero else None
     dist.gather_object(state, gathered, dst=0)
     return gathered
+
+
+# ---------------------------------------------------------------------- the resume state of one strategy
+class ResumeState:
+    """What a loaded checkpoint still has to apply once training starts (RNG streams, data position, batches a
+    custom sampler must skip), and the record a save writes. Owned by the checkpoint manager."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, Any] = {}  # the `dpar` record of the checkpoint just loaded for `fit`
+        self.train_sampler: ResumableDistributedSampler | None = None
+        self.batches_to_skip = 0
+
+    def record(self, trainer: Any, strategy_name: str, world_size: int, data_parallel_size: int | None) -> dict:
+        """Our part of a checkpoint's metadata: layout, per-rank RNG streams and the data position. A collective
+        (the RNG states are gathered to rank 0)."""
+        record: dict[str, Any] = {
+            "format_version": FORMAT_VERSION,
+            "strategy": strategy_name,
+            "world_size": world_size,
+            "rng_states": gather_rng_states(),
+        }
+        if trainer is not None and data_parallel_size is not None:
+            batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            record["epoch_batches"] = {
+                "epoch": trainer.current_epoch,
+                "batches": batches,
+                "data_parallel_size": data_parallel_size,
+            }
+            if self.train_sampler is not None:
+                record["data_position"] = self.train_sampler.position(batches).as_dict()
+        return record
+
+    def position_loader(self, dataloader: object, data_parallel_size: int | None) -> str:
+        """Make the training loader resumable mid-epoch and position it where the loaded checkpoint left off.
+        Returns how the epoch resumes, in words, for the one line the strategy logs."""
+        self.train_sampler = make_resumable(dataloader)
+        position = self.pending.get("data_position")
+        seen = self.pending.get("epoch_batches", {})
+        batches = seen.get("batches", 0)
+        if self.train_sampler is not None and position is not None:
+            self.train_sampler.start_at(DataPosition(**position))
+            exact = seen.get("data_parallel_size") == data_parallel_size
+            how = "exactly the batches" if exact else "every remaining sample once (data-parallel size changed)"
+            return f"the training data resumes at batch {batches} of epoch {seen.get('epoch', 0)}: {how}"
+        if batches > 0 and seen.get("data_parallel_size") == data_parallel_size:
+            self.batches_to_skip = batches  # a custom sampler: replay and drop them in `skip_seen_batches`
+            return f"the {batches} batches of this epoch seen before the checkpoint are replayed and dropped"
+        if batches > 0:
+            return (
+                "the checkpoint was saved mid-epoch with another data-parallel size, and the training loader has a"
+                " custom sampler or batch sampler, whose position cannot be mapped: this epoch restarts from its first"
+                " batch. Use a plain `DataLoader(dataset, batch_size=...)` (Lightning adds the distributed sampler)"
+            )
+        return "the checkpoint was saved at an epoch boundary"
+
+    def restore_rng(self, world_size: int, global_rank: int) -> str | None:
+        """Restore this rank's RNG streams; returns a note when they cannot be mapped to this world size."""
+        states = self.pending.get("rng_states")
+        self.pending = {}
+        if states is not None and len(states) == world_size:
+            restore_rng_state(states[global_rank])
+        elif states is not None:
+            return (
+                f"The checkpoint was saved by {len(states)} ranks and is resumed on {world_size}; the per-rank RNG"
+                " streams cannot be mapped, so the freshly seeded ones are used."
+            )
+        return None
+
+
+def skip_seen_batches(state: ResumeState, trainer: Any) -> None:
+    """Custom samplers cannot start mid-epoch: draw and drop the batches this epoch already trained on."""
+    skip, state.batches_to_skip = state.batches_to_skip, 0
+    if not skip:
+        return
+    restored = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    if restored != skip or skip >= trainer.num_training_batches:
+        return  # not resuming inside the epoch the checkpoint was taken in (e.g. saved at its end)
+    iterator = unfetched_training_iterator(trainer)
+    if iterator is None:
+        rank_zero_warn(f"Could not skip the {skip} batches already seen this epoch; the epoch restarts.")
+        return
+    rank_zero_info(f"Skipping the {skip} batches of this epoch seen before the checkpoint (custom sampler).")
+    for _ in range(skip):
+        next(iterator, None)

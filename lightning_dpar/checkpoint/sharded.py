@@ -21,8 +21,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from lightning_dpar.checkpoint.layout import MODEL_KEY, CheckpointInfo, LoadReport, optimizer_key
+from lightning_dpar.checkpoint.layout import (
+    DPAR_KEY,
+    MODEL_KEY,
+    CheckpointInfo,
+    LoadReport,
+    check_data_files,
+    inspect_checkpoint,
+    optimizer_key,
+)
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, SafeLoadPlanner, safe_storage_reader
+from lightning_dpar.checkpoint.storage import Location
 
 
 def sharded_model_state(model: nn.Module) -> dict[str, Any]:
@@ -113,3 +122,41 @@ def load_sharded(info: CheckpointInfo, model: nn.Module, optimizers: Sequence[Op
 
 def _top_keys(info: CheckpointInfo) -> set[str]:
     return {k.split(".", 1)[0] for k in info.index.state_dict_metadata}
+
+
+class ShardedFormat:
+    """`checkpoint_format="sharded"`: a DCP directory; every rank writes and reads only its own shards."""
+
+    name = "sharded"
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        return sharded_model_state(model)
+
+    def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        return sharded_optimizer_state(model, optimizer)
+
+    def save(self, checkpoint: dict[str, Any], record: dict[str, Any], location: Location, writer: Any) -> None:
+        tensor_state, metadata = split_checkpoint(checkpoint)
+        metadata[DPAR_KEY] = record
+        writer.save(tensor_state, metadata, location)
+
+    @staticmethod
+    def open(location: Location, rank: int, world_size: int) -> ShardedSource:
+        """Validate the directory; this rank checks its share of the data files (raises `CheckpointLoadError`)."""
+        info = inspect_checkpoint(location)
+        problem = check_data_files(info, rank, world_size)
+        if problem is not None:
+            raise CheckpointLoadError(problem)
+        return ShardedSource(info)
+
+
+class ShardedSource:
+    """A validated sharded checkpoint, ready to load into a model parallelised in any layout."""
+
+    def __init__(self, info: CheckpointInfo) -> None:
+        self.info = info
+        self.record: dict[str, Any] = info.dpar_record
+        self.rest: dict[str, Any] = {k: v for k, v in info.metadata.items() if k != DPAR_KEY}
+
+    def load(self, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> LoadReport:
+        return load_sharded(self.info, model, optimizers, strict)

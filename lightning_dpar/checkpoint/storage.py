@@ -63,6 +63,12 @@ class Location:
     def size(self) -> int:
         return int(self.fs.size(self.path))
 
+    def modified(self) -> float:
+        """Modification time in seconds since the epoch (of a link's target, for a local symlink)."""
+        if self.is_local:
+            return os.stat(self.path).st_mtime
+        return self.fs.modified(self.path).timestamp()
+
     def list_names(self) -> list[str]:
         if not self.is_dir():
             return []

@@ -22,7 +22,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -31,18 +31,14 @@ from torch.optim import Optimizer
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import (
     IS_INTERACTIVE,
-    SubprocessScriptLauncher,
     default_process_group_backend,
     init_dist_connection,
     sync_ddp_if_available,
-    unfetched_training_iterator,
 )
-from lightning_dpar.checkpoint import full, layout, resume, sharded
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
-from lightning_dpar.checkpoint.storage import Location
-from lightning_dpar.checkpoint.writer import CheckpointWriter
+from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
+from lightning_dpar.checkpoint.resume import skip_seen_batches
 from lightning_dpar.compilation import CompileSpec, compile_options, compile_units
-from lightning_dpar.launchers import InteractiveLauncher
+from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
 from lightning_dpar.mesh import TENSOR_PARALLEL, ParallelDims, SizeArg, build_device_mesh
 from lightning_dpar.plan import (
     ModulePlan,
@@ -60,7 +56,6 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
 
 StartMethod = Literal["popen", "fork", "spawn"]
-CheckpointFormat = Literal["sharded", "full"]
 
 
 class DparStrategy(ParallelStrategy):
@@ -98,7 +93,7 @@ class DparStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
-        checkpoint_format: CheckpointFormat = "sharded",
+        checkpoint_format: CheckpointFormatName = "sharded",
         async_save: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -132,14 +127,8 @@ class DparStrategy(ParallelStrategy):
         self._grad_sync_modules: list[nn.Module] = []
         self._parallelized_module: nn.Module | None = None
         # Checkpointing (see the checkpointing section below).
-        if checkpoint_format not in ("sharded", "full"):
-            raise ValueError(f"`checkpoint_format={checkpoint_format!r}` is invalid; use 'sharded' or 'full'.")
-        self._checkpoint_format: CheckpointFormat = checkpoint_format
-        self._checkpoint_writer = CheckpointWriter()
-        self.async_save = async_save
-        self._pending_resume: dict[str, Any] = {}  # RNG and data position of a loaded checkpoint, applied later
-        self._train_sampler: resume.ResumableDistributedSampler | None = None
-        self._batches_to_skip = 0  # mid-epoch resume with a custom sampler (see `_skip_seen_batches`)
+        #: The single owner of save, load, async writes, removal and the resume state (`checkpoint.manager`).
+        self.checkpoints = CheckpointManager(checkpoint_format, async_save, timeout)
 
     # ------------------------------------------------------------------ precision
     @property
@@ -191,11 +180,11 @@ class DparStrategy(ParallelStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally:
-            return
         start_method = "fork" if self._start_method == "popen" and IS_INTERACTIVE else self._start_method
-        if start_method == "popen":
-            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        if self.cluster_environment.creates_processes_externally:
+            self._launcher = InPlaceLauncher()
+        elif start_method == "popen":
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = InteractiveLauncher(self, start_method=start_method)
 
@@ -402,17 +391,13 @@ class DparStrategy(ParallelStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
-        if self._checkpoint_format == "full":
-            return full.full_model_state(self.model)
-        return sharded.sharded_model_state(self.model)
+        return self.checkpoints.model_state(self.model)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if self._checkpoint_format == "full":
-            return full.full_optimizer_state(self.model, optimizer)
-        return sharded.sharded_optimizer_state(self.model, optimizer)
+        return self.checkpoints.optimizer_state(self.model, optimizer)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # done by `load_checkpoint`, which has the wrapped model
@@ -425,177 +410,80 @@ class DparStrategy(ParallelStrategy):
         writes one file. See `docs/checkpointing.md`."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
-        location = Location.parse(self.broadcast(str(filepath)))
-        if self._checkpoint_format == "full":  # never async (see the `async_save` setter)
-            checkpoint[layout.DPAR_KEY] = self._resume_record()
-            full.save_full(checkpoint, location, self.is_global_zero)
-            self.barrier()
-            return
-        tensor_state, metadata = sharded.split_checkpoint(checkpoint)
-        metadata[layout.DPAR_KEY] = self._resume_record()
-        self._checkpoint_writer.save(tensor_state, metadata, location)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        data_parallel = self.dims.data_parallel if self.dims is not None else None
+        record = self.checkpoints.resume.record(trainer, type(self).__name__, self.world_size, data_parallel)
+        self.checkpoints.save(checkpoint, filepath, record)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Called by `ModelCheckpoint` for superseded checkpoints (directories here); waits if still being written."""
-        location = Location.parse(str(filepath))
-        if self._checkpoint_writer.is_pending(location.url):
-            self._checkpoint_writer.wait()
-        if self.is_global_zero:
-            location.remove()
+        """Called by `ModelCheckpoint` for superseded checkpoints; kept until a save in flight is complete."""
+        self.checkpoints.remove(filepath, self.is_global_zero)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load model (and, when fitting, optimizer) state in place, resharding to this layout; return the rest.
-
-        Every rank checks the checkpoint and the ranks agree on the outcome before any collective read, so a bad
-        path or file raises the same `CheckpointLoadError` on every rank instead of hanging.
-        """
-        self._checkpoint_writer.wait()  # the checkpoint may be the one still being written
-        location = Location.parse(self.broadcast(str(checkpoint_path)))
+        A bad path or file raises the same `CheckpointLoadError` on every rank instead of hanging."""
         assert self.model is not None and self.lightning_module is not None
-        strict = self.lightning_module.strict_loading
-        trainer = self.lightning_module._trainer
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        optimizers = self.optimizers if fitting else []
-        self._pending_resume = {}
-        checkpoint, info, problem = None, None, None
-        try:
-            if location.is_dir():  # sharded
-                info = layout.inspect_checkpoint(location)
-                problem = layout.check_data_files(info, self.global_rank, self.world_size)
-            else:  # one file (`checkpoint_format="full"`), or nothing there
-                problem = layout.describe_problem(location)
-                checkpoint = full.read_full(location) if problem is None else None
-        except CheckpointLoadError as error:
-            problem = str(error)
-        self._raise_on_any_rank(problem)
-        if checkpoint is not None:
-            report = full.load_full(checkpoint, self.model, optimizers, strict)
-            record, rest = checkpoint.pop(layout.DPAR_KEY, {}), checkpoint
-        else:
-            assert info is not None
-            report = sharded.load_sharded(info, self.model, optimizers, strict)
-            record = info.dpar_record
-            rest = {k: v for k, v in info.metadata.items() if k != layout.DPAR_KEY}
-        if report.missing or report.unexpected:
-            rank_zero_warn(
-                f"Loaded {location.url!r} with `strict_loading=False`. Keys of the model not in the checkpoint (left"
-                f" as they were): {report.missing}. Keys of the checkpoint not in the model (ignored):"
-                f" {report.unexpected}."
-            )
-        self._pending_resume = record if fitting else {}  # RNG and data position apply to `fit` only
-        return rest
-
-    def _raise_on_any_rank(self, problem: str | None) -> None:
-        """Raise `problem` (or the first other rank's) on every rank; a collective, so no rank is left waiting."""
-        problems: list[str | None] = [problem]
-        if dist.is_initialized():
-            problems = [None] * self.world_size
-            dist.all_gather_object(problems, problem)
-        first = next((p for p in problems if p is not None), None)
-        if first is not None:
-            raise CheckpointLoadError(first)
-
-    def _resume_record(self) -> dict[str, Any]:
-        """Our part of `meta.pt`: layout, per-rank RNG streams and the data position (see `checkpoint.resume`)."""
-        record: dict[str, Any] = {
-            "format_version": layout.FORMAT_VERSION,
-            "strategy": type(self).__name__,
-            "world_size": self.world_size,
-            "rng_states": resume.gather_rng_states(),
-        }
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        if trainer is not None and self.dims is not None:
-            batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-            record["epoch_batches"] = {
-                "epoch": trainer.current_epoch,
-                "batches": batches,
-                "data_parallel_size": self.dims.data_parallel,
-            }
-            if self._train_sampler is not None:
-                record["data_position"] = self._train_sampler.position(batches).as_dict()
-        return record
+        trainer = self.lightning_module.trainer
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        return self.checkpoints.load(
+            checkpoint_path,
+            self.model,
+            self.optimizers if fitting else [],
+            self.lightning_module.strict_loading,
+            fitting,
+        )
 
     def process_dataloader(self, dataloader: object) -> object:
         """Make the training loader resumable mid-epoch and position it if a checkpoint was just loaded."""
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        self._train_sampler = resume.make_resumable(dataloader)
-        position = self._pending_resume.get("data_position")
-        seen = self._pending_resume.get("epoch_batches", {})
-        if self._train_sampler is not None and position is not None:
-            self._train_sampler.start_at(resume.DataPosition(**position))
-        elif seen.get("batches", 0) > 0 and seen.get("data_parallel_size") == (self.dims and self.dims.data_parallel):
-            self._batches_to_skip = seen["batches"]  # a custom sampler: replay and drop them in `on_train_start`
-        elif seen.get("batches", 0) > 0:
-            rank_zero_warn(
-                "The checkpoint was saved mid-epoch with another data-parallel size, and the training loader has a"
-                " custom sampler or batch sampler, whose position cannot be mapped: this epoch restarts from its first"
-                " batch. Use a plain `DataLoader(dataset, batch_size=...)` (Lightning adds the distributed sampler)."
-            )
+        data_parallel = self.dims.data_parallel if self.dims is not None else None
+        resumed = bool(self.checkpoints.resume.pending)
+        how = self.checkpoints.resume.position_loader(dataloader, data_parallel)
+        if resumed:
+            rank_zero_info(f"Resuming: {how}.")
         return dataloader
 
     def on_train_start(self) -> None:
         """Restore this rank's RNG streams right before training continues (after loaders and sanity checks)."""
-        self._skip_seen_batches()
-        states = self._pending_resume.get("rng_states")
-        if states is not None and len(states) == self.world_size:
-            resume.restore_rng_state(states[self.global_rank])
-        elif states is not None:
-            rank_zero_info(
-                f"The checkpoint was saved by {len(states)} ranks and is resumed on {self.world_size}; the per-rank RNG"
-                " streams cannot be mapped, so the freshly seeded ones are used."
-            )
-        self._pending_resume = {}
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            skip_seen_batches(self.checkpoints.resume, trainer)
+        note = self.checkpoints.resume.restore_rng(self.world_size, self.global_rank)
+        if note is not None:
+            rank_zero_info(note)
 
     @property
     def async_save(self) -> bool:
         """Whether sharded saves are written in the background. Settable between saves, e.g. to `False` before a
         final save that must be on disk when `save_checkpoint` returns."""
-        return self._checkpoint_writer.async_save
+        return self.checkpoints.async_save
 
     @async_save.setter
     def async_save(self, enabled: bool) -> None:
-        if enabled and self._checkpoint_format != "sharded":
-            raise ValueError(
-                f"`async_save=True` needs `checkpoint_format='sharded'`, not {self._checkpoint_format!r}: "
-                "a full checkpoint is gathered to rank 0 and written there."
-            )
-        self._checkpoint_writer.async_save = enabled
+        self.checkpoints.async_save = enabled
 
     def wait_for_checkpoint(self) -> None:
         """Block until an `async_save` checkpoint still being written is complete under its final name.
 
-        The next save, a load, `ModelCheckpoint`'s removal of it and the end of `fit` already wait; call this after
-        your own `trainer.save_checkpoint(...)` if you read or copy the checkpoint before any of those happens.
+        The next save, a load and the end of `fit` already wait; call this after your own
+        `trainer.save_checkpoint(...)` if you read or copy the checkpoint before any of those happens.
         """
-        self._checkpoint_writer.wait()
+        self.checkpoints.wait()
         self.barrier()
-
-    def _skip_seen_batches(self) -> None:
-        """Custom samplers cannot start mid-epoch: draw and drop the batches this epoch already trained on."""
-        skip, self._batches_to_skip = self._batches_to_skip, 0
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        if not skip or trainer is None:
-            return
-        restored = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        if restored != skip or skip >= trainer.num_training_batches:
-            return  # not resuming inside the epoch the checkpoint was taken in (e.g. saved at its end)
-        iterator = unfetched_training_iterator(trainer)
-        if iterator is None:
-            rank_zero_warn(f"Could not skip the {skip} batches already seen this epoch; the epoch restarts.")
-            return
-        rank_zero_info(f"Skipping the {skip} batches of this epoch seen before the checkpoint (custom sampler).")
-        for _ in range(skip):
-            next(iterator, None)
 
     def on_train_end(self) -> None:
         """The end of `fit` waits for the last background save, so its checkpoint is complete on return."""
         self.wait_for_checkpoint()
 
+    def on_exception(self, exception: BaseException) -> None:
+        """After an error, wait a bounded time for a background save and log how it ended (teardown follows)."""
+        self.checkpoints.close()
+
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
-        self._checkpoint_writer.close()
+        self.checkpoints.close()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

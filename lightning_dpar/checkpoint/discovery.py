@@ -1,0 +1,69 @@
+"""Which checkpoint `ckpt_path="last"` means after a crash: the newest complete checkpoint, never a fresh start.
+
+Lightning resolves `"last"` to the newest `last*.ckpt` that exists, and starts from scratch (with a warning) when
+there is none. After a kill during a save that is wrong in two ways: with `save_last="link"` the link can point at a
+checkpoint that was never completed (so it "does not exist" and training silently restarts from step 0), and the
+newest complete checkpoint may carry another name. Here the checkpoint directories of the `ModelCheckpoint`
+callbacks are searched for complete checkpoints: the newest wins, and a directory with only interrupted saves is an
+error rather than a fresh start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_dpar.checkpoint.layout import PARTIAL_PREFIX, REPLACED_PREFIX, describe_problem
+from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
+from lightning_dpar.checkpoint.storage import Location
+
+__all__ = ["DirectoryScan", "resolve_last"]
+
+CHECKPOINT_SUFFIX = ".ckpt"
+
+
+@dataclass
+class DirectoryScan:
+    """The checkpoints of one directory: complete ones with their modification times, and interrupted ones."""
+
+    complete: dict[str, float] = field(default_factory=dict)
+    incomplete: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, directory: Location) -> DirectoryScan:
+        scan = cls()
+        for name in directory.list_names():
+            entry = directory.child(name)
+            if name.startswith((PARTIAL_PREFIX, REPLACED_PREFIX)):
+                scan.incomplete.append(entry.url)
+            elif name.endswith(CHECKPOINT_SUFFIX):
+                if entry.exists() and describe_problem(entry) is None:
+                    scan.complete[entry.url] = entry.modified()
+                else:  # a `save_last="link"` link to a save that never completed, or a directory without metadata
+                    scan.incomplete.append(entry.url)
+        return scan
+
+
+def resolve_last(directories: list[Location]) -> tuple[str | None, str]:
+    """The newest complete checkpoint in `directories` and a sentence saying why it was picked.
+
+    Returns `(None, reason)` when the directories hold no checkpoint at all (a first run: Lightning's own
+    `ckpt_path="last"` handling applies). Raises `CheckpointLoadError` when they hold only interrupted saves.
+    """
+    complete: dict[str, float] = {}
+    incomplete: list[str] = []
+    for directory in directories:
+        scan = DirectoryScan.of(directory)
+        complete.update(scan.complete)
+        incomplete.extend(scan.incomplete)
+    where = ", ".join(repr(d.url) for d in directories)
+    if complete:
+        newest = max(complete, key=complete.__getitem__)
+        skipped = f"; skipped the incomplete {sorted(incomplete)}" if incomplete else ""
+        return newest, f"the newest complete checkpoint in {where}{skipped}"
+    if incomplete:
+        raise CheckpointLoadError(
+            f"`ckpt_path='last'`: {where} holds no complete checkpoint, only interrupted saves: {sorted(incomplete)}."
+            " Training is not restarted from scratch silently. Pass `ckpt_path` of a checkpoint kept elsewhere, or"
+            " remove these entries (or pass `ckpt_path=None`) to start from scratch."
+        )
+    return None, f"no checkpoint in {where}"

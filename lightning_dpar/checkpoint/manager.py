@@ -1,0 +1,150 @@
+"""The single owner of checkpointing for one strategy: saving (sharded or full, in the foreground or background),
+removing superseded checkpoints, loading into the parallelised model, and the resume state a load leaves behind.
+
+The strategy's checkpoint hooks each delegate here in a line or two; nothing about checkpoints lives elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal, Protocol
+
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_dpar.checkpoint.agreement import first_problem
+from lightning_dpar.checkpoint.full import FullFormat
+from lightning_dpar.checkpoint.layout import LoadReport
+from lightning_dpar.checkpoint.resume import ResumeState
+from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
+from lightning_dpar.checkpoint.sharded import ShardedFormat
+from lightning_dpar.checkpoint.storage import Location
+from lightning_dpar.checkpoint.writer import CheckpointWriter
+
+__all__ = ["CheckpointFormatName", "CheckpointManager"]
+
+log = logging.getLogger(__name__)
+
+CheckpointFormatName = Literal["sharded", "full"]
+
+
+class _Source(Protocol):
+    """A checkpoint validated for loading: our record, Lightning's part, and how to load the rest in place."""
+
+    record: dict[str, Any]
+    rest: dict[str, Any]
+
+    def load(self, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> LoadReport: ...
+
+
+class _Format(Protocol):
+    """What a checkpoint format provides: the state each rank hands to a save, the save, and opening for a load."""
+
+    name: str
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]: ...
+    def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]: ...
+    def save(
+        self, checkpoint: dict[str, Any], record: dict[str, Any], location: Location, writer: CheckpointWriter
+    ) -> None: ...
+    @staticmethod
+    def open(location: Location, rank: int, world_size: int) -> _Source: ...
+
+
+_FORMATS: dict[str, _Format] = {"sharded": ShardedFormat(), "full": FullFormat()}
+
+
+class CheckpointManager:
+    """Save, remove, load and resume for one strategy. `checkpoint_format` picks how saves are written; loads read
+    either format, whichever the path holds."""
+
+    def __init__(
+        self, checkpoint_format: CheckpointFormatName, async_save: bool, timeout: timedelta | None = None
+    ) -> None:
+        if checkpoint_format not in _FORMATS:
+            raise ValueError(f"`checkpoint_format={checkpoint_format!r}` is invalid; use 'sharded' or 'full'.")
+        self.format: _Format = _FORMATS[checkpoint_format]
+        self.writer = CheckpointWriter(timeout=timeout)
+        self.resume = ResumeState()
+        self.async_save = async_save
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def async_save(self) -> bool:
+        return self.writer.async_save
+
+    @async_save.setter
+    def async_save(self, enabled: bool) -> None:
+        if enabled and self.format.name != "sharded":
+            raise ValueError(
+                f"`async_save=True` needs `checkpoint_format='sharded'`, not {self.format.name!r}: "
+                "a full checkpoint is gathered to rank 0 and written there."
+            )
+        self.writer.async_save = enabled
+
+    def set_timeout(self, timeout: timedelta | None) -> None:
+        self.writer.timeout = timeout
+
+    # ------------------------------------------------------------------ saving
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        return self.format.model_state(model)
+
+    def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        return self.format.optimizer_state(model, optimizer)
+
+    def save(self, checkpoint: dict[str, Any], path: Any, record: dict[str, Any]) -> None:
+        """Write Lightning's `checkpoint` plus our `record` to `path` (rank 0's path, on every rank); collective."""
+        location = Location.parse(_from_rank_zero(str(path)))
+        self.writer.wait()  # a full save after an async one: one save at a time
+        self.format.save(checkpoint, record, location, self.writer)
+
+    def remove(self, path: Any, is_global_zero: bool) -> None:
+        """A checkpoint `ModelCheckpoint` no longer keeps; removed only once no save it depends on is in flight."""
+        self.writer.remove(Location.parse(str(path)), is_global_zero)
+
+    def wait(self) -> None:
+        self.writer.wait()
+
+    def close(self) -> None:
+        self.writer.close()
+
+    # ------------------------------------------------------------------ loading
+    def load(self, path: Any, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool, fitting: bool) -> dict:
+        """Load model (and the given optimizers') state in place, resharding to this layout; keep the resume record
+        for `fit`; return Lightning's part of the checkpoint. Every rank validates, and the ranks agree on the
+        outcome before any collective read, so a bad checkpoint raises the same error everywhere."""
+        self.writer.wait()  # the checkpoint may be the one still being written
+        location = Location.parse(_from_rank_zero(str(path)))
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        source, problem = None, None
+        try:
+            source = _FORMATS["sharded" if location.is_dir() else "full"].open(location, rank, world_size)
+        except CheckpointLoadError as error:
+            problem = str(error)
+        problem = first_problem(problem)
+        if problem is not None:
+            raise CheckpointLoadError(problem)
+        assert source is not None
+        report = source.load(model, optimizers, strict)
+        if report.missing or report.unexpected:
+            rank_zero_warn(
+                f"Loaded {location.url!r} with `strict_loading=False`. Keys of the model not in the checkpoint (left"
+                f" as they were): {report.missing}. Keys of the checkpoint not in the model (ignored):"
+                f" {report.unexpected}."
+            )
+        self.resume.pending = source.record if fitting else {}  # RNG and data position apply to `fit` only
+        return source.rest
+
+
+def _from_rank_zero(text: str) -> str:
+    """Rank 0's value on every rank (callbacks may format per-rank paths, e.g. with a timestamp)."""
+    if not dist.is_initialized():
+        return text
+    holder = [text]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]

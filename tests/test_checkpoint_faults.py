@@ -1,0 +1,194 @@
+"""Checkpoints that lose nothing under faults (workers in `tests/workers/checkpoint_faults.py`), and the pure rules
+behind them (in-process).
+
+- Real SIGKILLs at random moments of async saves, under `save_top_k` 1, 2 and all, `save_last` True and "link",
+  saving every step; then `fit(ckpt_path="last")` finishes the run with exactly the uninterrupted parameters.
+- A rank that freezes during a save (sync and async) makes the other fail within the timeout, saying why.
+- A full disk and a read-only target: every rank raises an error naming the checkpoint and the cause; the previous
+  checkpoint stays loadable and nothing partial is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_dpar.checkpoint.discovery import resolve_last
+from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
+from lightning_dpar.checkpoint.storage import Location
+from tests.conftest import ROOT, WORKERS, run_workers, subprocess_env
+
+KILLS = [("top1_last", 11), ("top1_link", 12), ("all_link", 13), ("top2_last", 14)]
+
+
+def _launch(group: str, out_dir: Path, env: dict[str, str], timeout: float) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(WORKERS / "run.py"), group, str(out_dir / f"{group}.json")]
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**subprocess_env(), **env},
+        cwd=ROOT,
+        start_new_session=True,  # the whole job can be killed, a stopped rank included
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> str:
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # a stopped rank outlives torchrun otherwise
+        except ProcessLookupError:
+            pass
+    return output or ""
+
+
+# ---------------------------------------------------------------------- kills at random moments
+@pytest.fixture(scope="module")
+def after_kills(tmp_path_factory):
+    shared = tmp_path_factory.mktemp("kills")
+    killed = {}
+    for config, seed in KILLS:
+        env = {"DPAR_KILL_CONFIG": config, "DPAR_KILL_SEED": str(seed)}
+        proc = _launch("faults_kill_random", shared, env, timeout=300)
+        output = _finish(proc, timeout=300)
+        killed[config] = (proc.returncode, output)
+    results = run_workers(2, "faults_resume_after_kills,faults_last_without_complete", shared)
+    return killed, results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [config for config, _ in KILLS])
+def test_kill_at_random_moment_resumes_exactly_from_newest_complete_checkpoint(after_kills, config):
+    killed, results = after_kills
+    returncode, output = killed[config]
+    assert returncode != 0 and "SIGKILL" in output, output[-3000:]
+    result = results[f"kill_{config}"]
+    # Something complete survived under a final name, and "last" resumed from it rather than from step 0.
+    assert [n for n in result["names_after_kill"] if not n.startswith(".") and n.endswith(".ckpt")]
+    assert result["first_step"] is not None and result["first_step"] > 0, result
+    assert result["max_diff"] == 0.0, result  # bit-identical to the uninterrupted run
+    assert not [n for n in result["names_at_end"] if n.startswith(".dpar-")], result
+
+
+@pytest.mark.slow
+def test_last_with_only_interrupted_saves_refuses_to_start_over(after_kills):
+    _, results = after_kills
+    error = results["last_without_complete"]
+    assert error is not None and "CheckpointLoadError" in error
+    assert "no complete checkpoint" in error and "last.ckpt" in error and "not restarted from scratch" in error
+
+
+# ---------------------------------------------------------------------- a frozen rank
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_frozen_rank_during_save_fails_the_others_within_the_timeout(tmp_path, mode):
+    timeout_s = 10
+    env = {"DPAR_FREEZE_TIMEOUT": str(timeout_s), "DPAR_FREEZE_ASYNC": "1" if mode == "async" else "0"}
+    proc = _launch("faults_freeze", tmp_path, env, timeout=240)
+    failure_file = tmp_path / "rank0_failure.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and not failure_file.exists() and proc.poll() is None:
+        time.sleep(0.5)
+    time.sleep(1.0)  # rank 0's log lines after the failure record
+    os.killpg(proc.pid, signal.SIGKILL)
+    output = _finish(proc, timeout=30)
+    assert failure_file.exists(), output[-4000:]
+    frozen_at = float((tmp_path / "frozen_at").read_text())
+    failure = json.loads(failure_file.read_text())
+    elapsed = failure["failed_at"] - frozen_at
+    print(f"{mode}: rank 0 failed {elapsed:.1f} s after rank 1 froze (timeout {timeout_s} s)")
+    assert elapsed < timeout_s + 15, (elapsed, output[-4000:])
+    assert "stopped responding during the checkpoint write" in failure["error"] + output, output[-4000:]
+
+
+# ---------------------------------------------------------------------- full and read-only disks
+def _mount_tmpfs(path: Path, size: str, read_only: bool = False) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {done.stderr.strip()}")
+
+
+@pytest.fixture(scope="module")
+def disk_results(tmp_path_factory):
+    shared = tmp_path_factory.mktemp("disks")
+    small, read_only = shared / "small", shared / "read_only"
+    _mount_tmpfs(small, "1m")
+    _mount_tmpfs(read_only, "1m", read_only=True)
+    env = {"DPAR_SMALL_DISK": str(small), "DPAR_READ_ONLY_DISK": str(read_only)}
+    try:
+        return run_workers(2, "faults_disk_full,faults_read_only", shared, extra_env=env)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+        subprocess.run(["umount", str(read_only)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_full_disk_raises_on_every_rank_naming_checkpoint_and_cause(disk_results, mode):
+    result = disk_results[f"disk_full_{mode}"]
+    for error in result["errors"]:
+        assert error is not None and "CheckpointSaveError" in error, result
+        assert "No space left on device" in error and ".ckpt'" in error, error
+        assert "previous checkpoint is untouched" in error
+    assert not [n for n in result["names"] if n.startswith(".dpar-")], result["names"]  # nothing partial left
+    assert result["validated"] is None, result  # the newest complete checkpoint loads
+
+
+@pytest.mark.slow
+def test_read_only_target_raises_on_every_rank(disk_results):
+    for error in disk_results["read_only"]:
+        assert error is not None and "CheckpointSaveError" in error and "step=1.ckpt" in error, error
+        assert "Read-only file system" in error
+
+
+# ---------------------------------------------------------------------- the "last" rule, in-process
+def _sharded_checkpoint(path: Path, mtime: float) -> None:
+    path.mkdir()
+    (path / ".metadata").write_bytes(b"")
+    (path / "meta.pt").write_bytes(b"")
+    os.utime(path, (mtime, mtime))
+
+
+def test_resolve_last_picks_newest_complete_and_skips_dangling_link(tmp_path):
+    _sharded_checkpoint(tmp_path / "step=3.ckpt", 1000)
+    _sharded_checkpoint(tmp_path / "step=4.ckpt", 2000)
+    (tmp_path / "step=5.ckpt").mkdir()  # a directory without metadata: not a complete checkpoint
+    os.symlink("step=6.ckpt", tmp_path / "last.ckpt")  # its save never completed
+    (tmp_path / ".dpar-partial-0123456789-abcd1234").mkdir()
+    path, reason = resolve_last([Location.parse(tmp_path)])
+    assert path == str(tmp_path / "step=4.ckpt")
+    assert "last.ckpt" in reason and "step=5.ckpt" in reason and ".dpar-partial-" in reason
+
+
+def test_resolve_last_follows_a_valid_link_and_prefers_newest(tmp_path):
+    _sharded_checkpoint(tmp_path / "step=3.ckpt", 3000)
+    _sharded_checkpoint(tmp_path / "step=2.ckpt", 1000)
+    os.symlink("step=3.ckpt", tmp_path / "last.ckpt")
+    path, _ = resolve_last([Location.parse(tmp_path)])
+    assert path in (str(tmp_path / "step=3.ckpt"), str(tmp_path / "last.ckpt"))
+
+
+def test_resolve_last_without_checkpoints_leaves_it_to_lightning(tmp_path):
+    assert resolve_last([Location.parse(tmp_path / "missing")])[0] is None
+    assert resolve_last([Location.parse(tmp_path)])[0] is None
+
+
+def test_resolve_last_with_only_interrupted_saves_raises(tmp_path):
+    os.symlink("step=6.ckpt", tmp_path / "last.ckpt")
+    with pytest.raises(CheckpointLoadError, match="no complete checkpoint"):
+        resolve_last([Location.parse(tmp_path)])
