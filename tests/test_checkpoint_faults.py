@@ -42,17 +42,25 @@ def _launch(group: str, out_dir: Path, env: dict[str, str], timeout: float) -> s
     )
 
 
-def _finish(proc: subprocess.Popen, timeout: float) -> str:
+def _finish(proc: subprocess.Popen, timeout: float, worker_pids: list[int] = ()) -> str:
+    """Wait for the launch, then kill what is left of it: torchrun's session and the workers (which torchrun starts
+    in sessions of their own; a stopped rank would otherwise outlive the test)."""
     try:
         output, _ = proc.communicate(timeout=timeout)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # a stopped rank outlives torchrun otherwise
-        except ProcessLookupError:
-            pass
+        for pid in worker_pids:
+            _kill(pid, os.kill)
+        _kill(proc.pid, os.killpg)
+    if output is None:
+        output, _ = proc.communicate(timeout=30)
     return output or ""
+
+
+def _kill(pid: int, kill) -> None:
+    try:
+        kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 # ---------------------------------------------------------------------- kills at random moments
@@ -103,8 +111,10 @@ def test_frozen_rank_during_save_fails_the_others_within_the_timeout(tmp_path, m
     while time.time() < deadline and not failure_file.exists() and proc.poll() is None:
         time.sleep(0.5)
     time.sleep(1.0)  # rank 0's log lines after the failure record
-    os.killpg(proc.pid, signal.SIGKILL)
-    output = _finish(proc, timeout=30)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    for pid in pids:
+        _kill(pid, os.kill)
+    output = _finish(proc, timeout=30, worker_pids=pids)
     assert failure_file.exists(), output[-4000:]
     frozen_at = float((tmp_path / "frozen_at").read_text())
     failure = json.loads(failure_file.read_text())

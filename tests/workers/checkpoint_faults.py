@@ -132,6 +132,7 @@ def group_freeze(results):
     timeout_s = float(os.environ["DPAR_FREEZE_TIMEOUT"])
     async_save = os.environ["DPAR_FREEZE_ASYNC"] == "1"
     root = workdir() / "frozen"
+    (workdir() / f"pid{dist.get_rank() if dist.is_initialized() else os.environ['RANK']}").write_text(str(os.getpid()))
     callback = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=-1)
     strategy = FullyShardStrategy(async_save=async_save, timeout=timedelta(seconds=timeout_s))
     trainer = trainer_for(strategy, max_steps=STEPS, callbacks=[callback, FreezeRankOne()], enable_checkpointing=True)
