@@ -84,6 +84,7 @@ def test_kill_at_random_moment_resumes_exactly_from_newest_complete_checkpoint(a
     returncode, output = killed[config]
     assert returncode != 0 and "SIGKILL" in output, output[-3000:]
     result = results[f"kill_{config}"]
+    print(f"{config}: left by the kill {result['names_after_kill']}; resumed at step {result['first_step']}")
     # Something complete survived under a final name, and "last" resumed from it rather than from step 0.
     assert [n for n in result["names_after_kill"] if not n.startswith(".") and n.endswith(".ckpt")]
     assert result["first_step"] is not None and result["first_step"] > 0, result

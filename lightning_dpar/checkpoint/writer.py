@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.errors import CheckpointSaveError
@@ -86,6 +88,7 @@ class CheckpointWriter:
         self.timeout = timeout
         self._group: dist.ProcessGroup | None = None
         self._in_flight: _InFlight | None = None
+        self._stager: DefaultStager | None = None
         self._lock = threading.Lock()  # guards `_in_flight.published` / `.removals` against the background thread
         self.timings: deque[SaveTiming] = deque(maxlen=100)  # recent saves, for benchmarks and logs
 
@@ -107,7 +110,9 @@ class CheckpointWriter:
         # Training goes on mutating callbacks' state; only rank 0 writes the metadata, so only it keeps a copy.
         metadata = copy.deepcopy(metadata) if _rank(None) == 0 else {}
         with _reported_as_save_error(location, partial, self.timeout):
-            upload = dcp.async_save(tensor_state, checkpoint_id=partial.url, process_group=group)
+            upload = dcp.async_save(
+                tensor_state, checkpoint_id=partial.url, process_group=group, async_stager=self._staging_buffers()
+            )
         timing.blocked_s = time.perf_counter() - start
         in_flight = _InFlight(location)
         self._in_flight = in_flight
@@ -164,8 +169,28 @@ class CheckpointWriter:
                 f"Checkpoint {in_flight.target.url!r} was still being written {bound:.0f} s after the end of training"
                 " and is abandoned; it stays incomplete (hidden) and the previous checkpoint is the last complete one."
             )
+            return  # the abandoned upload may still read the staging buffers: they go with the process
         except CheckpointSaveError as error:
             log.error(str(error))
+        self._release_staging_buffers()
+
+    def _staging_buffers(self) -> DefaultStager:
+        """The stager of every async save of this strategy: it keeps the CPU copies of the shards between saves
+        (pinned on GPU machines), so a save copies into memory that is already allocated and faulted in instead of
+        allocating the rank's shard again. The copy itself stays synchronous: training may change the parameters as
+        soon as `save` returns. Safe to reuse because a save first waits for the previous upload to finish."""
+        if self._stager is None:
+            pinned = torch.cuda.is_available()
+            options = StagingOptions(
+                use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+            )
+            self._stager = DefaultStager(options)
+        return self._stager
+
+    def _release_staging_buffers(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     # ------------------------------------------------------------------ internals
     def _removals_after_publish(self, in_flight: _InFlight) -> None:
