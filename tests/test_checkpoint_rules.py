@@ -1,0 +1,143 @@
+"""The pure rules of atomic checkpoint saving, in-process (no process group): hidden temporary names and which
+leftovers a save sweeps, publishing over an existing checkpoint, deferred removal while a save is in flight, and
+how a failed save is reported."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lightning_dpar.checkpoint import layout, writer
+from lightning_dpar.checkpoint.errors import CheckpointSaveError
+from lightning_dpar.checkpoint.storage import Location
+
+
+def test_partial_names_are_hidden_and_never_look_like_a_checkpoint():
+    name = layout.partial_name("last.ckpt", "abcd1234")
+    assert name.startswith(".") and not name.endswith(".ckpt") and "last" not in name
+    assert layout.partial_name("last.ckpt", "x") != layout.partial_name("step=1.ckpt", "x")
+
+
+def test_leftovers_are_matched_by_final_name_only():
+    names = [
+        layout.partial_name("step=1.ckpt", "aaaa"),
+        layout.partial_name("step=10.ckpt", "bbbb"),  # another checkpoint's save in flight: never swept
+        layout.REPLACED_PREFIX + layout.partial_name("step=1.ckpt", "cccc")[len(layout.PARTIAL_PREFIX) :],
+        "step=1.ckpt",
+    ]
+    assert layout.partial_names_for("step=1.ckpt", names) == [names[0], names[2]]
+
+
+def _complete(path: Path, content: str) -> Location:
+    path.mkdir()
+    (path / "meta.pt").write_text(content)
+    return Location.parse(path)
+
+
+def test_publish_replaces_an_existing_checkpoint_and_leaves_no_hidden_directory(tmp_path):
+    final = _complete(tmp_path / "last.ckpt", "old")
+    partial = _complete(tmp_path / layout.partial_name("last.ckpt", "abcd"), "new")
+    writer.publish(partial, final)
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+    assert (tmp_path / "last.ckpt" / "meta.pt").read_text() == "new"
+
+
+def test_publish_replaces_a_dangling_link(tmp_path):
+    os.symlink("step=9.ckpt", tmp_path / "last.ckpt")
+    partial = _complete(tmp_path / layout.partial_name("last.ckpt", "abcd"), "new")
+    writer.publish(partial, Location.parse(tmp_path / "last.ckpt"))
+    assert not os.path.islink(tmp_path / "last.ckpt") and os.listdir(tmp_path) == ["last.ckpt"]
+
+
+def test_remove_leftovers_sweeps_only_this_names_interrupted_saves(tmp_path):
+    mine = tmp_path / layout.partial_name("step=1.ckpt", "aaaa")
+    other = tmp_path / layout.partial_name("step=2.ckpt", "bbbb")
+    mine.mkdir(), other.mkdir()
+    writer.remove_leftovers(Location.parse(tmp_path / "step=1.ckpt"))
+    assert sorted(os.listdir(tmp_path)) == [other.name]
+
+
+def _writer_with_save_in_flight(tmp_path: Path) -> tuple[writer.CheckpointWriter, writer._InFlight]:
+    checkpoint_writer = writer.CheckpointWriter(async_save=True)
+    in_flight = writer._InFlight(Location.parse(tmp_path / "step=2.ckpt"))
+    checkpoint_writer._in_flight = in_flight
+    return checkpoint_writer, in_flight
+
+
+def test_removal_waits_until_the_save_in_flight_is_published(tmp_path):
+    superseded = _complete(tmp_path / "step=1.ckpt", "old")
+    checkpoint_writer, in_flight = _writer_with_save_in_flight(tmp_path)
+    checkpoint_writer.remove(superseded, is_global_zero=True)
+    assert superseded.exists()  # a kill now still leaves step=1 on disk
+    checkpoint_writer._removals_after_publish(in_flight)
+    assert not superseded.exists()
+
+
+def test_removal_after_publish_is_immediate(tmp_path):
+    superseded = _complete(tmp_path / "step=1.ckpt", "old")
+    checkpoint_writer, in_flight = _writer_with_save_in_flight(tmp_path)
+    checkpoint_writer._removals_after_publish(in_flight)
+    checkpoint_writer.remove(superseded, is_global_zero=True)
+    assert not superseded.exists()
+
+
+def test_removals_of_a_failed_save_are_dropped(tmp_path):
+    superseded = _complete(tmp_path / "step=1.ckpt", "old")
+    checkpoint_writer, in_flight = _writer_with_save_in_flight(tmp_path)
+    checkpoint_writer.remove(superseded, is_global_zero=True)
+    in_flight.done.set_exception(CheckpointSaveError("disk full"))
+    with pytest.raises(CheckpointSaveError):
+        checkpoint_writer.wait()
+    assert superseded.exists()
+
+
+def test_only_rank_zero_deletes(tmp_path):
+    superseded = _complete(tmp_path / "step=1.ckpt", "old")
+    writer.CheckpointWriter().remove(superseded, is_global_zero=False)
+    assert superseded.exists()
+
+
+def test_close_gives_up_on_a_save_that_never_finishes(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(writer, "CLOSE_MARGIN_S", 0.2)
+    checkpoint_writer, _ = _writer_with_save_in_flight(tmp_path)
+    checkpoint_writer.timeout = timedelta(seconds=0.1)
+    checkpoint_writer.close()  # the in-flight future never completes
+    assert "abandoned" in caplog.text and "step=2.ckpt" in caplog.text
+
+
+def test_dcp_failures_become_one_error_naming_checkpoint_and_each_rank(tmp_path):
+    final = Location.parse(tmp_path / "step=3.ckpt")
+    partial = _complete(tmp_path / layout.partial_name("step=3.ckpt", "abcd"), "partial")
+    failures = {0: (OSError(28, "No space left on device"), None), 1: (OSError(28, "No space left on device"), None)}
+    with pytest.raises(CheckpointSaveError) as raised:
+        with writer._reported_as_save_error(final, partial, timeout=None):
+            raise CheckpointException("save failed", failures)
+    message = str(raised.value)
+    assert "step=3.ckpt" in message and "rank 0: OSError" in message and "rank 1: OSError" in message
+    assert "No space left on device" in message and "previous checkpoint is untouched" in message
+    assert not partial.exists()  # what was written is removed
+
+
+def test_a_timeout_is_reported_as_an_unresponsive_rank(tmp_path):
+    final = Location.parse(tmp_path / "step=3.ckpt")
+    partial = Location.parse(tmp_path / layout.partial_name("step=3.ckpt", "abcd"))
+    timeout = timedelta(seconds=20)
+    with pytest.raises(CheckpointSaveError, match=r"stopped responding during the checkpoint write.*20 s"):
+        with writer._reported_as_save_error(final, partial, timeout):
+            raise RuntimeError("[gloo] Timed out waiting 20000ms for recv operation to complete")
+
+
+def test_staging_buffers_are_kept_across_saves_and_released_on_close():
+    checkpoint_writer = writer.CheckpointWriter(async_save=True)
+    stager = checkpoint_writer._staging_buffers()
+    assert checkpoint_writer._staging_buffers() is stager
+    state = {"w": torch.ones(4)}
+    staged = stager.stage(state)
+    assert torch.equal(staged["w"], state["w"]) and staged["w"].data_ptr() != state["w"].data_ptr()
+    checkpoint_writer.close()
+    assert checkpoint_writer._stager is None
