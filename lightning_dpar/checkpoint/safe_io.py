@@ -22,6 +22,7 @@ import dataclasses
 import io
 import pathlib
 import pickle
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -168,7 +169,8 @@ def _unsafe_globals(source: str | io.BytesIO) -> list[str]:
 
 def weights_only_refusal(what: str, error: pickle.UnpicklingError, unsafe: list[str]) -> str:
     """The message for content `torch.load(weights_only=True)` refused; `what` names the file (and item)."""
-    refers_to = ", ".join(unsafe) if unsafe else str(error).strip().splitlines()[-1]
+    named = re.findall(r"GLOBAL ([\w.]+)", str(error))
+    refers_to = ", ".join(unsafe or named) or str(error).strip().splitlines()[-1]
     return (
         f"{what} refers to {refers_to}, which `torch.load(weights_only=True)` does not load: loading it could run"
         " code. Nothing from it was run. If this is a type of your own (a hyperparameter class, an enum) and you"
@@ -251,6 +253,10 @@ def safe_storage_reader(location: Location, index: Metadata | None = None) -> Fi
                     super().read_data(dataclasses.replace(plan, items=items), planner).wait()
                 except CheckpointLoadError as error:
                     raise type(error)(f"In {file!r}: {error}") from None
+                except pickle.UnpicklingError as error:  # DCP reads tensor items `weights_only` itself
+                    raise UnsafeCheckpointError(
+                        weights_only_refusal(f"In {file!r}: a tensor item", error, [])
+                    ) from None
                 except Exception as error:
                     raise CorruptCheckpointError(
                         f"{file!r} cannot be read ({type(error).__name__}: {error}): the file is truncated or"
