@@ -138,9 +138,10 @@ def saved(obj: object) -> bytes:
 
 
 # ---------------------------------------------------------------------- tampering with a real sharded checkpoint
-def poison_item(checkpoint: Path, payload: bytes, tensor: bool = False) -> str:
+def poison_item(checkpoint: Path, payload: bytes, tensor: bool = False) -> tuple[str, str]:
     """Point the first non-tensor (or tensor) item of `checkpoint` at `payload`, appended to its `.distcp` file,
-    and update the index and the recorded checksums the way an attacker controlling every file would."""
+    and update the index and the recorded checksums the way an attacker controlling every file would.
+    Returns the item's name and its data file's name."""
     index_file = checkpoint / ".metadata"
     index = pickle.loads(index_file.read_bytes())  # our own freshly written index
     wanted = TensorStorageMetadata if tensor else BytesStorageMetadata
@@ -154,7 +155,7 @@ def poison_item(checkpoint: Path, payload: bytes, tensor: bool = False) -> str:
         f.write(payload)
     index_file.write_bytes(pickle.dumps(index, protocol=4))
     update_checksums(checkpoint)
-    return key.fqn
+    return key.fqn, storage.relative_path
 
 
 def update_checksums(checkpoint: Path) -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import io
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -278,14 +279,14 @@ def test_hostile_full_format_file_is_refused(tmp_path, marker, kind):
 def test_hostile_distcp_leaf_is_refused_before_reading(pristine, tmp_path, marker, kind):
     """A non-tensor leaf (an optimizer hyperparameter) replaced by a hostile `torch.save`, checksums updated."""
     checkpoint = copy_of(pristine, tmp_path)
-    fqn = malicious.poison_item(checkpoint, _payload_file(marker, kind, tmp_path))
+    fqn, data_file = malicious.poison_item(checkpoint, _payload_file(marker, kind, tmp_path))
     for read in (
         lambda: lightning_dpar.load_from_checkpoint(Tiny, checkpoint),
         lambda: OfflineCheckpoint(str(checkpoint)),
     ):
         with pytest.raises(CheckpointLoadError) as caught:  # found by the ranks' vetting, before any collective
             read()
-        assert_refused(caught.value, checkpoint / "__0_0.distcp", REFERS_TO[kind])
+        assert_refused(caught.value, checkpoint / data_file, REFERS_TO[kind])
         assert f"the non-tensor item {fqn!r}" in str(caught.value)
     assert not ran(marker)
 
@@ -497,7 +498,7 @@ FIT_CASES = {
     "index_dotted": (".metadata", "refers to torch.distributed.checkpoint.filesystem.os.system"),
     "index_function": (".metadata", "refers to torch.distributed.checkpoint.format_utils.torch_save_to_dcp"),
     "meta_pt": ("meta.pt", "refers to posix.system"),
-    "distcp_leaf": ("__0_0.distcp", "refers to posix.system"),
+    "distcp_leaf": ("", "refers to posix.system"),  # the file holding the item: `data_file`
     "full_file": ("", "refers to builtins.eval"),
 }
 
@@ -508,10 +509,11 @@ def test_fit_ckpt_path_runs_no_code_and_names_the_file(trainer_results, case):
     file_name, refers_to = FIT_CASES[case]
     result = trainer_results["safety_fit"][case]
     assert result["payload_works"], "the payload must work for the test to mean anything"
+    file = os.path.join(result["path"], file_name or result.get("data_file", ""))
     for message, ran_after in zip(result["errors"], result["ran"]):  # per rank
         assert not ran_after
-        assert message.startswith("UnsafeCheckpointError: "), message
-        assert repr(os.path.join(result["path"], file_name) if file_name else result["path"]) in message
+        assert re.match(r"(Checkpoint|Unsafe)\w*Error: ", message), message  # a CheckpointLoadError
+        assert repr(file.rstrip("/")) in message, message
         assert refers_to in message and "Nothing from it was run" in message
 
 
@@ -526,7 +528,7 @@ def test_fit_ckpt_path_runs_no_code_and_names_the_file(trainer_results, case):
 def test_fit_ckpt_path_on_a_damaged_checkpoint_names_the_previous_one(trainer_results, case, expected):
     result = trainer_results["safety_fit"][case]
     for message in result["errors"]:
-        assert message.startswith("CorruptCheckpointError: "), message
+        assert re.match(r"(Checkpoint|Corrupt)\w*Error: ", message), message  # a CheckpointLoadError
         for fragment in expected:
             assert fragment in message, message
         assert f"resume from the previous checkpoint: {result['previous']!r}" in message
@@ -534,13 +536,16 @@ def test_fit_ckpt_path_on_a_damaged_checkpoint_names_the_previous_one(trainer_re
 
 @pytest.mark.slow
 def test_full_format_load_is_memory_mapped(trainer_results):
-    """Per-rank peak RSS growth while `validate(ckpt_path=full.ckpt)` loads a 64 MiB model on 2 ranks: the file is
-    memory-mapped, so each rank holds about the half it keeps, not the file (the contrast: reading the same file
-    without mmap grows RSS by the file's size)."""
+    """Per-rank peak RSS growth with a 64 MiB full-format file on 2 ranks. Reading it (`read_full`, which every rank
+    does) maps the file instead of copying it: RSS does not grow, where the same file read without mmap grows it by
+    the file's size (the contrast shows the measurement sees a whole file). The whole `validate(ckpt_path=...)` load
+    keeps a rank other than 0 near zero; rank 0 is the source of `set_model_state_dict`'s scatter, so it touches
+    every page of the mapped file (clean page cache, shared with the other ranks): it is reported, not asserted."""
     result = trainer_results["safety_mmap"]
     file_mib = result["file_mib"]
     assert file_mib >= 64
-    for growth, unmapped in zip(result["load_growth_mib"], result["unmapped_growth_mib"]):
-        assert unmapped > 0.9 * file_mib  # the measurement sees a whole file when there is one
-        assert growth < 0.65 * file_mib
+    for read, unmapped in zip(result["read_growth_mib"], result["unmapped_growth_mib"]):
+        assert unmapped > 0.9 * file_mib
+        assert read < 0.05 * file_mib
+    assert result["load_growth_mib"][1] < 0.1 * file_mib
     assert result["max_diff"] == 0.0

@@ -87,14 +87,25 @@ def _modified(location: Location) -> float:
 
 
 def _is_complete_sharded(location: Location) -> bool:
-    return location.is_dir() and {DCP_INDEX_FILENAME, METADATA_FILENAME} <= set(location.list_names())
+    """Index, `meta.pt` (written last) and every data file the index names, each at least as long as it needs."""
+    if not (location.is_dir() and {DCP_INDEX_FILENAME, METADATA_FILENAME} <= set(location.list_names())):
+        return False
+    try:
+        index = read_dcp_index(location)
+    except CheckpointLoadError:
+        return False
+    needed: dict[str, int] = {}
+    for storage in (index.storage_data or {}).values():
+        needed[storage.relative_path] = max(needed.get(storage.relative_path, 0), storage.offset + storage.length)
+    names = set(location.list_names())
+    return all(name in names and location.child(name).size() >= size for name, size in needed.items())
 
 
 def newest_other_checkpoint(location: Location) -> Location | None:
     """The most recently written other complete checkpoint beside `location` (same format), or None.
 
-    Sharded: a directory with its index and `meta.pt` (`meta.pt` is written last, so it marks a complete save);
-    full: a file with the same suffix. Hidden names (temporary and replaced checkpoints) and links to `location`
+    Sharded: a directory with its index, `meta.pt` and the data files the index names; full: a file with the same
+    suffix. Hidden names (temporary and replaced checkpoints) and links to `location`
     (`save_last="link"`) are skipped.
     """
     sharded = location.is_dir()
@@ -104,9 +115,10 @@ def newest_other_checkpoint(location: Location) -> Location | None:
         other = location.sibling(name)
         if name == location.name or name.startswith(".") or _same_file(other, location):
             continue
-        if _is_complete_sharded(other) if sharded else (not other.is_dir() and name.endswith(suffix)):
+        if other.is_dir() == sharded and (sharded or name.endswith(suffix)):
             candidates.append(other)
-    return max(candidates, key=_modified, default=None)
+    candidates.sort(key=_modified, reverse=True)
+    return next((c for c in candidates if not sharded or _is_complete_sharded(c)), None)
 
 
 def _same_file(a: Location, b: Location) -> bool:

@@ -17,7 +17,16 @@ warnings.filterwarnings("ignore")
 import torch.distributed as dist  # noqa: E402
 
 import lightning_dpar  # noqa: E402,F401
-from tests.workers import checkpoint, cli_configs, errors, features, parity, perf, precision  # noqa: E402
+from tests.workers import (  # noqa: E402
+    checkpoint,
+    checkpoint_safety,
+    cli_configs,
+    errors,
+    features,
+    parity,
+    perf,
+    precision,
+)
 
 GROUPS = {
     **parity.GROUPS,
@@ -25,6 +34,7 @@ GROUPS = {
     **errors.GROUPS,
     **precision.GROUPS,
     **checkpoint.GROUPS,
+    **checkpoint_safety.GROUPS,
     **perf.GROUPS,
     **cli_configs.GROUPS,
 }
