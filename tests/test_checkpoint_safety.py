@@ -545,7 +545,7 @@ def test_full_format_load_is_memory_mapped(trainer_results):
     file_mib = result["file_mib"]
     assert file_mib >= 64
     for read, unmapped in zip(result["read_growth_mib"], result["unmapped_growth_mib"]):
-        assert unmapped > 0.9 * file_mib
+        assert unmapped > 0.75 * file_mib
         assert read < 0.05 * file_mib
     assert result["load_growth_mib"][1] < 0.1 * file_mib
     assert result["max_diff"] == 0.0
