@@ -40,7 +40,7 @@ class OfflineCheckpoint:
 
     def __init__(self, path: str) -> None:
         location = Location.parse(path)
-        if location.exists() and not location.is_dir():
+        if not location.is_dir():
             raise CheckpointLoadError(_not_a_directory(location))
         self.info: CheckpointInfo = inspect_checkpoint(location)
         problem = check_data_files(self.info, rank=0, world_size=1)
@@ -103,10 +103,12 @@ class OfflineCheckpoint:
 
 
 def _not_a_directory(location: Location) -> str:
-    with location.open("rb") as f:
-        is_torch_file = f.read(4) == b"PK\x03\x04"
     expected = f"expected a sharded checkpoint directory (the DCP index {DCP_INDEX_FILENAME!r}, `__<rank>_<i>.distcp`"
     expected += f" data files and {METADATA_FILENAME!r})"
+    if not location.exists():
+        return f"{location.url!r} does not exist, {expected}."
+    with location.open("rb") as f:
+        is_torch_file = f.read(4) == b"PK\x03\x04"
     if is_torch_file:
         return (
             f"{location.url!r} is a single checkpoint file (the full format, or already consolidated), {expected}."

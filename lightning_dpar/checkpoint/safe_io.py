@@ -202,7 +202,7 @@ def safe_torch_load(location: Location) -> Any:
             if head[:1] == b"\x80"
             else f"not written by `torch.save` (or is truncated to {location.size()} bytes)"
         )
-        raise CorruptCheckpointError(
+        raise CheckpointLoadError(
             f"{location.url!r} is not a checkpoint: it is {what}. Pass a checkpoint file written by"
             " `Trainer.save_checkpoint` (`checkpoint_format='full'`) or a sharded checkpoint directory."
         )
@@ -214,9 +214,14 @@ def safe_torch_load(location: Location) -> Any:
         raise UnsafeCheckpointError(weights_only_refusal(repr(location.url), error, _unsafe_globals(source))) from None
     except Exception as error:
         raise CorruptCheckpointError(
-            f"{location.url!r} cannot be read ({type(error).__name__}: {str(error).strip().splitlines()[0]}): the"
-            " file is truncated or corrupted."
+            f"{location.url!r} cannot be read ({type(error).__name__}: {_first_sentence(error)}): the file is"
+            " truncated or corrupted."
         ) from error
+
+
+def _first_sentence(error: BaseException) -> str:
+    """torch's reader errors go on with generic advice after the first sentence; the cause is in the first."""
+    return str(error).strip().splitlines()[0].split(". ")[0].rstrip(".")
 
 
 def load_bytes_item(data: bytes, what: str) -> Any:
