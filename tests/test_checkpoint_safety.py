@@ -536,16 +536,17 @@ def test_fit_ckpt_path_on_a_damaged_checkpoint_names_the_previous_one(trainer_re
 
 @pytest.mark.slow
 def test_full_format_load_is_memory_mapped(trainer_results):
-    """Per-rank peak RSS growth with a 64 MiB full-format file on 2 ranks. Reading it (`read_full`, which every rank
-    does) maps the file instead of copying it: RSS does not grow, where the same file read without mmap grows it by
-    the file's size (the contrast shows the measurement sees a whole file). The whole `validate(ckpt_path=...)` load
-    keeps a rank other than 0 near zero; rank 0 is the source of `set_model_state_dict`'s scatter, so it touches
-    every page of the mapped file (clean page cache, shared with the other ranks): it is reported, not asserted."""
+    """Per-rank peak RSS growth with a 64 MiB full-format file on 2 ranks (freed heap returned to the OS before each
+    measurement). Reading it (`read_full`, which every rank does) maps the file instead of copying it: RSS does not
+    grow, where the same file read without mmap grows it by the file's size (the contrast shows the measurement sees
+    a whole file; the read before mmap grew it by 2x). In the whole `validate(ckpt_path=...)` load, rank 1 grows by
+    the half it keeps; rank 0, the source of `set_model_state_dict`'s scatter, also touches every page of the mapped
+    file (clean page cache, shared with the other ranks on the node), so it is reported, not asserted."""
     result = trainer_results["safety_mmap"]
     file_mib = result["file_mib"]
     assert file_mib >= 64
     for read, unmapped in zip(result["read_growth_mib"], result["unmapped_growth_mib"]):
-        assert unmapped > 0.75 * file_mib
+        assert unmapped > 0.9 * file_mib
         assert read < 0.05 * file_mib
-    assert result["load_growth_mib"][1] < 0.1 * file_mib
+    assert result["load_growth_mib"][1] < 0.6 * file_mib
     assert result["max_diff"] == 0.0

@@ -6,6 +6,7 @@ Every case runs `fit(ckpt_path=...)` on every rank and records the error each ra
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import io
 import os
@@ -155,8 +156,10 @@ def _status_mib(field: str) -> float:
 
 
 def _peak_growth(fn) -> float:
-    """Growth of this process's peak RSS (VmHWM) while `fn` runs, in MiB."""
+    """Growth of this process's peak RSS (VmHWM) while `fn` runs, in MiB. Freed heap memory is returned to the OS
+    first (`malloc_trim`), so an allocation cannot hide in pages the process already holds."""
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
     before = _status_mib("VmRSS")
