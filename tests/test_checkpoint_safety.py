@@ -234,6 +234,16 @@ def _with_index(checkpoint: Path, payload: bytes, tmp_path: Path) -> Path:
     return control
 
 
+def test_index_pointing_outside_the_checkpoint_is_refused(pristine, tmp_path):
+    """A crafted index cannot make the readers open files outside the checkpoint directory."""
+    checkpoint = copy_of(pristine, tmp_path)
+    index = pickle.loads((checkpoint / ".metadata").read_bytes())  # our own freshly written index
+    next(iter(index.storage_data.values())).relative_path = "../../etc/passwd"
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(index))
+    with pytest.raises(CorruptCheckpointError, match=r"points at the data file '\.\./\.\./etc/passwd', outside"):
+        read_dcp_index(Location.parse(checkpoint))
+
+
 # ---------------------------------------------------------------------- torch.save files: meta.pt, full, leaves
 TORCH_SAVE_PAYLOADS = list(malicious.torch_save_payloads(Path("/x")))
 REFERS_TO = {"os_system": "posix.system", "builtins_eval": "builtins.eval", "nested_pickle": "pickle.loads"}
