@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import pathlib
 import pickle
 import re
 import shutil
@@ -180,6 +181,9 @@ def test_allowlist_is_exact_pairs_without_functions_or_dotted_names():
     ]:
         with pytest.raises(pickle.UnpicklingError, match="refers to|" + name.replace(".", r"\.")):
             unpickler.find_class(module, name)
+    # Paths as other Pythons pickle them (3.13: `pathlib._local`; Windows: `WindowsPath`) build pure paths here.
+    assert unpickler.find_class("pathlib._local", "PosixPath") is pathlib.PosixPath
+    assert unpickler.find_class("pathlib", "WindowsPath") is pathlib.PureWindowsPath
     # The layout function is replaced by one that only maps layout names.
     assert unpickler.find_class("torch.serialization", "_get_layout")("torch.strided") is torch.strided
     with pytest.raises(pickle.UnpicklingError, match="not a torch layout"):

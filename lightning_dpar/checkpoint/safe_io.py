@@ -62,11 +62,14 @@ INDEX_CLASSES: frozenset[tuple[str, str]] = frozenset(
         ("pathlib", "PosixPath"),  # `StorageMeta.checkpoint_id` of a save given a `pathlib.Path`
     }
 )
-#: Values an index names that are not classes: dtypes pickle as `torch.<name>`; a `WindowsPath` (written on Windows)
-#: is read as the pure path, which every OS can build.
+#: Values an index names that are not classes of this Python: dtypes pickle as `torch.<name>`; a `WindowsPath`
+#: (written on Windows) is read as the pure path, which every OS can build; Python 3.13 pickles paths as
+#: `pathlib._local.*` (CPython gh-133789), a module older and newer Pythons lack or only re-export.
 _INDEX_VALUES: dict[tuple[str, str], Any] = {
     **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
     ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+    ("pathlib._local", "PosixPath"): pathlib.PosixPath,
+    ("pathlib._local", "WindowsPath"): pathlib.PureWindowsPath,
 }
 #: Layouts (`TensorProperties.layout`) pickle as a call `torch.serialization._get_layout("torch.strided")`; instead of
 #: that function the index gets one of ours that only maps the names of torch's layouts to the layouts.
