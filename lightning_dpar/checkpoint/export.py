@@ -106,7 +106,7 @@ def _not_a_directory(location: Location) -> str:
     expected = f"expected a sharded checkpoint directory (the DCP index {DCP_INDEX_FILENAME!r}, `__<rank>_<i>.distcp`"
     expected += f" data files and {METADATA_FILENAME!r})"
     if not location.exists():
-        return f"{location.url!r} does not exist, {expected}."
+        return f"Checkpoint path {location.url!r} does not exist, {expected}."
     with location.open("rb") as f:
         is_torch_file = f.read(4) == b"PK\x03\x04"
     if is_torch_file:
