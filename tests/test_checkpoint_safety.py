@@ -532,6 +532,32 @@ def test_fit_ckpt_path_runs_no_code_and_names_the_file(trainer_results, case):
 
 
 @pytest.mark.slow
+def test_fit_ckpt_path_with_a_hostile_distcp_tensor_runs_no_code(trainer_results):
+    """DCP reads tensor items itself (`weights_only`): nothing runs, and the refusal names the file. Until the load
+    path wraps its `dcp.load` in `translate_dcp_errors`, it arrives as DCP's `CheckpointException`."""
+    result = trainer_results["safety_fit"]["distcp_tensor"]
+    assert result["payload_works"]
+    file = os.path.join(result["path"], result["data_file"])
+    for message, ran_after in zip(result["errors"], result["ran"]):
+        assert not ran_after
+        assert f"In {file!r}: a tensor item refers to posix.system" in message, message
+
+
+@pytest.mark.slow
+def test_translate_dcp_errors_on_a_collective_read(trainer_results):
+    """Around a 2-rank `dcp.load`: every rank gets one `UnsafeCheckpointError` naming the checkpoint, the failing
+    rank(s) and the file, instead of DCP's `CheckpointException` (a BaseException)."""
+    result = trainer_results["safety_fit"]["translated"]
+    file = os.path.join(result["path"], result["data_file"])
+    for message, ran_after in zip(result["errors"], result["ran"]):
+        assert not ran_after
+        assert re.match(
+            rf"UnsafeCheckpointError: Checkpoint load of {re.escape(repr(result['path']))} failed on ranks? ", message
+        )
+        assert f"In {file!r}: a tensor item refers to posix.system" in message, message
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("case", "expected"),
     [

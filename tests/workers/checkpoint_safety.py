@@ -16,10 +16,13 @@ import shutil
 import lightning as L
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dpar import FullyShardStrategy
 from lightning_dpar.checkpoint.full import read_full
+from lightning_dpar.checkpoint.safe_io import SafeLoadPlanner, safe_storage_reader, translate_dcp_errors
 from lightning_dpar.checkpoint.storage import Location
 from tests import malicious
 from tests.workers.checkpoint import ResumeModule, gather, train_loader, val_loader, workdir
@@ -68,7 +71,7 @@ def group_fit(results):
     index_payloads = malicious.index_payloads(marker, root)
     paths, controls = {}, {}
     if dist.get_rank() == 0:
-        for case in ("index_dotted", "index_function", "meta_pt", "distcp_leaf"):
+        for case in ("index_dotted", "index_function", "meta_pt", "distcp_leaf", "distcp_tensor"):
             paths[case] = hostile / f"{case}.ckpt"
             shutil.copytree(good, paths[case])
         index_dotted = index_payloads["dotted_filesystem_os_system"]
@@ -78,6 +81,7 @@ def group_fit(results):
         runs_command = malicious.saved(malicious.RunsCommand(malicious.shell(marker)))
         (paths["meta_pt"] / "meta.pt").write_bytes(runs_command)
         _, leaf_file = malicious.poison_item(paths["distcp_leaf"], runs_command)
+        _, tensor_file = malicious.poison_item(paths["distcp_tensor"], runs_command, tensor=True)
         paths["full_file"] = hostile / "full_file.ckpt"
         paths["full_file"].write_bytes(malicious.saved(malicious.Evaluates(malicious.shell(marker))))
         controls = {
@@ -85,7 +89,7 @@ def group_fit(results):
             "index_function": _control(marker, lambda: pickle.loads(index_function)),
             **{
                 case: _control(marker, lambda: torch.load(io.BytesIO(runs_command), weights_only=False))
-                for case in ("meta_pt", "distcp_leaf")
+                for case in ("meta_pt", "distcp_leaf", "distcp_tensor")
             },
             "full_file": _control(marker, lambda: torch.load(paths["full_file"], weights_only=False)),
         }
@@ -96,6 +100,16 @@ def group_fit(results):
         error = fit_from(path)
         dist.barrier()
         cases[case] = {"path": str(path), "error": error, "ran": marker.exists()}
+    # The helper the load paths wrap `dcp.load` in, on the collective read of the poisoned tensor.
+    location = Location.parse(paths["distcp_tensor"])
+    state = {"state_dict": get_model_state_dict(trainer.strategy.model)}
+
+    def read_tensor_item() -> None:
+        with translate_dcp_errors(location):
+            dcp.load(state, storage_reader=safe_storage_reader(location), planner=SafeLoadPlanner())
+
+    translated = error_of_any(read_tensor_item)
+    translated_ran = marker.exists()
     # Damaged checkpoints, each in a directory with a complete earlier one.
     damaged = {}
     for case in ("truncated_meta", "missing_shard"):
@@ -112,7 +126,7 @@ def group_fit(results):
                 (victim / "__1_0.distcp").unlink()
         dist.barrier()
         damaged[case] = {"previous": str(previous), "error": fit_from(victim)}
-    per_rank = gather({"cases": cases, "damaged": damaged})
+    per_rank = gather({"cases": cases, "damaged": damaged, "translated": (translated, translated_ran)})
     if dist.get_rank() == 0:
         out = {}
         for case in paths:
@@ -123,6 +137,13 @@ def group_fit(results):
                 "ran": [r["cases"][case]["ran"] for r in per_rank],
             }
         out["distcp_leaf"]["data_file"] = leaf_file
+        out["distcp_tensor"]["data_file"] = tensor_file
+        out["translated"] = {
+            "data_file": tensor_file,
+            "path": paths["distcp_tensor"].as_posix(),
+            "errors": [r["translated"][0] for r in per_rank],
+            "ran": [r["translated"][1] for r in per_rank],
+        }
         for case in damaged:
             out[case] = {
                 "previous": damaged[case]["previous"],
