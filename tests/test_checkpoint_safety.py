@@ -352,8 +352,7 @@ def directory_with_history(pristine, tmp_path) -> tuple[Path, Path]:
     """`older.ckpt` (complete), then `victim.ckpt` (the one to damage), plus a hidden partial directory."""
     older = copy_of(pristine, tmp_path, "older.ckpt")
     victim = copy_of(pristine, tmp_path, "victim.ckpt")
-    os.utime(older / "meta.pt", (1, 1))
-    os.utime(older, (1, 1))
+    os.utime(older / "meta.pt", (1, 1))  # when a checkpoint was completed: its meta.pt, written last
     (tmp_path / "run" / ".dpar-partial-abc").mkdir()
     return older, victim
 
@@ -407,6 +406,7 @@ def test_newest_other_checkpoint_skips_hidden_links_and_incomplete(directory_wit
     (incomplete / ".metadata").write_bytes(b"")
     assert newest_other_checkpoint(Location.parse(victim)) == Location.parse(older)
     newer = copy_of(older, tmp_path, "newer.ckpt")
+    os.utime(newer / "meta.pt", (2, 2))
     assert newest_other_checkpoint(Location.parse(victim)) == Location.parse(newer)
 
 

@@ -19,6 +19,7 @@ import hashlib
 import os
 import posixpath
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,9 +80,12 @@ def file_checksum(location: Location) -> tuple[int, int]:
     return size, crc
 
 
-def _modified(location: Location) -> float:
+def _written_at(checkpoint: Location) -> float:
+    """When a checkpoint was completed: its `meta.pt`'s time (written last; object stores have no directory times),
+    or a full-format file's own; 0 where the filesystem does not say."""
+    target = checkpoint.child(METADATA_FILENAME) if checkpoint.is_dir() else checkpoint
     try:
-        return location.fs.modified(location.path).timestamp()
+        return target.fs.modified(target.path).timestamp()
     except (NotImplementedError, OSError, AttributeError, ValueError):
         return 0.0
 
@@ -117,7 +121,7 @@ def newest_other_checkpoint(location: Location) -> Location | None:
             continue
         if other.is_dir() == sharded and (sharded or name.endswith(suffix)):
             candidates.append(other)
-    candidates.sort(key=_modified, reverse=True)
+    candidates.sort(key=_written_at, reverse=True)
     return next((c for c in candidates if not sharded or _is_complete_sharded(c)), None)
 
 
@@ -239,7 +243,7 @@ def inspect_checkpoint(location: Location) -> CheckpointInfo:
 
 
 def read_with_remedy(
-    read: Any, target: Location, file_name: str | None = None, checkpoint: Location | None = None
+    read: Callable[[Location], Any], target: Location, file_name: str | None = None, checkpoint: Location | None = None
 ) -> Any:
     """`read(target)`, adding to a corruption error what to do about it (unsafe content gets no such advice)."""
     try:

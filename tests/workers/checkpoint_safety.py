@@ -117,7 +117,7 @@ def group_fit(results):
         previous, victim = directory / "previous.ckpt", directory / "victim.ckpt"
         if dist.get_rank() == 0:
             shutil.copytree(good, previous)
-            os.utime(previous, (1, 1))
+            os.utime(previous / "meta.pt", (1, 1))
             shutil.copytree(good, victim)
             if case == "truncated_meta":
                 data = (victim / "meta.pt").read_bytes()
