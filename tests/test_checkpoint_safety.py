@@ -330,6 +330,8 @@ def test_translate_dcp_errors_reports_every_rank_once(tmp_path):
     )
     with pytest.raises(CorruptCheckpointError), translate_dcp_errors(location):  # one kind of cause: kept
         raise dcp.CheckpointException("read", {0: (same, None)})
+    with pytest.raises(UnsafeCheckpointError, match=r"refers to posix\.system"), translate_dcp_errors(location):
+        raise pickle.UnpicklingError("Unsupported global: GLOBAL posix.system was not an allowed global by default.")
 
 
 def test_users_own_types_load_once_allowed(pristine, tmp_path):

@@ -235,7 +235,8 @@ def load_bytes_item(data: bytes, what: str) -> Any:
         raise UnsafeCheckpointError(weights_only_refusal(what, error, _unsafe_globals(io.BytesIO(data)))) from None
     except Exception as error:
         raise CorruptCheckpointError(
-            f"{what} cannot be read ({type(error).__name__}: {error}): the file is truncated or corrupted."
+            f"{what} cannot be read ({type(error).__name__}: {_first_sentence(error)}): the file is truncated or"
+            " corrupted."
         ) from error
 
 
@@ -267,8 +268,8 @@ def safe_storage_reader(location: Location, index: Metadata | None = None) -> Fi
                     ) from None
                 except Exception as error:
                     raise CorruptCheckpointError(
-                        f"{file!r} cannot be read ({type(error).__name__}: {error}): the file is truncated or"
-                        " corrupted."
+                        f"{file!r} cannot be read ({type(error).__name__}: {_first_sentence(error)}): the file is"
+                        " truncated or corrupted."
                     ) from error
             return _done()
 
@@ -302,8 +303,9 @@ class _Preloaded(io.BytesIO):
 def translate_dcp_errors(
     location: Location, action: str = "load", error_type: type[Exception] = CheckpointLoadError
 ) -> Iterator[None]:
-    """Around `dcp.load` / `dcp.save`: DCP's `CheckpointException` (a `BaseException`, which `except Exception`
-    misses) becomes `error_type` naming the checkpoint and each failing rank's cause.
+    """Around `dcp.load` / `dcp.save` (and an async save's `.result()`): DCP's `CheckpointException` (a
+    `BaseException`, which `except Exception` misses) becomes `error_type` naming the checkpoint and each failing
+    rank's cause; an `UnpicklingError` that escapes DCP becomes an `UnsafeCheckpointError` naming the checkpoint.
 
     A rank's cause is already a `CheckpointLoadError` naming its file when the reader is `safe_storage_reader`; a
     single cause shared by every rank is reported once. An `UnsafeCheckpointError` / `CorruptCheckpointError` cause
@@ -326,3 +328,5 @@ def translate_dcp_errors(
         if error_type is CheckpointLoadError and len(kinds) == 1 and issubclass(next(iter(kinds)), CheckpointLoadError):
             kind = next(iter(kinds))
         raise kind(f"Checkpoint {action} of {location.url!r} failed on {described}") from None
+    except pickle.UnpicklingError as error:
+        raise UnsafeCheckpointError(weights_only_refusal(f"Checkpoint {location.url!r}", error, [])) from None
