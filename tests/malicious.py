@@ -131,6 +131,19 @@ def torch_save_payloads(marker: Path) -> dict[str, object]:
     }
 
 
+def globals_named(data: bytes) -> set[tuple[str, str]]:
+    """Every (module, name) a trusted pickle refers to, resolved while unpickling it with Python's own unpickler."""
+    seen: set[tuple[str, str]] = set()
+
+    class Recorder(pickle._Unpickler):  # the pure-Python unpickler: every global goes through find_class
+        def find_class(self, module, name):
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    Recorder(io.BytesIO(data)).load()
+    return seen
+
+
 def saved(obj: object) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)

@@ -123,16 +123,7 @@ def assert_refused(error: BaseException, file: Path, refers_to: str) -> None:
 
 
 # ---------------------------------------------------------------------- the index allowlist
-def _recorded_globals(data: bytes) -> set[tuple[str, str]]:
-    seen: set[tuple[str, str]] = set()
-
-    class Recorder(pickle._Unpickler):  # the pure-Python unpickler: every global goes through find_class
-        def find_class(self, module, name):
-            seen.add((module, name))
-            return super().find_class(module, name)
-
-    Recorder(io.BytesIO(data)).load()
-    return seen
+ADMITTED = set(safe_io.INDEX_CLASSES) | set(safe_io._INDEX_VALUES) | {safe_io._LAYOUT_FUNCTION}
 
 
 def test_real_indexes_refer_only_to_the_allowlist(tmp_path):
@@ -148,12 +139,11 @@ def test_real_indexes_refer_only_to_the_allowlist(tmp_path):
         "str": str(tmp_path / "as_str"),
         "file_url": f"file://{tmp_path / 'as_url'}",
     }
-    admitted = set(safe_io.INDEX_CLASSES) | set(safe_io._INDEX_VALUES) | {safe_io._LAYOUT_FUNCTION}
     for name, checkpoint_id in checkpoints.items():
         dcp.save(state, checkpoint_id=checkpoint_id, no_dist=True)
         location = Location.parse(checkpoint_id)
         data = Path(location.path, ".metadata").read_bytes()
-        assert _recorded_globals(data) <= admitted, name
+        assert malicious.globals_named(data) <= ADMITTED, name
         assert read_dcp_index(location) == pickle.loads(data), name
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "multi", single_file_per_rank=False), no_dist=True)
     assert read_dcp_index(Location.parse(tmp_path / "multi")).state_dict_metadata.keys() == state_keys(state)
@@ -531,6 +521,14 @@ def test_fit_ckpt_path_runs_no_code_and_names_the_file(trainer_results, case):
         assert re.match(r"(Checkpoint|Unsafe)\w*Error: ", message), message  # a CheckpointLoadError
         assert repr(file.rstrip("/")) in message, message
         assert refers_to in message and "Nothing from it was run" in message
+
+
+@pytest.mark.slow
+def test_index_of_fsdp_shards_and_adam_state_refers_only_to_the_allowlist(trainer_results):
+    """The index a 2-rank `dpar_fsdp` Trainer wrote (DTensor shards, Adam state, LR scheduler leaves)."""
+    named = {tuple(pair) for pair in trainer_results["safety_fit"]["index_globals"]}
+    assert named <= ADMITTED
+    assert ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata") in named  # sharded tensors were seen
 
 
 @pytest.mark.slow

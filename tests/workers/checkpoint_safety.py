@@ -84,6 +84,7 @@ def group_fit(results):
         _, tensor_file = malicious.poison_item(paths["distcp_tensor"], runs_command, tensor=True)
         paths["full_file"] = hostile / "full_file.ckpt"
         paths["full_file"].write_bytes(malicious.saved(malicious.Evaluates(malicious.shell(marker))))
+        index_globals = sorted(malicious.globals_named((good / ".metadata").read_bytes()))
         controls = {
             "index_dotted": _control(marker, lambda: pickle.loads(index_dotted)),
             "index_function": _control(marker, lambda: pickle.loads(index_function)),
@@ -136,6 +137,7 @@ def group_fit(results):
                 "errors": [r["cases"][case]["error"] for r in per_rank],
                 "ran": [r["cases"][case]["ran"] for r in per_rank],
             }
+        out["index_globals"] = index_globals
         out["distcp_leaf"]["data_file"] = leaf_file
         out["distcp_tensor"]["data_file"] = tensor_file
         out["translated"] = {
