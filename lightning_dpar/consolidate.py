@@ -127,20 +127,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `consolidate`; returns the process exit code (0 success, 1 unusable checkpoint)."""
+    """Entry point of `consolidate`; returns the process exit code (0 success, 1 unusable input or output).
+
+    Any unusable input (a missing path, a file, a directory that is not a complete sharded checkpoint, a corrupt or
+    unsafe one) or unwritable output is one line on stderr naming it and what was expected, never a traceback.
+    """
     args = build_parser().parse_args(argv)
     try:
         checkpoint = OfflineCheckpoint(args.ckpt_dir)
-    except CheckpointLoadError as error:
-        print(f"consolidate: {error}", file=sys.stderr)
+        if args.format == "lightning":
+            write_lightning(checkpoint, Path(args.out))
+            print(f"wrote {args.out}")
+        else:
+            for path in write_safetensors(checkpoint, Path(args.out), args.max_shard_size):
+                print(f"wrote {path}")
+    except (CheckpointLoadError, OSError, ValueError) as error:
+        print(f"consolidate: {_one_line(error)}", file=sys.stderr)
         return 1
-    if args.format == "lightning":
-        write_lightning(checkpoint, Path(args.out))
-        print(f"wrote {args.out}")
-    else:
-        for path in write_safetensors(checkpoint, Path(args.out), args.max_shard_size):
-            print(f"wrote {path}")
     return 0
+
+
+def _one_line(error: BaseException) -> str:
+    """The message on one line; an `OSError` (e.g. an unwritable output) keeps its type, and names its path."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if isinstance(error, OSError) else text
 
 
 if __name__ == "__main__":

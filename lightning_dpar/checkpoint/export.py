@@ -18,13 +18,20 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from lightning_dpar.checkpoint.full import names_to_positions
 from lightning_dpar.checkpoint.layout import (
+    DCP_INDEX_FILENAME,
     DPAR_KEY,
+    METADATA_FILENAME,
     CheckpointInfo,
     check_data_files,
     inspect_checkpoint,
     optimizer_key,
 )
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, SafeLoadPlanner, safe_storage_reader
+from lightning_dpar.checkpoint.safe_io import (
+    CheckpointLoadError,
+    SafeLoadPlanner,
+    safe_storage_reader,
+    translate_dcp_errors,
+)
 from lightning_dpar.checkpoint.storage import Location
 
 
@@ -33,6 +40,8 @@ class OfflineCheckpoint:
 
     def __init__(self, path: str) -> None:
         location = Location.parse(path)
+        if not location.is_dir():
+            raise CheckpointLoadError(_not_a_directory(location))
         self.info: CheckpointInfo = inspect_checkpoint(location)
         problem = check_data_files(self.info, rank=0, world_size=1)
         if problem is not None:
@@ -67,8 +76,8 @@ class OfflineCheckpoint:
             elif isinstance(meta, BytesStorageMetadata):
                 flat[key] = ""  # placeholder, replaced by the stored value
         state = _unflatten(flat, self.info.index.planner_data or {})
-        with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with translate_dcp_errors(self.info.location), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process is the point
             reader = safe_storage_reader(self.info.location, self.info.index)
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         return state
@@ -91,6 +100,22 @@ class OfflineCheckpoint:
         if with_optimizers:
             checkpoint["optimizer_states"] = self.optimizer_states()
         return checkpoint
+
+
+def _not_a_directory(location: Location) -> str:
+    expected = f"expected a sharded checkpoint directory (the DCP index {DCP_INDEX_FILENAME!r}, `__<rank>_<i>.distcp`"
+    expected += f" data files and {METADATA_FILENAME!r})"
+    if not location.exists():
+        return f"Checkpoint path {location.url!r} does not exist, {expected}."
+    with location.open("rb") as f:
+        is_torch_file = f.read(4) == b"PK\x03\x04"
+    if is_torch_file:
+        return (
+            f"{location.url!r} is a single checkpoint file (the full format, or already consolidated), {expected}."
+            " A single file needs no consolidation: load it with `torch.load(path, weights_only=True)` or"
+            " `LightningModule.load_from_checkpoint`."
+        )
+    return f"{location.url!r} is a file that is not a checkpoint, {expected}."
 
 
 def _unflatten(flat: dict[str, Any], mappings: dict[str, tuple]) -> dict[str, Any]:

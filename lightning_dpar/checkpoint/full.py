@@ -24,7 +24,14 @@ from torch.optim import Optimizer
 
 from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.errors import CheckpointSaveError
-from lightning_dpar.checkpoint.layout import DPAR_KEY, LoadReport, check_format_version, describe_problem, partial_name
+from lightning_dpar.checkpoint.layout import (
+    DPAR_KEY,
+    LoadReport,
+    check_format_version,
+    describe_problem,
+    partial_name,
+    read_with_remedy,
+)
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import publish, remove_leftovers
@@ -85,8 +92,9 @@ def save_full(checkpoint: dict[str, Any], location: Location) -> None:
 
 
 def read_full(location: Location) -> dict[str, Any]:
-    """The whole checkpoint file, read with `weights_only=True` (raises `CheckpointLoadError` if unusable)."""
-    checkpoint = safe_torch_load(location)
+    """The whole checkpoint file, read with `weights_only=True` and memory-mapped when local, so each rank's memory
+    holds only the tensors it touches (raises `CheckpointLoadError` naming the file if unusable)."""
+    checkpoint = read_with_remedy(safe_torch_load, location)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise CheckpointLoadError(f"{location.url!r} is not a Lightning checkpoint: it holds no 'state_dict'.")
     check_format_version(checkpoint, location)

@@ -3,7 +3,8 @@
 Lightning's `LightningModule.load_from_checkpoint` reads one file; on a sharded directory it raises
 `IsADirectoryError`. This helper assembles the weights (and hyperparameters) from the shards, then hands them to
 Lightning's own `load_from_checkpoint`, so hyperparameter restoration, `on_load_checkpoint` and `strict` behave
-exactly as for a single-file checkpoint. A full-format file is passed through unchanged.
+exactly as for a single-file checkpoint. A full-format file is vetted by the same reader as `fit(ckpt_path=...)`,
+then passed through unchanged. Nothing is ever unpickled with `weights_only=False`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import lightning as L
 import torch
 
 from lightning_dpar.checkpoint.export import OfflineCheckpoint
+from lightning_dpar.checkpoint.full import read_full
+from lightning_dpar.checkpoint.layout import describe_problem
+from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.storage import Location
 
 ModuleT = TypeVar("ModuleT", bound=L.LightningModule)
@@ -30,7 +34,13 @@ def load_from_checkpoint(
     `LightningModule.load_from_checkpoint`. Optimizer state is not read.
     """
     location = Location.parse(path)
+    problem = describe_problem(location)
+    if problem is not None:
+        raise CheckpointLoadError(problem)
     if not location.is_dir():
+        # Vetted by our reader first (memory-mapped locally, so cheap): content that would run code, a truncated or
+        # foreign file, or a newer format fail with a message naming the file instead of torch's raw error.
+        read_full(location)
         return cls.load_from_checkpoint(str(path), strict=strict, weights_only=True, **kwargs)
     checkpoint = OfflineCheckpoint(str(path)).lightning_checkpoint(with_optimizers=False)
     buffer = io.BytesIO()

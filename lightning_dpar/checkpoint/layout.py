@@ -16,13 +16,22 @@ only when every rank's files and `meta.pt` are complete.
 from __future__ import annotations
 
 import hashlib
+import os
+import posixpath
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, read_dcp_index, safe_torch_load
+from lightning_dpar.checkpoint.safe_io import (
+    CheckpointLoadError,
+    CorruptCheckpointError,
+    load_bytes_item,
+    read_dcp_index,
+    safe_torch_load,
+)
 from lightning_dpar.checkpoint.storage import Location
 
 METADATA_FILENAME = "meta.pt"
@@ -69,6 +78,74 @@ def file_checksum(location: Location) -> tuple[int, int]:
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
     return size, crc
+
+
+def _written_at(checkpoint: Location) -> float:
+    """When a checkpoint was completed: its `meta.pt`'s time (written last; object stores have no directory times),
+    or a full-format file's own; 0 where the filesystem does not say."""
+    target = checkpoint.child(METADATA_FILENAME) if checkpoint.is_dir() else checkpoint
+    try:
+        return target.fs.modified(target.path).timestamp()
+    except (NotImplementedError, OSError, AttributeError, ValueError):
+        return 0.0
+
+
+def _is_complete_sharded(location: Location) -> bool:
+    """Index, `meta.pt` (written last) and every data file the index names, each at least as long as it needs."""
+    if not (location.is_dir() and {DCP_INDEX_FILENAME, METADATA_FILENAME} <= set(location.list_names())):
+        return False
+    try:
+        index = read_dcp_index(location)
+    except CheckpointLoadError:
+        return False
+    needed: dict[str, int] = {}
+    for storage in (index.storage_data or {}).values():
+        needed[storage.relative_path] = max(needed.get(storage.relative_path, 0), storage.offset + storage.length)
+    names = set(location.list_names())
+    return all(name in names and location.child(name).size() >= size for name, size in needed.items())
+
+
+def newest_other_checkpoint(location: Location) -> Location | None:
+    """The most recently written other complete checkpoint beside `location` (same format), or None.
+
+    Sharded: a directory with its index, `meta.pt` and the data files the index names; full: a file with the same
+    suffix. Hidden names (temporary and replaced checkpoints) and links to `location`
+    (`save_last="link"`) are skipped.
+    """
+    sharded = location.is_dir()
+    suffix = posixpath.splitext(location.name)[1]
+    candidates = []
+    for name in location.parent.list_names():
+        other = location.sibling(name)
+        if name == location.name or name.startswith(".") or _same_file(other, location):
+            continue
+        if other.is_dir() == sharded and (sharded or name.endswith(suffix)):
+            candidates.append(other)
+    candidates.sort(key=_written_at, reverse=True)
+    return next((c for c in candidates if not sharded or _is_complete_sharded(c)), None)
+
+
+def _same_file(a: Location, b: Location) -> bool:
+    return a.is_local and os.path.realpath(a.path) == os.path.realpath(b.path)
+
+
+def corruption_remedy(location: Location, file_name: str | None = None) -> str:
+    """What to do about a damaged checkpoint: fetch the file again, or fall back to the newest other checkpoint."""
+    if file_name is not None and is_data_file(file_name):
+        fetch = (
+            f"Copy {file_name!r} again from the machine that wrote it (each rank writes its own"
+            " `__<rank>_<i>.distcp` on its node's disk)"
+        )
+    else:
+        fetch = "If it was copied here, copy it again from where it was written"
+    previous = newest_other_checkpoint(location)
+    fallback = (
+        f"or resume from the previous checkpoint: {previous.url!r} is the newest other complete one in"
+        f" {location.parent.url!r}"
+        if previous is not None
+        else f"or resume from an earlier checkpoint (there is no other complete one in {location.parent.url!r})"
+    )
+    return f"{fetch}, {fallback}; if the run that wrote it is still going, save again."
 
 
 @dataclass(frozen=True)
@@ -150,8 +227,8 @@ def inspect_checkpoint(location: Location) -> CheckpointInfo:
     problem = describe_problem(location)
     if problem is not None:
         raise CheckpointLoadError(problem)
-    index = read_dcp_index(location)
-    metadata = safe_torch_load(location.child(METADATA_FILENAME))
+    index = read_with_remedy(read_dcp_index, location, DCP_INDEX_FILENAME)
+    metadata = read_with_remedy(safe_torch_load, location.child(METADATA_FILENAME), METADATA_FILENAME, location)
     if not isinstance(metadata, dict):
         raise CheckpointLoadError(f"{location.child(METADATA_FILENAME).url!r} does not hold a dict of metadata.")
     check_format_version(metadata, location)
@@ -165,28 +242,63 @@ def inspect_checkpoint(location: Location) -> CheckpointInfo:
     return CheckpointInfo(location, index, metadata, model_key)
 
 
+def read_with_remedy(
+    read: Callable[[Location], Any], target: Location, file_name: str | None = None, checkpoint: Location | None = None
+) -> Any:
+    """`read(target)`, adding to a corruption error what to do about it (unsafe content gets no such advice)."""
+    try:
+        return read(target)
+    except CorruptCheckpointError as error:
+        raise CorruptCheckpointError(f"{error} {corruption_remedy(checkpoint or target, file_name)}") from None
+
+
 def check_data_files(info: CheckpointInfo, rank: int, world_size: int) -> str | None:
-    """Verify the data files against the index (sizes) and the saved checksums; `rank` checks every
-    `world_size`-th file, so together the ranks check each file once (callers share what any rank found).
-    Returns a problem description or None."""
+    """Verify the data files against the index (sizes) and the saved checksums, and vet their non-tensor leaves
+    (`weights_only`, as the load will); `rank` checks every `world_size`-th file, so together the ranks check each
+    file once (callers share what any rank found). Returns a problem description, with what to do, or None."""
     needed: dict[str, int] = {}
-    for storage in (info.index.storage_data or {}).values():
+    leaves: dict[str, list[tuple[str, Any]]] = {}
+    for key, storage in (info.index.storage_data or {}).items():
         name = str(storage.relative_path)
         needed[name] = max(needed.get(name, 0), int(storage.offset) + int(storage.length))
+        if isinstance(info.index.state_dict_metadata.get(key.fqn), BytesStorageMetadata):
+            leaves.setdefault(name, []).append((key.fqn, storage))
     recorded: dict[str, tuple[int, int]] = info.dpar_record.get("files", {})
     for name in sorted(needed)[rank::world_size]:
-        file = info.location.child(name)
-        if not file.exists():
-            return f"{file.url!r} is missing: the checkpoint is incomplete (a rank's shard was deleted or not copied)."
-        size = file.size()
-        if size < needed[name]:
-            return f"{file.url!r} is truncated: {size} bytes, the index needs at least {needed[name]}."
-        if name in recorded:
-            want_size, want_crc = recorded[name]
-            got_size, got_crc = file_checksum(file)
-            if (got_size, got_crc) != (want_size, want_crc):
-                return (
-                    f"{file.url!r} is corrupted: size/crc32 {got_size}/{got_crc:#010x}, written as"
-                    f" {want_size}/{want_crc:#010x}."
-                )
+        problem = _data_file_problem(info, name, needed[name], recorded.get(name))
+        if problem is not None:
+            return f"{problem} {corruption_remedy(info.location, name)}"
+        try:
+            _vet_leaves(info.location.child(name), leaves.get(name, []))
+        except CheckpointLoadError as error:
+            return str(error)
     return None
+
+
+def _data_file_problem(info: CheckpointInfo, name: str, needed: int, recorded: tuple[int, int] | None) -> str | None:
+    file = info.location.child(name)
+    if not file.exists():
+        return f"{file.url!r} is missing: the checkpoint is incomplete (a rank's shard was deleted or not copied)."
+    size = file.size()
+    if size < needed:
+        return f"{file.url!r} is truncated: {size} bytes, the index needs at least {needed}."
+    if recorded is not None:
+        got_size, got_crc = file_checksum(file)
+        if (got_size, got_crc) != tuple(recorded):
+            return (
+                f"{file.url!r} is corrupted: size/crc32 {got_size}/{got_crc:#010x}, written as"
+                f" {recorded[0]}/{recorded[1]:#010x}."
+            )
+    return None
+
+
+def _vet_leaves(file: Location, leaves: list[tuple[str, Any]]) -> None:
+    """Load each non-tensor leaf of `file` `weights_only` (they are small: optimizer hyperparameters), so content
+    that would run code is refused before the collective load, identically on every rank."""
+    plain = [(fqn, storage) for fqn, storage in leaves if not getattr(storage, "transform_descriptors", None)]
+    if not plain:
+        return
+    with file.open("rb") as f:
+        for fqn, storage in plain:
+            f.seek(int(storage.offset))
+            load_bytes_item(f.read(int(storage.length)), f"In {file.url!r}: the non-tensor item {fqn!r}")

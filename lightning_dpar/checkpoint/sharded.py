@@ -30,7 +30,12 @@ from lightning_dpar.checkpoint.layout import (
     inspect_checkpoint,
     optimizer_key,
 )
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, SafeLoadPlanner, safe_storage_reader
+from lightning_dpar.checkpoint.safe_io import (
+    CheckpointLoadError,
+    SafeLoadPlanner,
+    safe_storage_reader,
+    translate_dcp_errors,
+)
 from lightning_dpar.checkpoint.storage import Location
 
 
@@ -108,11 +113,12 @@ def load_sharded(info: CheckpointInfo, model: nn.Module, optimizers: Sequence[Op
         optimizer_state = sharded_optimizer_state(model, optimizer)
         optimizer_state["state"] = {k: v for k, v in optimizer_state["state"].items() if k in stored}
         state[key] = optimizer_state
-    dcp.load(
-        state,
-        storage_reader=safe_storage_reader(info.location, info.index),
-        planner=SafeLoadPlanner(allow_partial_load=not strict),
-    )
+    with translate_dcp_errors(info.location):  # DCP's CheckpointException is a BaseException
+        dcp.load(
+            state,
+            storage_reader=safe_storage_reader(info.location, info.index),
+            planner=SafeLoadPlanner(allow_partial_load=not strict),
+        )
     options = StateDictOptions(strict=strict)
     set_model_state_dict(model, state[info.model_key], options=options)
     for index, optimizer in enumerate(optimizers):

@@ -20,6 +20,7 @@ import lightning_dpar  # noqa: E402,F401
 from tests.workers import (  # noqa: E402
     checkpoint,
     checkpoint_faults,
+    checkpoint_safety,
     cli_configs,
     errors,
     features,
@@ -35,6 +36,7 @@ GROUPS = {
     **precision.GROUPS,
     **checkpoint.GROUPS,
     **checkpoint_faults.GROUPS,
+    **checkpoint_safety.GROUPS,
     **perf.GROUPS,
     **cli_configs.GROUPS,
 }

@@ -1,0 +1,592 @@
+"""Loading a checkpoint runs no code from it, and every unusable checkpoint fails naming the file and what to do.
+
+In-process tests build small real checkpoints with `dcp.save` (no process group) and hostile variants of them
+(`tests/malicious.py`); each payload is first shown to run under DCP's own `pickle.load` or `torch.load(weights_only=
+False)` (it creates a marker file), then to be refused by every reader of ours without the marker appearing. The
+2-rank Trainer cases (`fit(ckpt_path=...)`, memory-mapped full-format loads) are `tests/workers/checkpoint_safety.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import pathlib
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import lightning_dpar
+from lightning_dpar.checkpoint import safe_io
+from lightning_dpar.checkpoint.export import OfflineCheckpoint
+from lightning_dpar.checkpoint.layout import newest_other_checkpoint
+from lightning_dpar.checkpoint.safe_io import (
+    CheckpointLoadError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    read_dcp_index,
+    translate_dcp_errors,
+)
+from lightning_dpar.checkpoint.storage import Location
+from lightning_dpar.consolidate import main as consolidate
+from tests import malicious
+from tests.conftest import ROOT, run_workers, subprocess_env
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, width: int = 4, config: Config | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(width, 3)
+        self.register_buffer("counts", torch.arange(3, dtype=torch.int64))
+
+
+@dataclasses.dataclass
+class Config:
+    """A hyperparameter type of the user's own, which `meta.pt` holds only once allowed."""
+
+    depth: int
+
+
+def write_sharded(path: Path, width: int = 4) -> Path:
+    """A sharded checkpoint as lightning_dpar writes it, in one process: model + Adam state (tensors and bytes
+    leaves) under DCP, Lightning's and our metadata (with data-file checksums) in `meta.pt`."""
+    module = Tiny(width)
+    optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
+    module.layer(torch.randn(2, width)).sum().backward()
+    optimizer.step()
+    names = {id(p): n for n, p in module.named_parameters()}
+    optimizer_state = {
+        "state": {names[id(p)]: s for p, s in optimizer.state.items()},
+        "param_groups": [{**g, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups],
+    }
+    dcp.save({"state_dict": module.state_dict(), "optimizer_0": optimizer_state}, checkpoint_id=path, no_dist=True)
+    files = {}
+    for file in sorted(path.glob("*.distcp")):
+        data = file.read_bytes()
+        files[file.name] = (len(data), zlib.crc32(data))
+    meta = {
+        "epoch": 0,
+        "global_step": 1,
+        "pytorch-lightning_version": L.__version__,
+        "hyper_parameters": {"width": width},
+        "dpar": {"format_version": 1, "files": files},
+    }
+    torch.save(meta, path / "meta.pt")
+    return path
+
+
+def write_full(path: Path) -> Path:
+    module = Tiny()
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": {"width": 4}, "dpar": {}}, path)
+    return path
+
+
+@pytest.fixture
+def marker(tmp_path) -> Path:
+    return tmp_path / "PAYLOAD_RAN"
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    return write_sharded(tmp_path_factory.mktemp("pristine") / "good.ckpt")
+
+
+def copy_of(pristine: Path, tmp_path: Path, name: str = "victim.ckpt") -> Path:
+    target = tmp_path / "run" / name
+    shutil.copytree(pristine, target)
+    return target
+
+
+def ran(marker: Path) -> bool:
+    return marker.exists()
+
+
+def assert_refused(error: BaseException, file: Path, refers_to: str) -> None:
+    message = str(error)
+    assert isinstance(error, CheckpointLoadError), f"{type(error).__name__}: {message}"
+    assert repr(str(file)) in message, message
+    assert f"refers to {refers_to}" in message, message
+    assert "Nothing from it was run" in message
+
+
+# ---------------------------------------------------------------------- the index allowlist
+ADMITTED = set(safe_io.INDEX_CLASSES) | set(safe_io._INDEX_VALUES) | {safe_io._LAYOUT_FUNCTION}
+
+
+def test_real_indexes_refer_only_to_the_allowlist(tmp_path):
+    """Indexes of every dtype, bytes leaves, `pathlib`/`str`/`file://` checkpoint ids and the fsspec writer: every
+    global they name is admitted, and the index reads back equal to DCP's own `pickle.load`."""
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.uint8]
+    dtypes += [torch.bool, torch.complex64, torch.float8_e4m3fn]
+    state = {f"t{i}": torch.zeros(2, 3, dtype=d) for i, d in enumerate(dtypes)}
+    state["leaves"] = {"lr": 0.1, "betas": (0.9, 0.99), "name": "x", "flag": True, "none": None, "ids": [1, 2]}
+    state["channels_last"] = torch.zeros(1, 2, 3, 3).to(memory_format=torch.channels_last)
+    checkpoints = {
+        "path": tmp_path / "as_path",
+        "str": str(tmp_path / "as_str"),
+        "file_url": f"file://{tmp_path / 'as_url'}",
+    }
+    for name, checkpoint_id in checkpoints.items():
+        dcp.save(state, checkpoint_id=checkpoint_id, no_dist=True)
+        location = Location.parse(checkpoint_id)
+        data = Path(location.path, ".metadata").read_bytes()
+        assert malicious.globals_named(data) <= ADMITTED, name
+        assert read_dcp_index(location) == pickle.loads(data), name
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "multi", single_file_per_rank=False), no_dist=True)
+    assert read_dcp_index(Location.parse(tmp_path / "multi")).state_dict_metadata.keys() == state_keys(state)
+
+
+def state_keys(state: dict) -> set[str]:
+    keys = {k for k in state if k != "leaves"}
+    return keys | {f"leaves.{k}" for k in state["leaves"]}
+
+
+def test_allowlist_is_exact_pairs_without_functions_or_dotted_names():
+    for module, name in safe_io.INDEX_CLASSES:
+        assert "." not in name
+        assert isinstance(getattr(__import__(module, fromlist=[name]), name), type), (module, name)
+    unpickler = safe_io._DCPIndexUnpickler(io.BytesIO(b""))
+    for module, name in [
+        ("torch.distributed.checkpoint.metadata", "os.system"),
+        ("torch.distributed.checkpoint.metadata", "Metadata.__init__"),
+        ("torch.distributed.checkpoint.format_utils", "torch_save_to_dcp"),
+        ("torch.distributed.checkpoint", "state_dict_saver"),
+        ("torch.serialization", "load"),
+        ("torch", "load"),
+        ("builtins", "getattr"),
+        ("pathlib", "Path.write_text"),
+    ]:
+        with pytest.raises(pickle.UnpicklingError, match="refers to|" + name.replace(".", r"\.")):
+            unpickler.find_class(module, name)
+    # Paths as other Pythons pickle them (3.13: `pathlib._local`; Windows: `WindowsPath`) build pure paths here.
+    assert unpickler.find_class("pathlib._local", "PosixPath") is pathlib.PosixPath
+    assert unpickler.find_class("pathlib", "WindowsPath") is pathlib.PureWindowsPath
+    # The layout function is replaced by one that only maps layout names.
+    assert unpickler.find_class("torch.serialization", "_get_layout")("torch.strided") is torch.strided
+    with pytest.raises(pickle.UnpicklingError, match="not a torch layout"):
+        unpickler.find_class("torch.serialization", "_get_layout")("os")
+
+
+INDEX_PAYLOADS = list(malicious.index_payloads(Path("/x"), Path("/tmp")))
+
+
+@pytest.mark.parametrize("kind", INDEX_PAYLOADS)
+def test_hostile_index_runs_with_pickle_but_not_with_any_reader(pristine, tmp_path, marker, kind):
+    """The payload creates the marker under DCP's own `pickle.load`; `fit`'s reader (`inspect_checkpoint`),
+    `load_from_checkpoint` and `consolidate` refuse it, naming `.metadata` and what it refers to."""
+    checkpoint = copy_of(pristine, tmp_path)
+    index = checkpoint / ".metadata"
+    payloads = malicious.index_payloads(marker, tmp_path)
+    payload = payloads[kind] or malicious.nested_index(index.read_bytes(), marker)
+    with contextlib.suppress(BaseException):  # DCP's own reader: what the payload returns is mostly no index
+        dcp.load({}, storage_reader=dcp.FileSystemReader(_with_index(checkpoint, payload, tmp_path)), no_dist=True)
+    assert ran(marker), "the payload must work for the test to mean anything"
+    marker.unlink()
+    index.write_bytes(payload)
+    refers_to = {
+        "dotted_filesystem_os_system": "torch.distributed.checkpoint.filesystem.os.system",
+        "dotted_metadata_os_system": "torch.distributed.checkpoint.metadata.os.system",
+        "function_of_dcp_module": "torch.distributed.checkpoint.format_utils.torch_save_to_dcp",
+        "builtins_eval": "builtins.eval",
+        "builtins_exec": "builtins.exec",
+        "builtins_getattr": "builtins.getattr",
+        "os_system": "os.system",
+        "posix_system": "posix.system",
+        "nested_pickle_loads": "pickle.loads",
+        "nested_in_valid_index": "_pickle.loads",
+    }[kind]
+    for read in (
+        lambda: read_dcp_index(Location.parse(checkpoint)),
+        lambda: lightning_dpar.load_from_checkpoint(Tiny, checkpoint),
+        lambda: OfflineCheckpoint(str(checkpoint)),
+    ):
+        with pytest.raises(UnsafeCheckpointError) as caught:
+            read()
+        assert_refused(caught.value, index, refers_to)
+        assert not ran(marker)
+    assert "there is nothing to allow" in str(caught.value)
+
+
+def _with_index(checkpoint: Path, payload: bytes, tmp_path: Path) -> Path:
+    """A copy of `checkpoint` with `payload` as its index, for the plain-pickle control run."""
+    control = tmp_path / "control"
+    shutil.copytree(checkpoint, control)
+    (control / ".metadata").write_bytes(payload)
+    return control
+
+
+def test_index_pointing_outside_the_checkpoint_is_refused(pristine, tmp_path):
+    """A crafted index cannot make the readers open files outside the checkpoint directory."""
+    checkpoint = copy_of(pristine, tmp_path)
+    index = pickle.loads((checkpoint / ".metadata").read_bytes())  # our own freshly written index
+    next(iter(index.storage_data.values())).relative_path = "../../etc/passwd"
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(index))
+    with pytest.raises(CorruptCheckpointError, match=r"points at the data file '\.\./\.\./etc/passwd', outside"):
+        read_dcp_index(Location.parse(checkpoint))
+
+
+# ---------------------------------------------------------------------- torch.save files: meta.pt, full, leaves
+TORCH_SAVE_PAYLOADS = list(malicious.torch_save_payloads(Path("/x")))
+REFERS_TO = {"os_system": "posix.system", "builtins_eval": "builtins.eval", "nested_pickle": "pickle.loads"}
+
+
+def _payload_file(marker: Path, kind: str, tmp_path: Path) -> bytes:
+    data = malicious.saved(malicious.torch_save_payloads(marker)[kind])
+    torch.load(io.BytesIO(data), weights_only=False)  # the control: unrestricted loading runs it
+    assert ran(marker), "the payload must work for the test to mean anything"
+    marker.unlink()
+    return data
+
+
+@pytest.mark.parametrize("kind", TORCH_SAVE_PAYLOADS)
+def test_hostile_meta_pt_is_refused(pristine, tmp_path, marker, kind):
+    checkpoint = copy_of(pristine, tmp_path)
+    (checkpoint / "meta.pt").write_bytes(_payload_file(marker, kind, tmp_path))
+    for read in (
+        lambda: lightning_dpar.load_from_checkpoint(Tiny, checkpoint),
+        lambda: OfflineCheckpoint(str(checkpoint)),
+    ):
+        with pytest.raises(UnsafeCheckpointError) as caught:
+            read()
+        assert_refused(caught.value, checkpoint / "meta.pt", REFERS_TO[kind])
+        assert "torch.serialization.add_safe_globals([YourType])" in str(caught.value)
+    assert not ran(marker)
+
+
+@pytest.mark.parametrize("kind", TORCH_SAVE_PAYLOADS)
+def test_hostile_full_format_file_is_refused(tmp_path, marker, kind):
+    file = tmp_path / "full.ckpt"
+    file.write_bytes(_payload_file(marker, kind, tmp_path))
+    from lightning_dpar.checkpoint.full import read_full
+
+    for read in (lambda: lightning_dpar.load_from_checkpoint(Tiny, file), lambda: read_full(Location.parse(file))):
+        with pytest.raises(UnsafeCheckpointError) as caught:
+            read()
+        assert_refused(caught.value, file, REFERS_TO[kind])
+    assert not ran(marker)
+
+
+@pytest.mark.parametrize("kind", TORCH_SAVE_PAYLOADS)
+def test_hostile_distcp_leaf_is_refused_before_reading(pristine, tmp_path, marker, kind):
+    """A non-tensor leaf (an optimizer hyperparameter) replaced by a hostile `torch.save`, checksums updated."""
+    checkpoint = copy_of(pristine, tmp_path)
+    fqn, data_file = malicious.poison_item(checkpoint, _payload_file(marker, kind, tmp_path))
+    for read in (
+        lambda: lightning_dpar.load_from_checkpoint(Tiny, checkpoint),
+        lambda: OfflineCheckpoint(str(checkpoint)),
+    ):
+        with pytest.raises(CheckpointLoadError) as caught:  # found by the ranks' vetting, before any collective
+            read()
+        assert_refused(caught.value, checkpoint / data_file, REFERS_TO[kind])
+        assert f"the non-tensor item {fqn!r}" in str(caught.value)
+    assert not ran(marker)
+
+
+def test_hostile_distcp_tensor_is_refused_during_the_read_naming_the_file(pristine, tmp_path, marker):
+    """A tensor item is read by DCP itself (`weights_only`): the refusal comes out of `dcp.load` as DCP's
+    `CheckpointException` (a BaseException), which `translate_dcp_errors` turns into our error naming the file."""
+    checkpoint = copy_of(pristine, tmp_path)
+    malicious.poison_item(checkpoint, _payload_file(marker, "os_system", tmp_path), tensor=True)
+    with pytest.raises(UnsafeCheckpointError) as caught:
+        lightning_dpar.load_from_checkpoint(Tiny, checkpoint)
+    message = str(caught.value)
+    assert message.startswith(f"Checkpoint load of {str(checkpoint)!r} failed on rank 0: In ")
+    assert_refused(caught.value, checkpoint / "__0_0.distcp", "posix.system")
+    assert not ran(marker)
+
+
+def test_translate_dcp_errors_reports_every_rank_once(tmp_path):
+    location = Location.parse(tmp_path)
+    same = CorruptCheckpointError("'/c/__0_0.distcp' is truncated")
+    failures = {0: (same, None), 1: (same, None), 3: (OSError(28, "No space left on device"), None)}
+    with pytest.raises(CheckpointLoadError) as caught, translate_dcp_errors(location, "save"):
+        raise dcp.CheckpointException("write", failures)
+    assert str(caught.value) == (
+        f"Checkpoint save of {str(tmp_path)!r} failed on ranks 0, 1: '/c/__0_0.distcp' is truncated; rank 3:"
+        " OSError: [Errno 28] No space left on device"
+    )
+    with pytest.raises(CorruptCheckpointError), translate_dcp_errors(location):  # one kind of cause: kept
+        raise dcp.CheckpointException("read", {0: (same, None)})
+    with pytest.raises(UnsafeCheckpointError, match=r"refers to posix\.system"), translate_dcp_errors(location):
+        raise pickle.UnpicklingError("Unsupported global: GLOBAL posix.system was not an allowed global by default.")
+
+
+def test_users_own_types_load_once_allowed(pristine, tmp_path):
+    """The documented way to allow a hyperparameter type of one's own in `meta.pt`."""
+    checkpoint = copy_of(pristine, tmp_path)
+    meta = torch.load(checkpoint / "meta.pt", weights_only=True)
+    meta["hyper_parameters"]["config"] = Config(depth=2)
+    torch.save(meta, checkpoint / "meta.pt")
+    with pytest.raises(UnsafeCheckpointError, match=r"refers to tests\.test_checkpoint_safety\.Config"):
+        lightning_dpar.load_from_checkpoint(Tiny, checkpoint)
+    with torch.serialization.safe_globals([Config]):
+        model = lightning_dpar.load_from_checkpoint(Tiny, checkpoint)
+    assert model.hparams.config == Config(depth=2)
+    assert torch.equal(model.layer.weight, OfflineCheckpoint(str(pristine)).read_tensor("layer.weight"))
+
+
+# ---------------------------------------------------------------------- corrupt checkpoints: the file and what to do
+@pytest.fixture
+def directory_with_history(pristine, tmp_path) -> tuple[Path, Path]:
+    """`older.ckpt` (complete), then `victim.ckpt` (the one to damage), plus a hidden partial directory."""
+    older = copy_of(pristine, tmp_path, "older.ckpt")
+    victim = copy_of(pristine, tmp_path, "victim.ckpt")
+    os.utime(older / "meta.pt", (1, 1))  # when a checkpoint was completed: its meta.pt, written last
+    (tmp_path / "run" / ".dpar-partial-abc").mkdir()
+    return older, victim
+
+
+def _load_error(checkpoint: Path) -> str:
+    with pytest.raises(CheckpointLoadError) as caught:
+        lightning_dpar.load_from_checkpoint(Tiny, checkpoint)
+    return str(caught.value)
+
+
+def test_truncated_meta_pt_names_it_and_the_previous_checkpoint(directory_with_history):
+    older, victim = directory_with_history
+    data = (victim / "meta.pt").read_bytes()
+    (victim / "meta.pt").write_bytes(data[: len(data) // 2])
+    message = _load_error(victim)
+    assert message.startswith(f"{str(victim / 'meta.pt')!r} cannot be read (")
+    assert "the file is truncated or corrupted. If it was copied here, copy it again" in message
+    assert f"resume from the previous checkpoint: {str(older)!r} is the newest other complete one" in message
+    assert "negative seek value" not in message
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "corrupted"])
+def test_damaged_shard_says_to_copy_it_again_or_resume_from_the_previous_one(directory_with_history, damage):
+    older, victim = directory_with_history
+    shard = victim / "__0_0.distcp"
+    if damage == "missing":
+        shard.unlink()
+    elif damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    message = _load_error(victim)
+    assert message.startswith(f"{str(shard)!r} is {damage}")
+    assert "Copy '__0_0.distcp' again from the machine that wrote it" in message
+    assert f"{str(older)!r} is the newest other complete one" in message
+
+
+def test_no_previous_checkpoint_is_said_so(pristine, tmp_path):
+    victim = copy_of(pristine, tmp_path)
+    (victim / "__0_0.distcp").unlink()
+    assert "there is no other complete one in" in _load_error(victim)
+
+
+def test_newest_other_checkpoint_skips_hidden_links_and_incomplete(directory_with_history, tmp_path):
+    older, victim = directory_with_history
+    (tmp_path / "run" / "last.ckpt").symlink_to(victim)
+    incomplete = tmp_path / "run" / "incomplete.ckpt"
+    incomplete.mkdir()
+    (incomplete / ".metadata").write_bytes(b"")
+    assert newest_other_checkpoint(Location.parse(victim)) == Location.parse(older)
+    newer = copy_of(older, tmp_path, "newer.ckpt")
+    os.utime(newer / "meta.pt", (2, 2))
+    assert newest_other_checkpoint(Location.parse(victim)) == Location.parse(newer)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"", "not written by `torch.save` (or is truncated to 0 bytes)"),
+        (pickle.dumps({"state_dict": {}}), "a plain pickle, which is never loaded"),
+    ],
+)
+def test_full_format_file_that_is_no_torch_save_is_named(tmp_path, content, expected):
+    file = tmp_path / "model.ckpt"
+    file.write_bytes(content)
+    message = _load_error(file)
+    assert message.startswith(f"{str(file)!r} is not a checkpoint: it is ") and expected in message
+
+
+def test_truncated_full_format_file_names_it(tmp_path):
+    file = write_full(tmp_path / "model.ckpt")
+    write_full(tmp_path / "earlier.ckpt")
+    os.utime(tmp_path / "earlier.ckpt", (1, 1))
+    file.write_bytes(file.read_bytes()[:-200])
+    message = _load_error(file)
+    assert message.startswith(f"{str(file)!r} cannot be read (") and "truncated or corrupted" in message
+    assert f"{str(tmp_path / 'earlier.ckpt')!r} is the newest other complete one" in message
+
+
+# ---------------------------------------------------------------------- consolidate on bad input
+def bad_inputs(pristine: Path, tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    partial = copy_of(pristine, tmp_path, "partial.ckpt")
+    (partial / "meta.pt").unlink()
+    hidden = copy_of(pristine, tmp_path, ".dpar-partial-0123456789-abcd")
+    corrupt = copy_of(pristine, tmp_path, "corrupt_index.ckpt")
+    (corrupt / ".metadata").write_bytes((corrupt / ".metadata").read_bytes()[:50])
+    hostile = copy_of(pristine, tmp_path, "hostile.ckpt")
+    (hostile / ".metadata").write_bytes(malicious.index_payloads(tmp_path / "PAYLOAD_RAN", tmp_path)["builtins_eval"])
+    return {
+        "nonexistent": (tmp_path / "nope.ckpt", "does not exist"),
+        "text_file": (text, "is a file that is not a checkpoint, expected a sharded checkpoint directory"),
+        "full_format_file": (write_full(tmp_path / "full.ckpt"), "is a single checkpoint file (the full format"),
+        "empty_dir": (empty, "is a directory but not a sharded checkpoint: it lacks '.metadata', 'meta.pt'"),
+        "partial_dir": (partial, "is a directory but not a sharded checkpoint: it lacks 'meta.pt'"),
+        "hidden_partial_dir": (hidden, "is an incomplete checkpoint"),
+        "corrupt_index": (corrupt / ".metadata", "cannot be read as a DCP index"),
+        "hostile_index": (hostile / ".metadata", "refers to builtins.eval"),
+    }
+
+
+BAD_INPUTS = ["nonexistent", "text_file", "full_format_file", "empty_dir", "partial_dir", "hidden_partial_dir"]
+BAD_INPUTS += ["corrupt_index", "hostile_index"]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_consolidate_bad_input_is_one_line_naming_it(pristine, tmp_path, capsys, case):
+    named, expected = bad_inputs(pristine, tmp_path)[case]
+    source = named.parent if named.name == ".metadata" else named
+    assert consolidate([str(source), str(tmp_path / "out.ckpt")]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("consolidate: "), err
+    assert repr(str(named)) in err and expected in err, err
+    assert not (tmp_path / "out.ckpt").exists() and not (tmp_path / "PAYLOAD_RAN").exists()
+
+
+def test_consolidate_unwritable_output_is_one_line(pristine, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert consolidate([str(pristine), str(blocker / "out.ckpt")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(blocker) in err and "Error" in err
+
+
+@pytest.mark.slow
+def test_consolidate_command_line_prints_no_traceback(pristine, tmp_path):
+    """The real command, in its own process, on a hostile index: one line, exit 1, nothing run."""
+    named, expected = bad_inputs(pristine, tmp_path)["hostile_index"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_dpar", "consolidate", str(named.parent), str(tmp_path / "out.ckpt")],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("consolidate: ") and repr(str(named)) in lines[0] and expected in lines[0]
+    assert not (tmp_path / "PAYLOAD_RAN").exists()
+
+
+# ---------------------------------------------------------------------- through real Trainers on 2 ranks
+@pytest.fixture(scope="module")
+def trainer_results(tmp_path_factory):
+    return run_workers(2, "safety_fit,safety_mmap", tmp_path_factory.mktemp("safety"))
+
+
+FIT_CASES = {
+    "index_dotted": (".metadata", "refers to torch.distributed.checkpoint.filesystem.os.system"),
+    "index_function": (".metadata", "refers to torch.distributed.checkpoint.format_utils.torch_save_to_dcp"),
+    "meta_pt": ("meta.pt", "refers to posix.system"),
+    "distcp_leaf": ("", "refers to posix.system"),  # the file holding the item: `data_file`
+    "full_file": ("", "refers to builtins.eval"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(FIT_CASES))
+def test_fit_ckpt_path_runs_no_code_and_names_the_file(trainer_results, case):
+    file_name, refers_to = FIT_CASES[case]
+    result = trainer_results["safety_fit"][case]
+    assert result["payload_works"], "the payload must work for the test to mean anything"
+    file = os.path.join(result["path"], file_name or result.get("data_file", ""))
+    for message, ran_after in zip(result["errors"], result["ran"]):  # per rank
+        assert not ran_after
+        assert re.match(r"(Checkpoint|Unsafe)\w*Error: ", message), message  # a CheckpointLoadError
+        assert repr(file.rstrip("/")) in message, message
+        assert refers_to in message and "Nothing from it was run" in message
+
+
+@pytest.mark.slow
+def test_index_of_fsdp_shards_and_adam_state_refers_only_to_the_allowlist(trainer_results):
+    """The index a 2-rank `dpar_fsdp` Trainer wrote (DTensor shards, Adam state, LR scheduler leaves)."""
+    named = {tuple(pair) for pair in trainer_results["safety_fit"]["index_globals"]}
+    assert named <= ADMITTED
+    assert ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata") in named  # sharded tensors were seen
+
+
+@pytest.mark.slow
+def test_fit_ckpt_path_with_a_hostile_distcp_tensor_runs_no_code(trainer_results):
+    """DCP reads tensor items itself (`weights_only`): nothing runs, and the refusal names the file. Until the load
+    path wraps its `dcp.load` in `translate_dcp_errors`, it arrives as DCP's `CheckpointException`."""
+    result = trainer_results["safety_fit"]["distcp_tensor"]
+    assert result["payload_works"]
+    file = os.path.join(result["path"], result["data_file"])
+    for message, ran_after in zip(result["errors"], result["ran"]):
+        assert not ran_after
+        assert f"In {file!r}: a tensor item refers to posix.system" in message, message
+
+
+@pytest.mark.slow
+def test_translate_dcp_errors_on_a_collective_read(trainer_results):
+    """Around a 2-rank `dcp.load`: every rank gets one `UnsafeCheckpointError` naming the checkpoint, the failing
+    rank(s) and the file, instead of DCP's `CheckpointException` (a BaseException)."""
+    result = trainer_results["safety_fit"]["translated"]
+    file = os.path.join(result["path"], result["data_file"])
+    for message, ran_after in zip(result["errors"], result["ran"]):
+        assert not ran_after
+        assert re.match(
+            rf"UnsafeCheckpointError: Checkpoint load of {re.escape(repr(result['path']))} failed on ranks? ", message
+        )
+        assert f"In {file!r}: a tensor item refers to posix.system" in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("truncated_meta", ["meta.pt' cannot be read (", "If it was copied here, copy it again"]),
+        ("missing_shard", ["__1_0.distcp' is missing", "Copy '__1_0.distcp' again from the machine that wrote it"]),
+    ],
+)
+def test_fit_ckpt_path_on_a_damaged_checkpoint_names_the_previous_one(trainer_results, case, expected):
+    result = trainer_results["safety_fit"][case]
+    for message in result["errors"]:
+        assert re.match(r"(Checkpoint|Corrupt)\w*Error: ", message), message  # a CheckpointLoadError
+        for fragment in expected:
+            assert fragment in message, message
+        assert f"resume from the previous checkpoint: {result['previous']!r}" in message
+
+
+@pytest.mark.slow
+def test_full_format_load_is_memory_mapped(trainer_results):
+    """Per-rank peak RSS growth with a 64 MiB full-format file on 2 ranks (freed heap returned to the OS before each
+    measurement). Reading it (`read_full`, which every rank does) maps the file instead of copying it: RSS does not
+    grow, where the same file read without mmap grows it by the file's size (the contrast shows the measurement sees
+    a whole file; the read before mmap grew it by 2x). In the whole `validate(ckpt_path=...)` load, rank 1 grows by
+    the half it keeps; rank 0, the source of `set_model_state_dict`'s scatter, also touches every page of the mapped
+    file (clean page cache, shared with the other ranks on the node), so it is reported, not asserted."""
+    result = trainer_results["safety_mmap"]
+    file_mib = result["file_mib"]
+    assert file_mib >= 64
+    for read, unmapped in zip(result["read_growth_mib"], result["unmapped_growth_mib"]):
+        assert unmapped > 0.9 * file_mib
+        assert read < 0.05 * file_mib
+    assert result["load_growth_mib"][1] < 0.6 * file_mib
+    assert result["max_diff"] == 0.0
