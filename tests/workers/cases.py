@@ -152,10 +152,10 @@ class CaseRunner:
                 self._exit_after_peers_recorded()
             if time.monotonic() > deadline:
                 waited = ERROR_GRACE_S if raised else case.timeout_s + ERROR_GRACE_S
-                why = "after this rank raised" if raised else "after the case started"
+                since = f"rank {self.rank} raised" if raised else f"the case started on rank {self.rank}"
                 self._stop(
-                    f"case {case.name!r}: ranks {missing} did not finish it within {waited:.0f} s {why} on rank"
-                    f" {self.rank}; they are probably waiting in a collective for a rank that raised"
+                    f"case {case.name!r}: ranks {missing} did not finish it within {waited:.0f} s after {since};"
+                    " they are probably waiting in a collective for a rank that raised"
                 )
             time.sleep(0.05)
 
