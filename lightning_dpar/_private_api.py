@@ -12,14 +12,19 @@ from typing import Any
 
 import torch.nn as nn
 
+# The type of Lightning's strategy registry, which `Strategy.register_strategies(registry)` receives: the public
+# `StrategyRegistry` is an instance of it, and the class itself is only exported privately.
+from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType  # noqa: F401
+
 # Lightning's launchers, process-group initialisation and reduction helper: the building blocks every built-in
 # Lightning strategy uses; re-implementing them would diverge from Lightning's env handling (SLURM, torchelastic).
-from lightning.fabric.utilities.distributed import (  # noqa: F401
-    _get_default_process_group_backend_for_device as default_process_group_backend,
-)
 from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: F401
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available  # noqa: F401
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE  # noqa: F401
+
+# Moves optimizer state to the device the way Lightning's own strategies do in `setup` (keeping `step` where
+# `torch.optim` expects it); Lightning has no public helper for it.
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: F401
 from lightning.pytorch.strategies.launchers.multiprocessing import (  # noqa: F401
     _MultiProcessingLauncher as MultiProcessingLauncher,
 )
@@ -32,8 +37,9 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: 
 # names (and therefore checkpoints) are identical with and without activation checkpointing.
 from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_activations  # noqa: F401
 
-# Composable DDP. The seeds' `replicate()` (bucket_cap_mb, gradient_as_bucket_view, comm hooks) only exists here;
-# the public `DistributedDataParallel` wrapper would change every FQN by inserting `module.`.
+# Composable DDP, as in torch's `test/distributed/_composable/test_replicate.py`: `replicate()` (bucket_cap_mb,
+# gradient_as_bucket_view, comm hooks) only exists here; the public `DistributedDataParallel` wrapper would change
+# every FQN by inserting `module.`.
 from torch.distributed._composable.replicate import replicate as ddp_replicate  # noqa: F401
 
 # The traceable (functional) all-reduce: DDP's Python reducer runs comm hooks inside the compiled-autograd trace,
@@ -100,14 +106,20 @@ def swap_ddp_optimize_mode(mode: Any) -> Any:
     return previous
 
 
-def init_fake_process_group(rank: int, world_size: int) -> None:
-    """A process group of `world_size` ranks inside this one process, whose collectives do nothing.
+def attach_device_mesh(module: Any, mesh: DeviceMesh) -> None:
+    """Make `mesh` the LightningModule's public `device_mesh` (what `configure_model` parallelises with).
 
-    The `plan` dry-run uses it to build the real device mesh and run the real `parallelize_module` / `fully_shard`
-    calls on meta tensors without launching processes. torch registers the `"fake"` backend only when its testing
-    module `torch.testing._internal.distributed.fake_pg` is imported; there is no public equivalent.
+    Lightning's `device_mesh` property is read-only; its own `ModelParallelStrategy` sets the attribute behind it.
     """
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    module._device_mesh = mesh
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+#: Lightning private names a strategy or launcher subclass must override or set: Lightning's extension points for
+#: them are private, so there is no public way. `tests/test_private_api.py` accepts `self._name` uses of Lightning's
+#: private names only if listed here.
+LIGHTNING_SUBCLASS_HOOKS = {
+    "_configure_launcher": "Strategy subclasses choose their launcher here (Lightning's abstract hook).",
+    "_launcher": "the attribute `_configure_launcher` must set; Lightning reads it to launch the processes.",
+    "_precision_plugin": "the attribute behind `Strategy.precision_plugin`, which we override to translate plugins.",
+    "_strategy": "the strategy a `_MultiProcessingLauncher` subclass launches, stored by its base class.",
+}

@@ -281,7 +281,7 @@ def _parameter_count(module: torch.nn.Module) -> int:
 
 def _model_parallel_size(module: torch.nn.Module) -> int:
     """Ranks that share one batch's compute through tensor parallelism (1 without TP)."""
-    mesh = getattr(module, "_device_mesh", None)
+    mesh = getattr(module, "device_mesh", None)
     names = getattr(mesh, "mesh_dim_names", None) or ()
     return mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
 

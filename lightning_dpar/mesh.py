@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Union
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_dpar._private_api import flatten_mesh
@@ -111,3 +112,13 @@ def build_device_mesh(dims: ParallelDims, device_type: str) -> tuple[DeviceMesh,
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """The mesh `fully_shard` takes: 1-D for plain FSDP, 2-D `(replicate, shard)` for HSDP."""
     return mesh[SHARD] if dims.replicate == 1 else mesh[REPLICATE, SHARD]
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """A process group of `world_size` ranks inside this one process, whose collectives do nothing.
+
+    The `plan` dry-run uses it to build the real device mesh and run the real `parallelize_module` / `fully_shard`
+    calls on meta tensors without launching processes; unit tests use it where a mesh is needed. torch's `"fake"`
+    backend (`dist.Backend.FAKE`) needs no store.
+    """
+    dist.init_process_group("fake", rank=rank, world_size=world_size)

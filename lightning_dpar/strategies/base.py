@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -32,8 +31,9 @@ from lightning_dpar import parallelize
 from lightning_dpar._private_api import (
     IS_INTERACTIVE,
     SubprocessScriptLauncher,
-    default_process_group_backend,
+    attach_device_mesh,
     init_dist_connection,
+    optimizers_to_device,
     sync_ddp_if_available,
     unfetched_training_iterator,
 )
@@ -61,6 +61,14 @@ if TYPE_CHECKING:
 
 StartMethod = Literal["popen", "fork", "spawn"]
 CheckpointFormat = Literal["sharded", "full"]
+
+
+def _attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
+    """The Trainer `module` is attached to, or None (`LightningModule.trainer` raises when there is none)."""
+    try:
+        return module.trainer if module is not None else None
+    except RuntimeError:
+        return None
 
 
 class DparStrategy(ParallelStrategy):
@@ -206,7 +214,9 @@ class DparStrategy(ParallelStrategy):
         self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
         if not dist.is_initialized():
             reset_seed()
-            self._process_group_backend = self._process_group_backend or default_process_group_backend(self.root_device)
+            self._process_group_backend = self._process_group_backend or dist.get_default_backend_for_device(
+                self.root_device
+            )
             assert self.cluster_environment is not None
             init_dist_connection(
                 self.cluster_environment,
@@ -217,7 +227,7 @@ class DparStrategy(ParallelStrategy):
         if self._device_mesh is None:  # fit then validate reuse the mesh the parameters already live on
             self._device_mesh, self._data_parallel_mesh = build_device_mesh(self.dims, self.root_device.type)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        attach_device_mesh(self.lightning_module, self._device_mesh)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -324,12 +334,7 @@ class DparStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
-
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        # A second `fit` after `validate` must not keep optimizers pointing at stale parameters.
-        self._reset_optimizers_and_schedulers()
-        super().setup_optimizers(trainer)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -409,7 +414,7 @@ class DparStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         if self._checkpoint_format == "full":
             return full.full_optimizer_state(self.model, optimizer)
         return sharded.sharded_optimizer_state(self.model, optimizer)
@@ -453,7 +458,7 @@ class DparStrategy(ParallelStrategy):
         location = Location.parse(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
-        trainer = self.lightning_module._trainer
+        trainer = _attached_trainer(self.lightning_module)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         optimizers = self.optimizers if fitting else []
         self._pending_resume = {}
@@ -503,7 +508,7 @@ class DparStrategy(ParallelStrategy):
             "world_size": self.world_size,
             "rng_states": resume.gather_rng_states(),
         }
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        trainer = _attached_trainer(self.lightning_module)
         if trainer is not None and self.dims is not None:
             batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
             record["epoch_batches"] = {
@@ -517,7 +522,7 @@ class DparStrategy(ParallelStrategy):
 
     def process_dataloader(self, dataloader: object) -> object:
         """Make the training loader resumable mid-epoch and position it if a checkpoint was just loaded."""
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        trainer = _attached_trainer(self.lightning_module)
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         self._train_sampler = resume.make_resumable(dataloader)
@@ -575,7 +580,7 @@ class DparStrategy(ParallelStrategy):
     def _skip_seen_batches(self) -> None:
         """Custom samplers cannot start mid-epoch: draw and drop the batches this epoch already trained on."""
         skip, self._batches_to_skip = self._batches_to_skip, 0
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        trainer = _attached_trainer(self.lightning_module)
         if not skip or trainer is None:
             return
         restored = trainer.fit_loop.epoch_loop.batch_progress.current.processed
