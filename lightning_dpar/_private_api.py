@@ -122,4 +122,6 @@ LIGHTNING_SUBCLASS_HOOKS = {
     "_launcher": "the attribute `_configure_launcher` must set; Lightning reads it to launch the processes.",
     "_precision_plugin": "the attribute behind `Strategy.precision_plugin`, which we override to translate plugins.",
     "_strategy": "the strategy a `_MultiProcessingLauncher` subclass launches, stored by its base class.",
+    "_collect_rank_zero_results": "the launcher's hook for what rank 0 hands back to the interactive process; ours"
+    " gathers the sharded weights (Lightning's sends rank 0's shards only).",
 }
