@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from lightning_dpar.mesh import is_sharded
 
 #: Optimizer state tensors per parameter element, as a function of the parameter group's options.
 STATES_PER_PARAMETER: dict[str, Callable[[dict], int]] = {
@@ -53,7 +55,7 @@ def unsharded_numel(param: torch.Tensor, keep_sharded_dims: Iterable[str]) -> in
     names = param.device_mesh.mesh_dim_names or ()
     divisor = 1
     for dim, placement in enumerate(param.placements):
-        if isinstance(placement, Shard) and dim < len(names) and names[dim] in keep:
+        if is_sharded(placement) and dim < len(names) and names[dim] in keep:
             divisor *= param.device_mesh.size(dim)
     return param.numel() // divisor
 

@@ -11,6 +11,7 @@ from typing import Literal, Union
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.placement_types import Placement
 
 from lightning_dpar._private_api import flatten_mesh
 
@@ -122,3 +123,12 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     backend (`dist.Backend.FAKE`) needs no store.
     """
     dist.init_process_group("fake", rank=rank, world_size=world_size)
+
+
+def is_sharded(placement: Placement) -> bool:
+    """Whether a tensor with this placement holds a different part of the whole on each rank of its mesh dim.
+
+    Not `isinstance(placement, Shard)`: FSDP over a tensor-parallel dim shards with `_StridedShard`, which is no
+    `Shard` (nor `is_shard()`) in torch>=2.13. Replicated and partial (pending-reduction) placements are not sharded.
+    """
+    return not placement.is_replicate() and not placement.is_partial()

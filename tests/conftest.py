@@ -39,6 +39,22 @@ def no_pytest_argv(monkeypatch):
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
 
 
+@pytest.fixture
+def fake_world():
+    """`fake_world(world_size, rank=0)`: this process becomes `rank` of a fake process group (torch's `"fake"`
+    backend: collectives do nothing), for in-process unit tests that need a `DeviceMesh`; torn down after the test."""
+    import torch.distributed as dist
+
+    from lightning_dpar.mesh import init_fake_process_group
+
+    def start(world_size: int, rank: int = 0) -> None:
+        init_fake_process_group(rank, world_size)
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
