@@ -21,6 +21,28 @@ from tests.workers.cases import SKIP_ENV
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
 
+# ---------------------------------------------------------------------------------------------------- warnings
+#: Deprecations attributed to the package's own code (torch and Lightning warn with the caller's location) fail the
+#: tests, in this process and in every worker: they are the early alarm for the APIs we use.
+OUR_MODULES = sorted(
+    ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for p in (ROOT / "lightning_dpar").rglob("*.py")
+)
+DEPRECATIONS = ("DeprecationWarning", "FutureWarning")
+#: Third-party warnings raised at our calls that we cannot act on: (message prefix, category, why).
+THIRD_PARTY_IGNORES: list[tuple[str, str, str]] = []
+
+
+def _error_filters() -> list[str]:
+    errors = [f"error::{category}:{module}" for category in DEPRECATIONS for module in OUR_MODULES]
+    return errors + [f"ignore:{message}:{category}" for message, category, _ in THIRD_PARTY_IGNORES]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Later entries take precedence (pytest, like Python): the named ignores win over the errors.
+    for line in _error_filters():
+        config.addinivalue_line("filterwarnings", line)
+
 
 @pytest.fixture(autouse=True)
 def _restore_environment():
@@ -59,7 +81,8 @@ def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONWARNINGS"] = "ignore"
+    # The same policy in workers; `PYTHONWARNINGS` matches module names exactly, hence one entry per module.
+    env["PYTHONWARNINGS"] = ",".join(_error_filters())
     return env
 
 
