@@ -14,38 +14,60 @@ import torch.nn as nn
 
 # The type of Lightning's strategy registry, which `Strategy.register_strategies(registry)` receives: the public
 # `StrategyRegistry` is an instance of it, and the class itself is only exported privately.
-from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType  # noqa: F401
+from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType
 
 # Lightning's launchers, process-group initialisation and reduction helper: the building blocks every built-in
 # Lightning strategy uses; re-implementing them would diverge from Lightning's env handling (SLURM, torchelastic).
-from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: F401
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available  # noqa: F401
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE  # noqa: F401
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE
 
 # Moves optimizer state to the device the way Lightning's own strategies do in `setup` (keeping `step` where
 # `torch.optim` expects it); Lightning has no public helper for it.
-from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: F401
-from lightning.pytorch.strategies.launchers.multiprocessing import (  # noqa: F401
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher as MultiProcessingLauncher,
 )
-from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput  # noqa: F401
-from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: F401
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
 
 # Composable activation checkpointing: unlike `checkpoint_wrapper` it does not insert a wrapper module, so parameter
 # names (and therefore checkpoints) are identical with and without activation checkpointing.
-from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_activations  # noqa: F401
+from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_activations
 
 # Composable DDP, as in torch's `test/distributed/_composable/test_replicate.py`: `replicate()` (bucket_cap_mb,
 # gradient_as_bucket_view, comm hooks) only exists here; the public `DistributedDataParallel` wrapper would change
 # every FQN by inserting `module.`.
-from torch.distributed._composable.replicate import replicate as ddp_replicate  # noqa: F401
+from torch.distributed._composable.replicate import replicate as ddp_replicate
 
 # The traceable (functional) all-reduce: DDP's Python reducer runs comm hooks inside the compiled-autograd trace,
 # where only functional collectives can be captured; torch's own compress hooks use the same function.
-from torch.distributed._functional_collectives import all_reduce as functional_all_reduce  # noqa: F401
+from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
 from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "IS_INTERACTIVE",
+    "LIGHTNING_SUBCLASS_HOOKS",
+    "FsspecReader",
+    "MultiProcessingLauncher",
+    "StrategyRegistryType",
+    "SubprocessScriptLauncher",
+    "WorkerOutput",
+    "attach_device_mesh",
+    "checkpoint_activations",
+    "compiled_autograd",
+    "ddp_replicate",
+    "flatten_mesh",
+    "functional_all_reduce",
+    "init_dist_connection",
+    "is_composable_replicated",
+    "optimizers_to_device",
+    "swap_ddp_optimize_mode",
+    "sync_ddp_if_available",
+    "unfetched_training_iterator",
+]
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
@@ -67,7 +89,7 @@ def is_composable_replicated(module: nn.Module) -> bool:
 
 # DCP's reader for fsspec URLs (`s3://`, `memory://`). DCP picks it itself from a URL `checkpoint_id`, but to read the
 # index without `pickle.load` (see `checkpoint.safe_io`) we subclass it, which needs the class.
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: E402,F401
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: E402
 
 
 def unfetched_training_iterator(trainer: Any) -> Any | None:

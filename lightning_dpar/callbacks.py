@@ -35,6 +35,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
+__all__ = [
+    "GIB",
+    "PEAK_FLOPS",
+    "PerformanceMonitor",
+]
+
 #: Dense peak FLOP/s per device by marketing name fragment (first match wins, so specific names come first) and
 #: compute dtype. Sources: NVIDIA H100/H200/A100 datasheets (SXM unless named). Not Lightning's
 #: `get_available_flops`: its H200 entries are the with-sparsity peaks (2x dense) and it does not match the plain

@@ -20,6 +20,12 @@ from torch.distributed.tensor import DTensor
 
 from lightning_dpar.mesh import is_sharded
 
+__all__ = [
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "total_grad_norm",
+]
+
 
 @torch.no_grad()
 def total_grad_norm(grads: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:

@@ -31,6 +31,13 @@ from lightning_dpar.mesh import TENSOR_PARALLEL, ParallelDims, build_device_mesh
 from lightning_dpar.plan import ModulePlan
 from lightning_dpar.strategies.base import DparStrategy
 
+__all__ = [
+    "ParamRow",
+    "PlanReport",
+    "main",
+    "plan",
+]
+
 
 @dataclass
 class ParamRow:

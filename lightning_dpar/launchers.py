@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
+__all__ = [
+    "InteractiveLauncher",
+]
+
+
 class InteractiveLauncher(MultiProcessingLauncher):
     """Forks the ranks from the current process and hands the trained weights back to it.
 

@@ -28,6 +28,17 @@ from torch.optim import Optimizer
 
 from lightning_dpar.mesh import is_sharded
 
+__all__ = [
+    "STATES_PER_PARAMETER",
+    "MemoryEstimate",
+    "OptimizerStates",
+    "estimate_memory",
+    "format_bytes",
+    "local_numel",
+    "optimizer_states",
+    "unsharded_numel",
+]
+
 #: Optimizer state tensors per parameter element, as a function of the parameter group's options.
 STATES_PER_PARAMETER: dict[str, Callable[[dict], int]] = {
     "Adam": lambda group: 2 + bool(group.get("amsgrad")),

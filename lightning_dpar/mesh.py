@@ -15,6 +15,19 @@ from torch.distributed.tensor.placement_types import Placement
 
 from lightning_dpar._private_api import flatten_mesh
 
+__all__ = [
+    "DATA_PARALLEL",
+    "REPLICATE",
+    "SHARD",
+    "TENSOR_PARALLEL",
+    "ParallelDims",
+    "SizeArg",
+    "build_device_mesh",
+    "fsdp_mesh",
+    "init_fake_process_group",
+    "is_sharded",
+]
+
 SizeArg = Union[int, Literal["auto"]]
 
 #: Mesh dim names. `data_parallel` is the flattened replicate x shard dim, named as Lightning's

@@ -27,6 +27,10 @@ from lightning_dpar.checkpoint.layout import (
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, SafeLoadPlanner, safe_storage_reader
 from lightning_dpar.checkpoint.storage import Location
 
+__all__ = [
+    "OfflineCheckpoint",
+]
+
 
 class OfflineCheckpoint:
     """A validated sharded checkpoint opened for reading in this process."""

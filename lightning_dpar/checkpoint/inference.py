@@ -18,6 +18,10 @@ import torch
 from lightning_dpar.checkpoint.export import OfflineCheckpoint
 from lightning_dpar.checkpoint.storage import Location
 
+__all__ = [
+    "load_from_checkpoint",
+]
+
 ModuleT = TypeVar("ModuleT", bound=L.LightningModule)
 
 

@@ -25,6 +25,26 @@ from torch.distributed.checkpoint.metadata import Metadata
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, read_dcp_index, safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
 
+__all__ = [
+    "DPAR_KEY",
+    "FORMAT_VERSION",
+    "METADATA_FILENAME",
+    "MODEL_KEY",
+    "PARTIAL_PREFIX",
+    "REPLACED_PREFIX",
+    "CheckpointInfo",
+    "LoadReport",
+    "check_data_files",
+    "check_format_version",
+    "describe_problem",
+    "file_checksum",
+    "inspect_checkpoint",
+    "is_data_file",
+    "optimizer_key",
+    "partial_name",
+    "partial_names_for",
+]
+
 METADATA_FILENAME = "meta.pt"
 DCP_INDEX_FILENAME = ".metadata"
 MODEL_KEY = "state_dict"

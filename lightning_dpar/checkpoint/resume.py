@@ -31,6 +31,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
+__all__ = [
+    "DataPosition",
+    "ResumableDistributedSampler",
+    "capture_rng_state",
+    "gather_rng_states",
+    "make_resumable",
+    "restore_rng_state",
+]
+
 
 @dataclass(frozen=True)
 class DataPosition:

@@ -22,6 +22,14 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from lightning_dpar._private_api import FsspecReader
 from lightning_dpar.checkpoint.storage import Location
 
+__all__ = [
+    "CheckpointLoadError",
+    "SafeLoadPlanner",
+    "read_dcp_index",
+    "safe_storage_reader",
+    "safe_torch_load",
+]
+
 #: Modules whose classes make up a DCP `.metadata` index (dataclasses and torch's dtype/Size/layout singletons).
 _DCP_INDEX_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")
 _TORCH_SCALARS = {"Size", "strided", "sparse_coo", "contiguous_format", "preserve_format", "channels_last"}

@@ -24,6 +24,13 @@ from torch.optim import Optimizer
 from lightning_dpar.checkpoint.layout import MODEL_KEY, CheckpointInfo, LoadReport, optimizer_key
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, SafeLoadPlanner, safe_storage_reader
 
+__all__ = [
+    "load_sharded",
+    "sharded_model_state",
+    "sharded_optimizer_state",
+    "split_checkpoint",
+]
+
 
 def sharded_model_state(model: nn.Module) -> dict[str, Any]:
     """The model's state as DTensor shards / local tensors, keyed by FQN relative to the LightningModule."""

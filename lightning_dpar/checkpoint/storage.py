@@ -18,6 +18,10 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+__all__ = [
+    "Location",
+]
+
 
 @dataclass(frozen=True)
 class Location:

@@ -38,6 +38,12 @@ from lightning_dpar.checkpoint.layout import (
 )
 from lightning_dpar.checkpoint.storage import Location
 
+__all__ = [
+    "CheckpointWriter",
+    "publish",
+    "remove_leftovers",
+]
+
 log = logging.getLogger(__name__)
 
 

@@ -59,6 +59,12 @@ if TYPE_CHECKING:
     from lightning.pytorch.accelerators import Accelerator
     from lightning.pytorch.plugins.precision import Precision
 
+__all__ = [
+    "CheckpointFormat",
+    "DparStrategy",
+    "StartMethod",
+]
+
 StartMethod = Literal["popen", "fork", "spawn"]
 CheckpointFormat = Literal["sharded", "full"]
 

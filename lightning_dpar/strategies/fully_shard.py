@@ -14,6 +14,11 @@ from lightning_dpar.mesh import SizeArg, fsdp_mesh
 from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, resolve_blocks
 from lightning_dpar.strategies.base import DparStrategy
 
+__all__ = [
+    "FSDPTensorParallelStrategy",
+    "FullyShardStrategy",
+]
+
 
 class FullyShardStrategy(DparStrategy):
     """Shard parameters, gradients and optimizer state over data-parallel ranks with FSDP2's `fully_shard`.

@@ -16,6 +16,10 @@ from lightning_dpar.parallelize import CommHook
 from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, select_modules
 from lightning_dpar.strategies.base import DparStrategy
 
+__all__ = [
+    "ReplicateStrategy",
+]
+
 
 class ReplicateStrategy(DparStrategy):
     """Composable `replicate` (DDP): every rank holds the full model; gradients are all-reduced.
