@@ -1,5 +1,13 @@
-"""Shared test infrastructure: launching the multi-process workers once per world size and handing their results
-to many small tests."""
+"""Shared test infrastructure: the warning policy, a fake process group for in-process unit tests, and launching
+the multi-process workers, whose results many small tests share.
+
+Multi-process tests: `run_workers(nproc, "group,group", tmp_path)` runs the cases of those worker groups in one
+torchrun launch (`tests/workers/run.py`; `tests/workers/cases.py` explains how each case is isolated) and returns a
+`LaunchResults`. A test reads its case as `results["case_name"]`: the case's rank-0 value, or, if the case raised or
+hung on any rank, a failure of that test alone showing each failing rank's traceback (or stack). Cases after one
+that stopped the launch run in a relaunch. A new case: a `Case` yielded by a group in the `tests/workers/` module
+named like the test file, and a test reading it from a fixture that calls `run_workers`.
+"""
 
 from __future__ import annotations
 
