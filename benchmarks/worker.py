@@ -12,7 +12,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import asdict
 
 import torch
@@ -36,7 +35,6 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    warnings.filterwarnings("ignore")
 
     from benchmarks.model import SIZES
     from benchmarks.variants import all_variants, build_context

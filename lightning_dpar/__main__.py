@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import sys
 
+__all__ = [
+    "main",
+]
+
 USAGE = """usage: python -m lightning_dpar {fit,validate,test,predict,plan,consolidate} [ARGS...]
 
   fit|validate|test|predict   LightningCLI; defaults train the bundled GPT example (4 CPU processes, TP 2 x FSDP 2).

@@ -12,34 +12,64 @@ from typing import Any
 
 import torch.nn as nn
 
+# The type of Lightning's strategy registry, which `Strategy.register_strategies(registry)` receives: the public
+# `StrategyRegistry` is an instance of it, and the class itself is only exported privately.
+from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType
+
 # Lightning's launchers, process-group initialisation and reduction helper: the building blocks every built-in
 # Lightning strategy uses; re-implementing them would diverge from Lightning's env handling (SLURM, torchelastic).
-from lightning.fabric.utilities.distributed import (  # noqa: F401
-    _get_default_process_group_backend_for_device as default_process_group_backend,
-)
-from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: F401
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available  # noqa: F401
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE  # noqa: F401
-from lightning.pytorch.strategies.launchers.multiprocessing import (  # noqa: F401
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE
+
+# Moves optimizer state to the device the way Lightning's own strategies do in `setup` (keeping `step` where
+# `torch.optim` expects it); Lightning has no public helper for it.
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher as MultiProcessingLauncher,
 )
-from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput  # noqa: F401
-from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: F401
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput as WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as SubprocessScriptLauncher,
 )
 
 # Composable activation checkpointing: unlike `checkpoint_wrapper` it does not insert a wrapper module, so parameter
 # names (and therefore checkpoints) are identical with and without activation checkpointing.
-from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_activations  # noqa: F401
+from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_activations
 
-# Composable DDP. The seeds' `replicate()` (bucket_cap_mb, gradient_as_bucket_view, comm hooks) only exists here;
-# the public `DistributedDataParallel` wrapper would change every FQN by inserting `module.`.
-from torch.distributed._composable.replicate import replicate as ddp_replicate  # noqa: F401
+# Composable DDP, as in torch's `test/distributed/_composable/test_replicate.py`: `replicate()` (bucket_cap_mb,
+# gradient_as_bucket_view, comm hooks) only exists here; the public `DistributedDataParallel` wrapper would change
+# every FQN by inserting `module.`.
+from torch.distributed._composable.replicate import replicate as ddp_replicate
 
 # The traceable (functional) all-reduce: DDP's Python reducer runs comm hooks inside the compiled-autograd trace,
 # where only functional collectives can be captured; torch's own compress hooks use the same function.
-from torch.distributed._functional_collectives import all_reduce as functional_all_reduce  # noqa: F401
+from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
 from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "IS_INTERACTIVE",
+    "LIGHTNING_SUBCLASS_HOOKS",
+    "FsspecReader",
+    "Launcher",
+    "MultiProcessingLauncher",
+    "StrategyRegistryType",
+    "SubprocessScriptLauncher",
+    "WorkerOutput",
+    "attach_device_mesh",
+    "checkpoint_activations",
+    "compiled_autograd",
+    "ddp_replicate",
+    "flatten_mesh",
+    "functional_all_reduce",
+    "init_dist_connection",
+    "is_composable_replicated",
+    "model_checkpoint_dir",
+    "optimizers_to_device",
+    "swap_ddp_optimize_mode",
+    "sync_ddp_if_available",
+    "unfetched_training_iterator",
+]
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
@@ -61,7 +91,7 @@ def is_composable_replicated(module: nn.Module) -> bool:
 
 # DCP's reader for fsspec URLs (`s3://`, `memory://`). DCP picks it itself from a URL `checkpoint_id`, but to read the
 # index without `pickle.load` (see `checkpoint.safe_io`) we subclass it, which needs the class.
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: E402,F401
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: E402
 
 
 def unfetched_training_iterator(trainer: Any) -> Any | None:
@@ -100,22 +130,17 @@ def swap_ddp_optimize_mode(mode: Any) -> Any:
     return previous
 
 
-def init_fake_process_group(rank: int, world_size: int) -> None:
-    """A process group of `world_size` ranks inside this one process, whose collectives do nothing.
+def attach_device_mesh(module: Any, mesh: DeviceMesh) -> None:
+    """Make `mesh` the LightningModule's public `device_mesh` (what `configure_model` parallelises with).
 
-    The `plan` dry-run uses it to build the real device mesh and run the real `parallelize_module` / `fully_shard`
-    calls on meta tensors without launching processes. torch registers the `"fake"` backend only when its testing
-    module `torch.testing._internal.distributed.fake_pg` is imported; there is no public equivalent.
+    Lightning's `device_mesh` property is read-only; its own `ModelParallelStrategy` sets the attribute behind it.
     """
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    module._device_mesh = mesh
 
 
 # The base class of Lightning's launchers: the only hook that runs before Lightning resolves `ckpt_path="last"`
 # (in `Trainer._fit_impl` and friends), where a crashed save must be looked past (`checkpoint.discovery`).
-from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher  # noqa: E402,F401
+from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launcher  # noqa: E402
 
 
 def model_checkpoint_dir(callback: Any, trainer: Any) -> str | None:
@@ -124,3 +149,16 @@ def model_checkpoint_dir(callback: Any, trainer: Any) -> str | None:
     if callback.dirpath is not None:
         return str(callback.dirpath)
     return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+
+
+#: Lightning private names a strategy or launcher subclass must override or set: Lightning's extension points for
+#: them are private, so there is no public way. `tests/test_private_api.py` accepts `self._name` uses of Lightning's
+#: private names only if listed here.
+LIGHTNING_SUBCLASS_HOOKS = {
+    "_configure_launcher": "Strategy subclasses choose their launcher here (Lightning's abstract hook).",
+    "_launcher": "the attribute `_configure_launcher` must set; Lightning reads it to launch the processes.",
+    "_precision_plugin": "the attribute behind `Strategy.precision_plugin`, which we override to translate plugins.",
+    "_strategy": "the strategy a `_MultiProcessingLauncher` subclass launches, stored by its base class.",
+    "_collect_rank_zero_results": "the launcher's hook for what rank 0 hands back to the interactive process; ours"
+    " gathers the sharded weights (Lightning's sends rank 0's shards only).",
+}

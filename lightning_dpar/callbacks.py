@@ -35,6 +35,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
+__all__ = [
+    "GIB",
+    "PEAK_FLOPS",
+    "PerformanceMonitor",
+]
+
 #: Dense peak FLOP/s per device by marketing name fragment (first match wins, so specific names come first) and
 #: compute dtype. Sources: NVIDIA H100/H200/A100 datasheets (SXM unless named). Not Lightning's
 #: `get_available_flops`: its H200 entries are the with-sparsity peaks (2x dense) and it does not match the plain
@@ -281,7 +287,7 @@ def _parameter_count(module: torch.nn.Module) -> int:
 
 def _model_parallel_size(module: torch.nn.Module) -> int:
     """Ranks that share one batch's compute through tensor parallelism (1 without TP)."""
-    mesh = getattr(module, "_device_mesh", None)
+    mesh = getattr(module, "device_mesh", None)
     names = getattr(mesh, "mesh_dim_names", None) or ()
     return mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
 

@@ -18,6 +18,12 @@ from lightning.pytorch.strategies import Strategy
 
 import lightning_dpar  # registers the strategy names before any config is parsed
 
+__all__ = [
+    "DparCLI",
+    "cli_main",
+    "strategy_class_path",
+]
+
 #: The configuration every subcommand starts from: the GPT example on 4 CPU processes with `dpar_2d`.
 DEFAULT_CONFIG = Path(__file__).parent / "examples" / "default.yaml"
 TRAINER_SUBCOMMANDS = ("fit", "validate", "test", "predict")

@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement
 
+from lightning_dpar.mesh import is_sharded
 
-def _is_sharded(placement: Placement) -> bool:
-    # Not `isinstance(placement, Shard)`: FSDP over a TP-sharded dim uses `_StridedShard`, which is no `Shard`
-    # subclass in torch>=2.13. Gradients are never `Partial` after backward, so "not replicated" means sharded.
-    return not placement.is_replicate()
+__all__ = [
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "total_grad_norm",
+]
 
 
 @torch.no_grad()
@@ -54,7 +55,7 @@ def total_grad_norm(grads: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
         if sample is not None:
             mesh = sample.device_mesh
             for mesh_dim, placement in enumerate(sample.placements):
-                if _is_sharded(placement) and mesh.size(mesh_dim) > 1:
+                if is_sharded(placement) and mesh.size(mesh_dim) > 1:
                     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
                     dist.all_reduce(part, op=op, group=mesh.get_group(mesh_dim))
         total = torch.maximum(total, part) if is_inf else total + part

@@ -17,6 +17,13 @@ from torch import nn
 from lightning_dpar.parallelize import data_parallel_roots
 from lightning_dpar.plan import repeated_blocks
 
+__all__ = [
+    "CompileSpec",
+    "compile_options",
+    "compile_units",
+    "compiled_autograd_compiler",
+]
+
 #: `False` (eager), `True` (default `torch.compile` options) or a dict of `torch.compile` keyword arguments
 #: (`backend`, `mode`, `fullgraph`, `dynamic`, `options`), as written in a YAML config.
 CompileSpec = Union[bool, Mapping[str, Any]]

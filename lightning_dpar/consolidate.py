@@ -29,6 +29,10 @@ import torch
 from lightning_dpar.checkpoint.export import OfflineCheckpoint
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 
+__all__ = [
+    "main",
+]
+
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",

@@ -26,10 +26,17 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_dpar import memory, parallelize
-from lightning_dpar._private_api import init_fake_process_group, is_composable_replicated
-from lightning_dpar.mesh import TENSOR_PARALLEL, ParallelDims, build_device_mesh
+from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
+from lightning_dpar.mesh import TENSOR_PARALLEL, ParallelDims, build_device_mesh, init_fake_process_group
 from lightning_dpar.plan import ModulePlan
 from lightning_dpar.strategies.base import DparStrategy
+
+__all__ = [
+    "ParamRow",
+    "PlanReport",
+    "main",
+    "plan",
+]
 
 
 @dataclass
@@ -240,7 +247,7 @@ def _plan_on_fake_world(
     strategy.dims = dims
     mesh, data_parallel_mesh = build_device_mesh(dims, "cpu")
     strategy._device_mesh, strategy._data_parallel_mesh = mesh, data_parallel_mesh
-    module._device_mesh = mesh
+    attach_device_mesh(module, mesh)
     with torch.device("meta"):
         module.configure_model()
     module = strategy.precision_plugin.convert_module(module)

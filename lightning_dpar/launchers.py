@@ -34,6 +34,14 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
+__all__ = [
+    "InPlaceLauncher",
+    "InteractiveLauncher",
+    "ScriptLauncher",
+    "resolve_last_checkpoint_argument",
+]
+
+
 def resolve_last_checkpoint_argument(
     function: Callable[..., Any], args: tuple, kwargs: dict[str, Any], trainer: pl.Trainer | None
 ) -> tuple[tuple, dict[str, Any]]:

@@ -23,8 +23,21 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from lightning_dpar.mesh import is_sharded
+
+__all__ = [
+    "STATES_PER_PARAMETER",
+    "MemoryEstimate",
+    "OptimizerStates",
+    "estimate_memory",
+    "format_bytes",
+    "local_numel",
+    "optimizer_states",
+    "unsharded_numel",
+]
 
 #: Optimizer state tensors per parameter element, as a function of the parameter group's options.
 STATES_PER_PARAMETER: dict[str, Callable[[dict], int]] = {
@@ -53,7 +66,7 @@ def unsharded_numel(param: torch.Tensor, keep_sharded_dims: Iterable[str]) -> in
     names = param.device_mesh.mesh_dim_names or ()
     divisor = 1
     for dim, placement in enumerate(param.placements):
-        if isinstance(placement, Shard) and dim < len(names) and names[dim] in keep:
+        if is_sharded(placement) and dim < len(names) and names[dim] in keep:
             divisor *= param.device_mesh.size(dim)
     return param.numel() // divisor
 

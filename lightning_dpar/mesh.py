@@ -9,9 +9,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Union
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.placement_types import Placement
 
 from lightning_dpar._private_api import flatten_mesh
+
+__all__ = [
+    "DATA_PARALLEL",
+    "REPLICATE",
+    "SHARD",
+    "TENSOR_PARALLEL",
+    "ParallelDims",
+    "SizeArg",
+    "build_device_mesh",
+    "fsdp_mesh",
+    "init_fake_process_group",
+    "is_sharded",
+]
 
 SizeArg = Union[int, Literal["auto"]]
 
@@ -111,3 +126,22 @@ def build_device_mesh(dims: ParallelDims, device_type: str) -> tuple[DeviceMesh,
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """The mesh `fully_shard` takes: 1-D for plain FSDP, 2-D `(replicate, shard)` for HSDP."""
     return mesh[SHARD] if dims.replicate == 1 else mesh[REPLICATE, SHARD]
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """A process group of `world_size` ranks inside this one process, whose collectives do nothing.
+
+    The `plan` dry-run uses it to build the real device mesh and run the real `parallelize_module` / `fully_shard`
+    calls on meta tensors without launching processes; unit tests use it where a mesh is needed. torch's `"fake"`
+    backend (`dist.Backend.FAKE`) needs no store.
+    """
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
+
+
+def is_sharded(placement: Placement) -> bool:
+    """Whether a tensor with this placement holds a different part of the whole on each rank of its mesh dim.
+
+    Not `isinstance(placement, Shard)`: FSDP over a tensor-parallel dim shards with `_StridedShard`, which is no
+    `Shard` (nor `is_shard()`) in torch>=2.13. Replicated and partial (pending-reduction) placements are not sharded.
+    """
+    return not placement.is_replicate() and not placement.is_partial()

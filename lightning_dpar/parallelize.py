@@ -28,6 +28,23 @@ from lightning_dpar._private_api import (
     is_composable_replicated,
 )
 
+__all__ = [
+    "COMPRESS_HOOK_DTYPES",
+    "CommHook",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "apply_ddp_replicate",
+    "apply_fully_shard",
+    "apply_tensor_parallel",
+    "check_not_wrapped_by_other_parallelism",
+    "data_parallel_roots",
+    "has_fully_shard",
+    "ignored_parameters",
+    "is_parallelized",
+    "materialize_meta_tensors",
+    "resolve_comm_hook",
+]
+
 CommHook = Union[str, Callable[..., Any]]
 
 

@@ -20,6 +20,20 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+__all__ = [
+    "ModulePlan",
+    "ModuleSelector",
+    "StyleSpec",
+    "TPPlanSpec",
+    "fqn_matches",
+    "parse_tp_plan",
+    "repeated_blocks",
+    "resolve_activation_checkpointing",
+    "resolve_blocks",
+    "resolve_tp_plan",
+    "select_modules",
+]
+
 StyleSpec = Union[str, ParallelStyle]
 TPPlanSpec = Mapping[str, StyleSpec]
 ModuleSelector = Union[str, type]

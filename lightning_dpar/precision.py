@@ -19,6 +19,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_dpar import clipping
 
+__all__ = [
+    "DparPrecision",
+    "PrecisionName",
+    "to_dpar_precision",
+]
+
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]
 SUPPORTED_PRECISION: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true")
 _ALIASES = {"32": "32-true", "bf16": "bf16-mixed"}

@@ -1,18 +1,55 @@
-"""Shared test infrastructure: launching the multi-process workers once per world size and handing their results
-to many small tests."""
+"""Shared test infrastructure: the warning policy, a fake process group for in-process unit tests, and launching
+the multi-process workers, whose results many small tests share.
+
+Multi-process tests: `run_workers(nproc, "group,group", tmp_path)` runs the cases of those worker groups in one
+torchrun launch (`tests/workers/run.py`; `tests/workers/cases.py` explains how each case is isolated) and returns a
+`LaunchResults`. A test reads its case as `results["case_name"]`: the case's rank-0 value, or, if the case raised or
+hung on any rank, a failure of that test alone showing each failing rank's traceback (or stack). Cases after one
+that stopped the launch run in a relaunch. A new case: a `Case` yielded by a group in the `tests/workers/` module
+named like the test file, and a test reading it from a fixture that calls `run_workers`.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.workers.cases import SKIP_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
+
+# ---------------------------------------------------------------------------------------------------- warnings
+#: Deprecations attributed to the package's own code (torch and Lightning warn with the caller's location) fail the
+#: tests, in this process and in every worker: they are the early alarm for the APIs we use.
+OUR_MODULES = sorted(
+    ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for p in (ROOT / "lightning_dpar").rglob("*.py")
+)
+DEPRECATIONS = ("DeprecationWarning", "FutureWarning")
+#: Third-party warnings raised at our calls that we cannot act on: (message prefix, category, why).
+THIRD_PARTY_IGNORES: list[tuple[str, str, str]] = []
+
+
+def _error_filters() -> list[str]:
+    errors = [f"error::{category}:{module}" for category in DEPRECATIONS for module in OUR_MODULES]
+    return errors + [f"ignore:{message}:{category}" for message, category, _ in THIRD_PARTY_IGNORES]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Later entries take precedence (pytest, like Python): the named ignores win over the errors.
+    for line in _error_filters():
+        config.addinivalue_line("filterwarnings", line)
 
 
 @pytest.fixture(autouse=True)
@@ -32,35 +69,183 @@ def no_pytest_argv(monkeypatch):
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
 
 
+@pytest.fixture
+def fake_world():
+    """`fake_world(world_size, rank=0)`: this process becomes `rank` of a fake process group (torch's `"fake"`
+    backend: collectives do nothing), for in-process unit tests that need a `DeviceMesh`; torn down after the test."""
+    import torch.distributed as dist
+
+    from lightning_dpar.mesh import init_fake_process_group
+
+    def start(world_size: int, rank: int = 0) -> None:
+        init_fake_process_group(rank, world_size)
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONWARNINGS"] = "ignore"
+    # The same policy in workers; `PYTHONWARNINGS` matches module names exactly, hence one entry per module.
+    env["PYTHONWARNINGS"] = ",".join(_error_filters())
     return env
+
+
+@dataclass
+class CaseRecord:
+    """One case of a launch: rank 0's value, and each failing rank's traceback (or why it left no record)."""
+
+    value: Any = None
+    errors: dict[int, str] = field(default_factory=dict)
+    spread: bool = False  # a legacy group's case: its value is several results under their own keys
+
+
+class LaunchResults(Mapping):
+    """The results of one or more worker launches, by case name (see `tests/workers/cases.py`).
+
+    `results[name]` is the case's rank-0 value, or fails the calling test, and only it, with that case's tracebacks
+    from every rank where it failed. A name no case recorded fails with the launch's log tail.
+    """
+
+    def __init__(self) -> None:
+        self.records: dict[str, CaseRecord] = {}
+        self.launches: list[str] = []  # a description and log tail of each launch
+
+    def merge(self, other: LaunchResults) -> LaunchResults:
+        """Add another launch's cases (for tests that read several launches)."""
+        self.records.update(other.records)
+        self.launches += other.launches
+        return self
+
+    def __getitem__(self, name: str) -> Any:
+        record = self._results().get(name)
+        if record is None:
+            failed_groups = {case: r for case, r in self.records.items() if r.spread and r.errors}
+            if not failed_groups:
+                pytest.fail(f"no case recorded a result named {name!r}.\n" + "\n\n".join(self.launches), pytrace=False)
+            # The result would have come from a group that failed as a whole.
+            record = CaseRecord(
+                errors={r: f"[{case}] {e}" for case, g in failed_groups.items() for r, e in g.errors.items()}
+            )
+        if record.errors:
+            details = "\n".join(f"--- rank {rank} ---\n{error}" for rank, error in sorted(record.errors.items()))
+            pytest.fail(f"case {name!r} failed on ranks {sorted(record.errors)}:\n{details}", pytrace=False)
+        return record.value
+
+    def _results(self) -> dict[str, CaseRecord]:
+        """Records by result name: a spread case's value contributes one result per key."""
+        flat: dict[str, CaseRecord] = {}
+        for case, record in self.records.items():
+            if record.spread and not record.errors:
+                flat.update({key: CaseRecord(value=value) for key, value in (record.value or {}).items()})
+            else:
+                flat[case] = record
+        return flat
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._results()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._results())
+
+    def __len__(self) -> int:
+        return len(self._results())
+
+
+#: Relaunches for the cases after one that stopped a launch (each relaunch costs a process start).
+MAX_RELAUNCHES = 4
 
 
 def run_workers(
     nproc: int, groups: str, tmp_path: Path, timeout: int = 420, extra_env: dict[str, str] | None = None
-) -> dict:
-    """Run `tests/workers/run.py` on `nproc` ranks under torchrun; return rank 0's JSON results."""
-    out = tmp_path / f"results_{nproc}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(WORKERS / "run.py"),
-        groups,
-        str(out),
-    ]
-    env = {**subprocess_env(), **(extra_env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-80:])
-        pytest.fail(f"workers {groups!r} on {nproc} ranks failed (rc={proc.returncode}):\n{tail}")
-    return json.loads(out.read_text())
+) -> LaunchResults:
+    """Run the cases of `groups` on `nproc` ranks under torchrun (`tests/workers/run.py`); return their results.
+
+    A case that stops the launch (ranks out of step, a hang, a dead process) is recorded as failed, and the cases
+    after it run in a new launch, so each test sees its own case's outcome. `timeout` bounds each launch.
+    """
+    results = LaunchResults()
+    for attempt in range(MAX_RELAUNCHES + 1):
+        out = Path(tempfile.mkdtemp(prefix=f"launch{nproc}-", dir=tmp_path))
+        env = {**subprocess_env(), **(extra_env or {}), SKIP_ENV: ",".join(results.records)}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        returncode, log = _run_killing_the_group([*cmd, str(WORKERS / "run.py"), groups, str(out)], env, timeout)
+        tail = "\n".join(log.splitlines()[-80:])
+        results.launches.append(f"launch {attempt} of {groups!r} on {nproc} ranks (rc={returncode}), log tail:\n{tail}")
+        recorded_before = len(results.records)
+        finished = _read_records(out, nproc, results, log_tail=tail)
+        if finished or len(results.records) == recorded_before:
+            break  # done, or no progress (e.g. a worker failed at import: every test shows the log tail)
+    return results
+
+
+def _run_killing_the_group(cmd: list[str], env: dict[str, str], timeout: int) -> tuple[int | str, str]:
+    """Run `cmd` in its own process group; on timeout kill the whole group (torchrun and every rank)."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        try:
+            returncode: int | str = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = f"killed after the launch timeout of {timeout} s"
+        log.seek(0)
+        return returncode, log.read()
+
+
+def _read_records(out: Path, nproc: int, results: LaunchResults, log_tail: str) -> bool:
+    """Add the launch's case records to `results`; return whether every rank finished every case."""
+    finished = True
+    for rank in range(nproc):
+        path = out / f"rank{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        events = [json.loads(line) for line in lines if line.strip()]
+        finished &= any(e["event"] == "finished" for e in events)
+        open_case = None
+        for event in events:
+            if event["event"] == "start":
+                open_case = event["case"]
+                results.records.setdefault(open_case, CaseRecord(spread=event["spread"]))
+            elif event["event"] == "end":
+                record = results.records[event["case"]]
+                if rank == 0:
+                    record.value = event["value"]
+                if event["error"] is not None:
+                    record.errors[rank] = event["error"]
+                open_case = None
+        if open_case is not None:  # the process ended inside this case without a word
+            results.records[open_case].errors[rank] = (
+                f"rank {rank} started case {open_case!r} and ended without a record (killed, or crashed); log tail"
+                f" of the launch:\n{log_tail}"
+            )
+    return finished
+
+
+#: The launches shared by test_parity.py, test_features.py, test_errors.py and test_precision.py: one per world size,
+#: whichever of those files runs first starts it (a launch costs 12-20 s before its first case).
+WORLD_GROUPS = {
+    4: "2d,fsdp,replicate,sync,ignored,plan_sources,fit_then_eval,meta_init,errors,accumulate_no_sync",
+    2: "2d,fsdp,replicate,sync,accumulate_no_sync,precision",
+    1: "2d,fsdp,replicate",
+}
+
+
+@pytest.fixture(scope="session")
+def world4(tmp_path_factory) -> LaunchResults:
+    return run_workers(4, WORLD_GROUPS[4], tmp_path_factory.mktemp("w4"))
+
+
+@pytest.fixture(scope="session")
+def world2(tmp_path_factory) -> LaunchResults:
+    return run_workers(2, WORLD_GROUPS[2], tmp_path_factory.mktemp("w2"))
+
+
+@pytest.fixture(scope="session")
+def world1(tmp_path_factory) -> LaunchResults:
+    return run_workers(1, WORLD_GROUPS[1], tmp_path_factory.mktemp("w1"))
 
 
 def run_script(

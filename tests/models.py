@@ -1,4 +1,5 @@
-"""Models and data shared by the tests: small, deterministic, and shaped like the seeds' models."""
+"""Models and data shared by the tests: small, deterministic, and shaped like the models of torch's own tests
+(`test/distributed/tensor/parallel/test_fsdp_2d_parallel.py` and `test_parallelize_api.py`)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Transformer-like stack `inp -> layers[*] -> out` with seed 004's uneven dims: 15 and 5 divide by neither
-    the FSDP nor the TP size; the hidden size 12 is what column/row-wise TP splits (as torch requires)."""
+    """Transformer-like stack `inp -> layers[*] -> out` with the uneven dims of torch's `test_fsdp_2d_parallel.py`: 15
+    and 5 divide by neither the FSDP nor the TP size; the hidden size 12 is what column/row-wise TP splits (as torch
+    requires)."""
 
     def __init__(self, dim: int = 15, hidden: int = 12, depth: int = 2, out_dim: int = 5) -> None:
         super().__init__()
@@ -38,7 +40,7 @@ class Net(nn.Module):
         return self.out(x)
 
 
-#: Colwise then rowwise inside each block (seed 003/004 style), with a wildcard pattern.
+#: Colwise then rowwise inside each block (as in torch's `test_parallelize_api.py`), with a wildcard pattern.
 TP_PLAN = {"model.layers.*.fc1": "colwise", "model.layers.*.fc2": "rowwise"}
 
 

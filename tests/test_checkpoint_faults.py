@@ -16,9 +16,12 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from lightning_dpar.checkpoint.discovery import resolve_last
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
@@ -169,16 +172,19 @@ def test_read_only_target_raises_on_every_rank(disk_results):
 
 # ---------------------------------------------------------------------- the "last" rule, in-process
 def _sharded_checkpoint(path: Path, mtime: float) -> None:
-    path.mkdir()
-    (path / ".metadata").write_bytes(b"")
-    (path / "meta.pt").write_bytes(b"")
-    os.utime(path, (mtime, mtime))
+    """A real (one-process) DCP directory with `meta.pt`, completed at `mtime`."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, on purpose
+        dcp.save({"state_dict": {"w": torch.zeros(2)}}, checkpoint_id=str(path), no_dist=True)
+    torch.save({}, path / "meta.pt")
+    os.utime(path / "meta.pt", (mtime, mtime))
 
 
 def test_resolve_last_picks_newest_complete_and_skips_dangling_link(tmp_path):
     _sharded_checkpoint(tmp_path / "step=3.ckpt", 1000)
     _sharded_checkpoint(tmp_path / "step=4.ckpt", 2000)
-    (tmp_path / "step=5.ckpt").mkdir()  # a directory without metadata: not a complete checkpoint
+    _sharded_checkpoint(tmp_path / "step=5.ckpt", 3000)
+    next((tmp_path / "step=5.ckpt").glob("*.distcp")).unlink()  # a shard went missing: not complete
     os.symlink("step=6.ckpt", tmp_path / "last.ckpt")  # its save never completed
     (tmp_path / ".dpar-partial-0123456789-abcd1234").mkdir()
     path, reason = resolve_last([Location.parse(tmp_path)])

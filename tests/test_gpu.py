@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.conftest import run_workers
-from tests.test_training import ATOL, BF16_ATOL, PARITY_CASES
+from tests.test_parity import ATOL, PARITY_CASES
+from tests.test_precision import BF16_ATOL
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +35,7 @@ def test_nccl_world_1_parity(gpu1, case):
 @pytest.mark.parametrize("strategy", ["2d", "fsdp", "replicate"])
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_bf16_on_gpu(gpu1, strategy, precision):
-    seen = gpu1["precision"][f"{strategy}_{precision}"]
+    seen = gpu1[f"precision_{strategy}_{precision}"]
     assert seen["backend"] == "nccl"
     assert seen["activation"] == ["bfloat16"]
     expected = ["float32"] if precision == "bf16-mixed" else ["bfloat16"]

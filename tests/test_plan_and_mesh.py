@@ -21,8 +21,8 @@ from lightning_dpar.plan import (
 from tests.models import Net
 
 
-class SeedModel(nn.Module):
-    """Module names as in seed 003's wildcard tests."""
+class WildcardModel(nn.Module):
+    """Module names as in the wildcard tests of torch's `test/distributed/tensor/parallel/test_parallelize_api.py`."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,7 +41,7 @@ class SeedModel(nn.Module):
     ],
 )
 def test_wildcard_patterns_match_like_parallelize_module(pattern, expected):
-    plan = resolve_tp_plan(SeedModel(), {pattern: ColwiseParallel()})
+    plan = resolve_tp_plan(WildcardModel(), {pattern: ColwiseParallel()})
     assert list(plan) == expected
 
 
@@ -63,7 +63,7 @@ def test_unknown_style_is_refused_at_strategy_construction():
 
 def test_two_patterns_on_one_module_is_an_error():
     with pytest.raises(ValueError, match=r"'net1' is matched by both tp_plan patterns 'net1' and 'net\*'"):
-        resolve_tp_plan(SeedModel(), {"net1": ColwiseParallel(), "net*": RowwiseParallel()})
+        resolve_tp_plan(WildcardModel(), {"net1": ColwiseParallel(), "net*": RowwiseParallel()})
 
 
 def test_select_modules_by_class_name_type_and_glob():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_dpar.checkpoint.layout import PARTIAL_PREFIX, REPLACED_PREFIX, describe_problem
+from lightning_dpar.checkpoint.layout import PARTIAL_PREFIX, REPLACED_PREFIX, is_complete_checkpoint, written_at
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.storage import Location
 
@@ -36,8 +36,8 @@ class DirectoryScan:
             if name.startswith((PARTIAL_PREFIX, REPLACED_PREFIX)):
                 scan.incomplete.append(entry.url)
             elif name.endswith(CHECKPOINT_SUFFIX):
-                if entry.exists() and describe_problem(entry) is None:
-                    scan.complete[entry.url] = entry.modified()
+                if is_complete_checkpoint(entry):
+                    scan.complete[entry.url] = written_at(entry)
                 else:  # a `save_last="link"` link to a save that never completed, or a directory without metadata
                     scan.incomplete.append(entry.url)
         return scan

@@ -34,6 +34,10 @@ from lightning_dpar.checkpoint.safe_io import (
 )
 from lightning_dpar.checkpoint.storage import Location
 
+__all__ = [
+    "OfflineCheckpoint",
+]
+
 
 class OfflineCheckpoint:
     """A validated sharded checkpoint opened for reading in this process."""

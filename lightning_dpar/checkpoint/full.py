@@ -36,6 +36,16 @@ from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, safe_torch_lo
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import publish, remove_leftovers
 
+__all__ = [
+    "full_model_state",
+    "full_optimizer_state",
+    "load_full",
+    "names_to_positions",
+    "positions_to_names",
+    "read_full",
+    "save_full",
+]
+
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 

@@ -22,6 +22,10 @@ from lightning_dpar.checkpoint.layout import describe_problem
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.storage import Location
 
+__all__ = [
+    "load_from_checkpoint",
+]
+
 ModuleT = TypeVar("ModuleT", bound=L.LightningModule)
 
 

@@ -34,6 +34,28 @@ from lightning_dpar.checkpoint.safe_io import (
 )
 from lightning_dpar.checkpoint.storage import Location
 
+__all__ = [
+    "DPAR_KEY",
+    "FORMAT_VERSION",
+    "METADATA_FILENAME",
+    "MODEL_KEY",
+    "PARTIAL_PREFIX",
+    "REPLACED_PREFIX",
+    "CheckpointInfo",
+    "LoadReport",
+    "check_data_files",
+    "check_format_version",
+    "describe_problem",
+    "file_checksum",
+    "inspect_checkpoint",
+    "is_complete_checkpoint",
+    "is_data_file",
+    "optimizer_key",
+    "partial_name",
+    "partial_names_for",
+    "written_at",
+]
+
 METADATA_FILENAME = "meta.pt"
 DCP_INDEX_FILENAME = ".metadata"
 MODEL_KEY = "state_dict"
@@ -80,7 +102,7 @@ def file_checksum(location: Location) -> tuple[int, int]:
     return size, crc
 
 
-def _written_at(checkpoint: Location) -> float:
+def written_at(checkpoint: Location) -> float:
     """When a checkpoint was completed: its `meta.pt`'s time (written last; object stores have no directory times),
     or a full-format file's own; 0 where the filesystem does not say."""
     target = checkpoint.child(METADATA_FILENAME) if checkpoint.is_dir() else checkpoint
@@ -105,6 +127,14 @@ def _is_complete_sharded(location: Location) -> bool:
     return all(name in names and location.child(name).size() >= size for name, size in needed.items())
 
 
+def is_complete_checkpoint(location: Location) -> bool:
+    """A sharded directory with everything its index names, or an existing checkpoint file (a link counts as what
+    it points at, so a link to a save that never completed is not complete)."""
+    if location.is_dir():
+        return _is_complete_sharded(location)
+    return location.exists()
+
+
 def newest_other_checkpoint(location: Location) -> Location | None:
     """The most recently written other complete checkpoint beside `location` (same format), or None.
 
@@ -121,7 +151,7 @@ def newest_other_checkpoint(location: Location) -> Location | None:
             continue
         if other.is_dir() == sharded and (sharded or name.endswith(suffix)):
             candidates.append(other)
-    candidates.sort(key=_written_at, reverse=True)
+    candidates.sort(key=written_at, reverse=True)
     return next((c for c in candidates if not sharded or _is_complete_sharded(c)), None)
 
 

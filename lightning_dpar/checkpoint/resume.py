@@ -35,6 +35,17 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from lightning_dpar._private_api import unfetched_training_iterator
 from lightning_dpar.checkpoint.layout import FORMAT_VERSION
 
+__all__ = [
+    "DataPosition",
+    "ResumableDistributedSampler",
+    "ResumeState",
+    "capture_rng_state",
+    "gather_rng_states",
+    "make_resumable",
+    "restore_rng_state",
+    "skip_seen_batches",
+]
+
 
 @dataclass(frozen=True)
 class DataPosition:

@@ -39,6 +39,20 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from lightning_dpar._private_api import FsspecReader
 from lightning_dpar.checkpoint.storage import Location
 
+__all__ = [
+    "INDEX_CLASSES",
+    "CheckpointLoadError",
+    "CorruptCheckpointError",
+    "SafeLoadPlanner",
+    "UnsafeCheckpointError",
+    "load_bytes_item",
+    "read_dcp_index",
+    "safe_storage_reader",
+    "safe_torch_load",
+    "translate_dcp_errors",
+    "weights_only_refusal",
+]
+
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 
 #: Every class a DCP `.metadata` index refers to, as the exact (module, name) pickle writes. Derived by pickling the

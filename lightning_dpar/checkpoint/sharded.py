@@ -38,6 +38,13 @@ from lightning_dpar.checkpoint.safe_io import (
 )
 from lightning_dpar.checkpoint.storage import Location
 
+__all__ = [
+    "load_sharded",
+    "sharded_model_state",
+    "sharded_optimizer_state",
+    "split_checkpoint",
+]
+
 
 def sharded_model_state(model: nn.Module) -> dict[str, Any]:
     """The model's state as DTensor shards / local tensors, keyed by FQN relative to the LightningModule."""

@@ -18,6 +18,10 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+__all__ = [
+    "Location",
+]
+
 
 @dataclass(frozen=True)
 class Location:
@@ -62,12 +66,6 @@ class Location:
 
     def size(self) -> int:
         return int(self.fs.size(self.path))
-
-    def modified(self) -> float:
-        """Modification time in seconds since the epoch (of a link's target, for a local symlink)."""
-        if self.is_local:
-            return os.stat(self.path).st_mtime
-        return self.fs.modified(self.path).timestamp()
 
     def list_names(self) -> list[str]:
         if not self.is_dir():

@@ -15,6 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = [
+    "GPT",
+    "TP_PLAN",
+]
+
 #: Module-name patterns (relative to the LightningModule) -> tensor-parallel style; see `lightning_dpar.plan`.
 TP_PLAN: dict[str, str] = {
     "model.blocks.*.attn.[qkv]": "colwise",

@@ -14,6 +14,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+__all__ = [
+    "StdlibBytes",
+]
+
 #: Directories skipped: third-party packages and generated caches are not part of the standard library.
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -31,8 +30,9 @@ from torch.optim import Optimizer
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import (
     IS_INTERACTIVE,
-    default_process_group_backend,
+    attach_device_mesh,
     init_dist_connection,
+    optimizers_to_device,
     sync_ddp_if_available,
 )
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
@@ -55,7 +55,20 @@ if TYPE_CHECKING:
     from lightning.pytorch.accelerators import Accelerator
     from lightning.pytorch.plugins.precision import Precision
 
+__all__ = [
+    "DparStrategy",
+    "StartMethod",
+]
+
 StartMethod = Literal["popen", "fork", "spawn"]
+
+
+def _attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
+    """The Trainer `module` is attached to, or None (`LightningModule.trainer` raises when there is none)."""
+    try:
+        return module.trainer if module is not None else None
+    except RuntimeError:
+        return None
 
 
 class DparStrategy(ParallelStrategy):
@@ -195,7 +208,9 @@ class DparStrategy(ParallelStrategy):
         self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
         if not dist.is_initialized():
             reset_seed()
-            self._process_group_backend = self._process_group_backend or default_process_group_backend(self.root_device)
+            self._process_group_backend = self._process_group_backend or dist.get_default_backend_for_device(
+                self.root_device
+            )
             assert self.cluster_environment is not None
             init_dist_connection(
                 self.cluster_environment,
@@ -206,7 +221,7 @@ class DparStrategy(ParallelStrategy):
         if self._device_mesh is None:  # fit then validate reuse the mesh the parameters already live on
             self._device_mesh, self._data_parallel_mesh = build_device_mesh(self.dims, self.root_device.type)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        attach_device_mesh(self.lightning_module, self._device_mesh)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -313,12 +328,7 @@ class DparStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
-
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        # A second `fit` after `validate` must not keep optimizers pointing at stale parameters.
-        self._reset_optimizers_and_schedulers()
-        super().setup_optimizers(trainer)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -396,7 +406,7 @@ class DparStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         return self.checkpoints.optimizer_state(self.model, optimizer)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -410,7 +420,7 @@ class DparStrategy(ParallelStrategy):
         writes one file. See `docs/checkpointing.md`."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = _attached_trainer(self.lightning_module)
         data_parallel = self.dims.data_parallel if self.dims is not None else None
         record = self.checkpoints.resume.record(trainer, type(self).__name__, self.world_size, data_parallel)
         self.checkpoints.save(checkpoint, filepath, record)
@@ -435,7 +445,7 @@ class DparStrategy(ParallelStrategy):
 
     def process_dataloader(self, dataloader: object) -> object:
         """Make the training loader resumable mid-epoch and position it if a checkpoint was just loaded."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = _attached_trainer(self.lightning_module)
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         data_parallel = self.dims.data_parallel if self.dims is not None else None
@@ -447,7 +457,7 @@ class DparStrategy(ParallelStrategy):
 
     def on_train_start(self) -> None:
         """Restore this rank's RNG streams right before training continues (after loaders and sanity checks)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = _attached_trainer(self.lightning_module)
         if trainer is not None:
             skip_seen_batches(self.checkpoints.resume, trainer)
         note = self.checkpoints.resume.restore_rng(self.world_size, self.global_rank)

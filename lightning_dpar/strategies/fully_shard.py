@@ -5,14 +5,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_dpar import parallelize
+from lightning_dpar._private_api import StrategyRegistryType
 from lightning_dpar.mesh import SizeArg, fsdp_mesh
 from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, resolve_blocks
 from lightning_dpar.strategies.base import DparStrategy
+
+__all__ = [
+    "FSDPTensorParallelStrategy",
+    "FullyShardStrategy",
+]
 
 
 class FullyShardStrategy(DparStrategy):
@@ -70,7 +75,7 @@ class FullyShardStrategy(DparStrategy):
         )
 
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register("dpar_fsdp", cls, description="FSDP2 fully_shard", override=True)
         strategy_registry.register(
             "dpar_fsdp_offload", cls, description="FSDP2 with CPU offload", override=True, cpu_offload=True
@@ -125,7 +130,7 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
         self._grad_sync_modules = self._wrap_data_parallel(module, plan)
 
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register("dpar_2d", cls, description="2D: FSDP2 + tensor parallelism", override=True)
 
 

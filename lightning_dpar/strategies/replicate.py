@@ -5,17 +5,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_dpar import parallelize
-from lightning_dpar._private_api import compiled_autograd, swap_ddp_optimize_mode
+from lightning_dpar._private_api import StrategyRegistryType, compiled_autograd, swap_ddp_optimize_mode
 from lightning_dpar.compilation import compiled_autograd_compiler
 from lightning_dpar.mesh import REPLICATE, SHARD, ParallelDims, SizeArg
 from lightning_dpar.parallelize import CommHook
 from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, select_modules
 from lightning_dpar.strategies.base import DparStrategy
+
+__all__ = [
+    "ReplicateStrategy",
+]
 
 
 class ReplicateStrategy(DparStrategy):
@@ -149,5 +152,5 @@ class ReplicateStrategy(DparStrategy):
             )
 
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register("dpar_replicate", cls, description="Composable DDP (replicate)", override=True)

@@ -1,8 +1,11 @@
-"""Behaviour beyond parity, through real Trainers: data-parallel reductions and metrics, ignored modules, plan
-sources (LightningModule attribute, a `ModelParallelStrategy`-style `configure_model`), meta-device init, and
-fit followed by validate/test/predict in one process."""
+"""Cases for `tests/test_features.py`: behaviour beyond parity, through real Trainers: data-parallel reductions and
+metrics, ignored modules, plan sources (LightningModule attribute, a `ModelParallelStrategy`-style
+`configure_model`), meta-device init, fit followed by validate/test/predict in one process, and gradient
+accumulation without communication."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import lightning as L
 import torch
@@ -15,7 +18,9 @@ from torchmetrics.aggregation import SumMetric
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
 from tests.models import TP_PLAN, Net, ParityModule, RegressionData, global_batches, loader, reference_train
+from tests.workers.cases import Case, one_case
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
+from tests.workers.parity import counting_allreduce_hook
 
 
 class SyncModule(ParityModule):
@@ -32,7 +37,7 @@ class SyncModule(ParityModule):
         return super().training_step(batch, batch_idx)
 
 
-def group_sync(results):
+def sync_case():
     world = world_size()
     tp = 2 if world % 2 == 0 else 1
     dp = world // tp
@@ -41,17 +46,16 @@ def group_sync(results):
     trainer.fit(module, loader(RegressionData(), BATCH))
     metric_total = module.dp_rank_metric.compute().item()  # collective over the metric's process group
     reduced = trainer.strategy.reduce(torch.tensor(1.0), reduce_op="sum").item()
-    if trainer.global_rank == 0:
-        results["sync"] = {
-            "dp": dp,
-            "logged_dp_rank_sum": trainer.callback_metrics["dp_rank_sum"].item(),
-            "metric_total": metric_total,
-            "reduce_sum_of_ones": reduced,
-            "steps": STEPS,
-        }
+    return {
+        "dp": dp,
+        "logged_dp_rank_sum": trainer.callback_metrics["dp_rank_sum"].item(),
+        "metric_total": metric_total,
+        "reduce_sum_of_ones": reduced,
+        "steps": STEPS,
+    }
 
 
-def group_ignored(results):
+def ignored_case():
     """`ignored_modules`: their gradients are not synchronised, so their params drift apart across ranks."""
     world = world_size()
     data = RegressionData()
@@ -61,16 +65,15 @@ def group_ignored(results):
     local = {k: v.detach().clone() for k, v in module.state_dict().items()}
     gathered = [None] * world
     dist.all_gather_object(gathered, local)
-    if trainer.global_rank == 0:
-        synced = [k for k in local if not k.startswith("model.out.")]
-        results["ignored"] = {
-            "synced_max_diff_across_ranks": max(
-                (g[k] - gathered[0][k]).abs().max().item() for g in gathered for k in synced
-            ),
-            "ignored_max_diff_across_ranks": max(
-                (g[k] - gathered[0][k]).abs().max().item() for g in gathered for k in local if k not in synced
-            ),
-        }
+    synced = [k for k in local if not k.startswith("model.out.")]
+    return {
+        "synced_max_diff_across_ranks": max(
+            (g[k] - gathered[0][k]).abs().max().item() for g in gathered for k in synced
+        ),
+        "ignored_max_diff_across_ranks": max(
+            (g[k] - gathered[0][k]).abs().max().item() for g in gathered for k in local if k not in synced
+        ),
+    }
 
 
 class AttributePlanModule(ParityModule):
@@ -102,47 +105,37 @@ class TPOnlyConfigureModelModule(ParityModule):
             parallelize_module(layer, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
 
 
-def _parity_case(results, name, module, strategy, dp, optimizer="sgd"):
+def _parity(make_module, make_strategy, dp):
     data = RegressionData()
-    trainer = trainer_for(strategy)
-    trainer.fit(module, loader(data, BATCH))
+    trainer = trainer_for(make_strategy())
+    trainer.fit(make_module(), loader(data, BATCH))
     got = full_params(trainer)
-    if trainer.global_rank == 0:
-        want = reference_train(optimizer, global_batches(data, dp, BATCH, STEPS))
-        results[name] = {"max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want)}
-    return trainer
+    if trainer.global_rank != 0:
+        return None
+    want = reference_train("sgd", global_batches(data, dp, BATCH, STEPS))
+    return {"max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want)}
 
 
-def group_plan_sources(results):
-    world = world_size()
+def group_plan_sources() -> Iterator[Case]:
     tp = 2
-    dp = world // tp
-    _parity_case(
-        results, "plan_from_attribute", AttributePlanModule(), FSDPTensorParallelStrategy(tensor_parallel_size=tp), dp
-    )
-    _parity_case(
-        results,
-        "plan_from_configure_model",
-        ModelParallelStyleModule(),
-        FSDPTensorParallelStrategy(tensor_parallel_size=tp),
-        dp,
-    )
+    dp = world_size() // tp
+
+    def tp_only():
+        return FSDPTensorParallelStrategy(tensor_parallel_size=tp)
+
+    yield Case("plan_from_attribute", lambda: _parity(AttributePlanModule, tp_only, dp))
+    yield Case("plan_from_configure_model", lambda: _parity(ModelParallelStyleModule, tp_only, dp))
     # The registered name with its defaults: tensor_parallel_size="auto" is one node (all local ranks).
-    _parity_case(results, "registered_name_auto_sizes", AttributePlanModule(), "dpar_2d", dp=1)
-    _parity_case(
-        results,
+    yield Case("registered_name_auto_sizes", lambda: _parity(AttributePlanModule, lambda: "dpar_2d", dp=1))
+    yield Case(
         "2d_hsdp",
-        ParityModule(),
-        FSDPTensorParallelStrategy(tensor_parallel_size=2, replicate_size=dp, tp_plan=TP_PLAN),
-        dp,
+        lambda: _parity(
+            ParityModule,
+            lambda: FSDPTensorParallelStrategy(tensor_parallel_size=tp, replicate_size=dp, tp_plan=TP_PLAN),
+            dp,
+        ),
     )
-    _parity_case(
-        results,
-        "tp_only_configure_model",
-        TPOnlyConfigureModelModule(),
-        FSDPTensorParallelStrategy(tensor_parallel_size=tp),
-        dp,
-    )
+    yield Case("tp_only_configure_model", lambda: _parity(TPOnlyConfigureModelModule, tp_only, dp))
 
 
 class EvalModule(ParityModule):
@@ -155,7 +148,7 @@ class EvalModule(ParityModule):
         return x, self(x)
 
 
-def group_fit_then_eval(results):
+def fit_then_eval_case():
     """fit, then validate/test/predict on the same Trainer: parallelism applied once, evaluation on trained weights."""
     world = world_size()
     tp = 2 if world % 2 == 0 else 1
@@ -178,14 +171,13 @@ def group_fit_then_eval(results):
         predict_diff = max((y_hat - reference(x)).abs().max().item() for x, y_hat in predictions)
     predict_diffs = [None] * world
     dist.all_gather_object(predict_diffs, predict_diff)
-    if trainer.global_rank == 0:
-        results["fit_then_eval"] = {
-            "units_after_fit": units_after_fit,
-            "units_after_eval": units_after_eval,
-            "val_loss_diff": abs(val_loss - ref_loss),
-            "test_loss_diff": abs(test_loss - ref_loss),
-            "predict_max_diff": max(predict_diffs),
-        }
+    return {
+        "units_after_fit": units_after_fit,
+        "units_after_eval": units_after_eval,
+        "val_loss_diff": abs(val_loss - ref_loss),
+        "test_loss_diff": abs(test_loss - ref_loss),
+        "predict_max_diff": max(predict_diffs),
+    }
 
 
 class ConfigureModelOnMeta(ParityModule):
@@ -218,30 +210,21 @@ def _shard_report(module, trainer):
     }
 
 
-def group_meta_init(results):
-    world = world_size()
+def meta_configure_model_case():
     module = ConfigureModelOnMeta()
     trainer = trainer_for(FullyShardStrategy())
     trainer.fit(module, loader(RegressionData(), BATCH))
-    report = {"built_on_meta": module.built_on_meta, **_shard_report(module, trainer), "world": world}
+    return {"built_on_meta": module.built_on_meta, **_shard_report(module, trainer), "world": world_size()}
+
+
+def meta_init_module_case():
+    world = world_size()
     trainer = trainer_for(FSDPTensorParallelStrategy(tensor_parallel_size=2 if world % 2 == 0 else 1, tp_plan=TP_PLAN))
     with trainer.init_module(empty_init=True):
         module = ParityModule()
     init_module_on_meta = all(p.is_meta for p in module.parameters())
     trainer.fit(module, loader(RegressionData(), BATCH))
-    report_init_module = {"built_on_meta": init_module_on_meta, **_shard_report(module, trainer)}
-    if trainer.global_rank == 0:
-        results["meta_configure_model"] = report
-        results["meta_init_module"] = report_init_module
-
-
-GROUPS = {
-    "sync": group_sync,
-    "ignored": group_ignored,
-    "plan_sources": group_plan_sources,
-    "fit_then_eval": group_fit_then_eval,
-    "meta_init": group_meta_init,
-}
+    return {"built_on_meta": init_module_on_meta, **_shard_report(module, trainer)}
 
 
 class GradVisibility(L.Callback):
@@ -254,7 +237,7 @@ class GradVisibility(L.Callback):
         self.grads_present.append(any(p.grad is not None for p in pl_module.parameters()))
 
 
-def group_accumulate_no_sync(results):
+def accumulate_no_sync_case():
     """Non-final micro-batches of gradient accumulation must not communicate gradients."""
     world = world_size()
     tp = 2 if world % 2 == 0 else 1
@@ -265,22 +248,24 @@ def group_accumulate_no_sync(results):
         callbacks=[visibility],
     )
     trainer.fit(ParityModule(), loader(RegressionData(), BATCH))
-    calls = []
-
-    def counting_hook(process_group, bucket):
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        calls.append(bucket.index())
-        return default_hooks.allreduce_hook(process_group, bucket)
-
-    trainer = trainer_for(ReplicateStrategy(comm_hook=counting_hook), accumulate_grad_batches=2)
+    calls: list[int] = []
+    trainer = trainer_for(ReplicateStrategy(comm_hook=counting_allreduce_hook(calls)), accumulate_grad_batches=2)
     trainer.fit(ParityModule(), loader(RegressionData(), BATCH))
-    if trainer.global_rank == 0:
-        results["accumulate_no_sync"] = {
-            "fsdp_grads_after_each_backward": visibility.grads_present,
-            "replicate_hook_calls": len(calls),
-            "steps": STEPS,
-        }
+    return {
+        "fsdp_grads_after_each_backward": visibility.grads_present,
+        "replicate_hook_calls": len(calls),
+        "steps": STEPS,
+    }
 
 
-GROUPS["accumulate_no_sync"] = group_accumulate_no_sync
+GROUPS = {
+    "sync": one_case("sync", sync_case),
+    "ignored": one_case("ignored", ignored_case),
+    "plan_sources": group_plan_sources,
+    "fit_then_eval": one_case("fit_then_eval", fit_then_eval_case),
+    "meta_init": lambda: [
+        Case("meta_configure_model", meta_configure_model_case),
+        Case("meta_init_module", meta_init_module_case),
+    ],
+    "accumulate_no_sync": one_case("accumulate_no_sync", accumulate_no_sync_case),
+}

@@ -10,16 +10,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-warnings.filterwarnings("ignore")
 
-import lightning as L  # noqa: E402
+import lightning as L
 
-import lightning_dpar  # noqa: E402,F401
-from lightning_dpar._private_api import IS_INTERACTIVE  # noqa: E402
-from tests.models import ParityModule, RegressionData, global_batches, loader, reference_train  # noqa: E402
+import lightning_dpar  # noqa: F401
+from lightning_dpar._private_api import IS_INTERACTIVE
+from tests.models import ParityModule, RegressionData, global_batches, loader, reference_train
 
 WORLD, BATCH, STEPS = 2, 4, 3
 

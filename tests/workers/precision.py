@@ -1,7 +1,9 @@
-"""Trainer precision through every strategy: which dtypes the forward computes in, the weights are kept in, the
-gradients arrive in, and how far bf16 training lands from the fp32 reference (run by `run.py`)."""
+"""Cases for `tests/test_precision.py`: Trainer precision through every strategy: which dtypes the forward computes
+in, the weights are kept in, the gradients arrive in, and how far bf16 training lands from the fp32 reference."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
 from tests.models import TP_PLAN, ParityModule, RegressionData, global_batches, loader, reference_train
+from tests.workers.cases import Case
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
 
 
@@ -45,7 +48,23 @@ class PrecisionProbe(ParityModule):
         self.seen["grads"] = _dtype_names([p.grad for p in params if p.grad is not None])
 
 
-def group_precision(results):
+def precision_case(make_strategy, dp: int, precision: str):
+    data = RegressionData()
+    module = PrecisionProbe()
+    trainer = trainer_for(make_strategy(), precision=precision)
+    trainer.fit(module, loader(data, BATCH))
+    got = full_params(trainer)
+    if trainer.global_rank != 0:
+        return None
+    want = reference_train("sgd", global_batches(data, dp, BATCH, STEPS))
+    return {
+        **module.seen,
+        "max_abs_diff": max((got[k].float() - want[k]).abs().max().item() for k in want),
+        "backend": torch.distributed.get_backend(),
+    }
+
+
+def group_precision() -> Iterator[Case]:
     world = world_size()
     tp = 2 if world % 2 == 0 else 1
     strategies = {
@@ -53,20 +72,14 @@ def group_precision(results):
         "fsdp": (FullyShardStrategy, world),
         "replicate": (ReplicateStrategy, world),
     }
-    data = RegressionData()
     for strategy_name, (make_strategy, dp) in strategies.items():
-        want = reference_train("sgd", global_batches(data, dp, BATCH, STEPS))
         for precision in ("bf16-mixed", "bf16-true"):
-            module = PrecisionProbe()
-            trainer = trainer_for(make_strategy(), precision=precision)
-            trainer.fit(module, loader(data, BATCH))
-            got = full_params(trainer)
-            if trainer.global_rank == 0:
-                results.setdefault("precision", {})[f"{strategy_name}_{precision}"] = {
-                    **module.seen,
-                    "max_abs_diff": max((got[k].float() - want[k]).abs().max().item() for k in want),
-                    "backend": torch.distributed.get_backend(),
-                }
+            yield Case(
+                f"precision_{strategy_name}_{precision}",
+                lambda make_strategy=make_strategy, dp=dp, precision=precision: precision_case(
+                    make_strategy, dp, precision
+                ),
+            )
 
 
 GROUPS = {"precision": group_precision}

@@ -1,51 +1,65 @@
-"""Entry point of the multi-process test workers: `torchrun --nproc-per-node N run.py GROUPS OUT_JSON`.
+"""Entry point of the multi-process test workers: `torchrun --nproc-per-node N run.py GROUPS OUT`.
 
-One launch runs several groups of cases (Lightning's import and process start dominate the cost of a case); rank 0
-writes every case's result to OUT_JSON for pytest to assert on.
+One launch runs the cases of several groups (comma-separated names in GROUPS): starting processes and importing
+Lightning dominate the cost of a case. Every rank records each case's result or error under the directory OUT;
+`tests/workers/cases.py` describes the records, how a broken case is isolated from the others, and how the ranks
+are kept in step. pytest launches this through `tests/conftest.py::run_workers`.
+
+A group is a function returning the `Case`s to run, each case's work inside its function, so that cases already
+recorded by an earlier launch (`DPAR_TEST_SKIP_CASES`) are skipped whole. A group written as `fn(results)` (filling
+`results` on rank 0) runs as one case whose results spread into their own keys (`cases.legacy_group`).
 """
 
 from __future__ import annotations
 
-import json
+import importlib
+import inspect
 import os
 import sys
-import warnings
+from collections.abc import Iterator
+from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-warnings.filterwarnings("ignore")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[0] = str(ROOT)  # the repository, not this directory: no worker module shadows an installed module
 
-import torch.distributed as dist  # noqa: E402
+from tests.workers.cases import Case, CaseRunner, Group, legacy_group  # noqa: E402
 
-import lightning_dpar  # noqa: E402,F401
-from tests.workers import (  # noqa: E402
-    checkpoint,
-    checkpoint_faults,
-    checkpoint_safety,
-    cli_configs,
-    errors,
-    features,
-    parity,
-    perf,
-    precision,
-)
+#: One worker module per test file: `tests/workers/<name>.py` holds the cases of `tests/test_<name>.py`.
+MODULES = [
+    importlib.import_module(f"tests.workers.{name}")
+    for name in (
+        "parity",
+        "features",
+        "errors",
+        "precision",
+        "compile",
+        "memory",
+        "callbacks",
+        "cli",
+        "checkpoint",
+        "checkpoint_faults",
+        "checkpoint_safety",
+    )
+]
 
-GROUPS = {
-    **parity.GROUPS,
-    **features.GROUPS,
-    **errors.GROUPS,
-    **precision.GROUPS,
-    **checkpoint.GROUPS,
-    **checkpoint_faults.GROUPS,
-    **checkpoint_safety.GROUPS,
-    **perf.GROUPS,
-    **cli_configs.GROUPS,
-}
+
+def _as_group(name: str, fn) -> Group:
+    return legacy_group(name, fn) if inspect.signature(fn).parameters else fn
+
+
+GROUPS: dict[str, Group] = {name: _as_group(name, fn) for module in MODULES for name, fn in module.GROUPS.items()}
+
+
+def cases_of(groups: list[str]) -> Iterator[Case]:
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        raise SystemExit(f"unknown worker groups {unknown}; known: {sorted(GROUPS)}")
+    for name in groups:
+        yield from GROUPS[name]()
+
 
 if __name__ == "__main__":
-    groups, out = sys.argv[1], sys.argv[2]
-    results: dict = {}
-    for name in groups.split(","):
-        GROUPS[name](results)
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
+    groups, out = sys.argv[1].split(","), Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    runner = CaseRunner(out, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    runner.run_all(cases_of(groups))

@@ -1,16 +1,19 @@
-"""Every `examples/configs/*.yaml` trained for a few steps through the real CLI (`lightning_dpar.cli.cli_main`),
-all in one torchrun launch of 4 ranks (Lightning is imported once, the process group is reused)."""
+"""Cases for `tests/test_cli.py`: every `examples/configs/*.yaml` trained for a few steps through the real CLI
+(`lightning_dpar.cli.cli_main`), one case per config, all in one torchrun launch of 4 ranks (Lightning is imported
+once, the process group is reused)."""
 
 from __future__ import annotations
 
-import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from tests.workers.cases import Case
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 STEPS = 4
@@ -45,6 +48,7 @@ def run_config(name: str) -> dict:
     trainer, module = cli.trainer, cli.model
     dims = trainer.strategy.dims
     last = workdir / "checkpoints" / "gpt" / "last.ckpt"
+    dist.barrier()  # every rank's checkpoint files are written before rank 0 lists them
     return {
         "strategy": type(trainer.strategy).__name__,
         "dims": [dims.replicate, dims.shard, dims.tensor_parallel],
@@ -63,11 +67,9 @@ def run_config(name: str) -> dict:
     }
 
 
-def example_configs(results: dict) -> None:
+def example_configs() -> Iterator[Case]:
     for config in sorted(CONFIGS.glob("*.yaml")):
-        results[f"config_{config.stem}"] = run_config(config.stem)
-        dist.barrier()
-    results["finite"] = all(math.isfinite(r["train_loss"]) for k, r in results.items() if k.startswith("config_"))
+        yield Case(f"config_{config.stem}", lambda name=config.stem: run_config(name))
 
 
 GROUPS = {"example_configs": example_configs}
