@@ -121,14 +121,14 @@ class CheckpointManager:
         location = Location.parse(_from_rank_zero(str(path)))
         rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        source, problem = None, None
+        source, own_error = None, None
         try:
             source = _FORMATS["sharded" if location.is_dir() else "full"].open(location, rank, world_size)
         except CheckpointLoadError as error:
-            problem = str(error)
-        problem = first_problem(problem)
-        if problem is not None:
-            raise CheckpointLoadError(problem)
+            own_error = error
+        problem = first_problem(str(own_error) if own_error is not None else None)
+        if problem is not None:  # the rank that found it keeps its type (`UnsafeCheckpointError`, ...)
+            raise own_error if own_error is not None and str(own_error) == problem else CheckpointLoadError(problem)
         assert source is not None
         report = source.load(model, optimizers, strict)
         if report.missing or report.unexpected:
