@@ -38,6 +38,7 @@ from lightning_dpar._private_api import (
     unfetched_training_iterator,
 )
 from lightning_dpar.checkpoint import full, layout, resume, sharded
+from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import CheckpointWriter
@@ -53,6 +54,8 @@ from lightning_dpar.plan import (
     resolve_tp_plan,
 )
 from lightning_dpar.precision import DparPrecision, to_dpar_precision
+from lightning_dpar.pretrained import PretrainedSpec, load_pretrained, to_pretrained_weights
+from lightning_dpar.pretrained import describe as describe_pretrained
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -82,6 +85,9 @@ class DparStrategy(ParallelStrategy):
         checkpoint_format: `"sharded"` (default; a DCP directory, each rank writes its shards) or `"full"` (one file
             that `torch.load` and `LightningModule.load_from_checkpoint` read; gathers the model on rank 0).
         async_save: write sharded checkpoints in the background (staged to CPU memory first).
+        pretrained: a Hugging Face `save_pretrained` directory (or `PretrainedWeights(path, prefix, strict)`) read
+            into the model once it is parallelised, each rank reading only its shards; skipped when a checkpoint is
+            resumed (`ckpt_path`). See `lightning_dpar.pretrained`.
     """
 
     strategy_name = "dpar"
@@ -100,6 +106,7 @@ class DparStrategy(ParallelStrategy):
         start_method: StartMethod = "popen",
         checkpoint_format: CheckpointFormat = "sharded",
         async_save: bool = False,
+        pretrained: PretrainedSpec | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -140,6 +147,7 @@ class DparStrategy(ParallelStrategy):
         self._pending_resume: dict[str, Any] = {}  # RNG and data position of a loaded checkpoint, applied later
         self._train_sampler: resume.ResumableDistributedSampler | None = None
         self._batches_to_skip = 0  # mid-epoch resume with a custom sampler (see `_skip_seen_batches`)
+        self._pretrained = to_pretrained_weights(pretrained)
 
     # ------------------------------------------------------------------ precision
     @property
@@ -317,6 +325,7 @@ class DparStrategy(ParallelStrategy):
             module = self.precision_plugin.convert_module(module)
             self._apply_parallelism(module)
             self._parallelized_module = module
+            self._load_pretrained(module, trainer)
         self.model_to_device()
         self._sync_metrics_over_data_parallel(module)
         self.barrier()
@@ -325,6 +334,17 @@ class DparStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _load_pretrained(self, module: nn.Module, trainer: pl.Trainer) -> None:
+        """Fill the parallelised parameters from `pretrained`, unless a checkpoint about to be loaded replaces them."""
+        if self._pretrained is None:
+            return
+        if trainer.ckpt_path is not None:
+            rank_zero_info(f"Resuming from {trainer.ckpt_path!r}: the pretrained weights are not read.")
+            return
+        mapping = load_pretrained(module, self._pretrained)
+        if mapping.missing or mapping.unexpected:
+            rank_zero_warn(f"Loaded {self._pretrained.path!r} with `strict=False`: {describe_pretrained(mapping)}.")
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # A second `fit` after `validate` must not keep optimizers pointing at stale parameters.
@@ -426,6 +446,7 @@ class DparStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
         location = Location.parse(self.broadcast(str(filepath)))
+        checkpoint.update(hf_model_record(self.lightning_module))  # for `consolidate --format hf`
         if self._checkpoint_format == "full":  # never async (see the `async_save` setter)
             checkpoint[layout.DPAR_KEY] = self._resume_record()
             full.save_full(checkpoint, location, self.is_global_zero)
