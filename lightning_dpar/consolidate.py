@@ -65,14 +65,14 @@ def write_lightning(checkpoint: OfflineCheckpoint, out: Path) -> None:
 
 
 def write_safetensors(
-    checkpoint: OfflineCheckpoint, out: Path, max_shard_size: int, names: dict[str, str] | None = None
+    checkpoint: OfflineCheckpoint, out: Path, max_shard_size: int, tensor_names: dict[str, str] | None = None
 ) -> list[Path]:
     """Stream the model's tensors into safetensors files; headers are computed from the index up front.
 
-    `names` maps each output name to its checkpoint name (default: every tensor under its own name)."""
+    `tensor_names` maps each output name to its checkpoint name (default: every tensor under its own name)."""
     stored = checkpoint.model_tensors()
-    names = names if names is not None else {name: name for name in stored}
-    tensors = {name: stored[source] for name, source in names.items()}
+    tensor_names = tensor_names if tensor_names is not None else {name: name for name in stored}
+    tensors = {name: stored[source] for name, source in tensor_names.items()}
     for name, meta in tensors.items():
         if meta.properties.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{name!r} has dtype {meta.properties.dtype}, which safetensors cannot store.")
@@ -110,7 +110,7 @@ def write_safetensors(
             f.write(struct.pack("<Q", len(encoded)))
             f.write(encoded)
             for name in shard:
-                tensor = checkpoint.read_tensor(names[name]).contiguous()
+                tensor = checkpoint.read_tensor(tensor_names[name]).contiguous()
                 if tensor.numel():
                     f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # no extra copy
                 del tensor

@@ -46,12 +46,16 @@ def hf_model_record(module: nn.Module) -> dict[str, Any]:
     if len(outermost) != 1 or outermost[0][0] == "":
         return {}
     name, model = outermost[0]
+    # FSDP2 and `replicate` swap in a subclass of their own (`FSDPLlamaForCausalLM`): name the library's class.
+    library_class = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
+    config = json.loads(model.config.to_json_string())
+    config["architectures"] = [library_class.__name__]  # as `save_pretrained` records it
     generation = getattr(model, "generation_config", None)
     return {
         HF_MODEL_KEY: {
             "prefix": f"{name}.",
-            "class": type(model).__name__,
-            "config": model.config.to_json_string(),
+            "class": library_class.__name__,
+            "config": json.dumps(config, indent=2, sort_keys=True) + "\n",
             "generation_config": generation.to_json_string() if generation is not None else None,
         }
     }

@@ -84,7 +84,7 @@ class CaptureStart(Callback):
         self.params: dict[str, torch.Tensor] = {}
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.params = full_params(trainer)
+        self.params = {k: v.clone() for k, v in full_params(trainer).items()}  # replicate: the live tensors
 
 
 def pretrained_model(path: str):
