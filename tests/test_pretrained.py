@@ -182,7 +182,7 @@ def test_consolidate_format_hf_loads_with_from_pretrained_exactly(results2):
 
 
 @pytest.mark.slow
-def test_loading_needs_at_most_the_rank_share_plus_the_largest_tensor(results4, shared_dir):
+def test_loading_memory_is_at_most_the_rank_share_plus_the_largest_tensor(results4, shared_dir):
     shapes = checkpoint_shapes(shared_dir / "big_llama")
     total = sum(torch.Size(s).numel() * 4 for s in shapes.values())
     largest = max(torch.Size(s).numel() * 4 for s in shapes.values())
