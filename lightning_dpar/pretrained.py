@@ -51,10 +51,11 @@ class PretrainedWeights:
     strict: bool = True
 
 
-PretrainedSpec = Union[str, os.PathLike, PretrainedWeights]
+#: The strategy argument: a directory (a `str`; an `os.PathLike` works too) or a `PretrainedWeights`.
+PretrainedSpec = Union[str, PretrainedWeights]
 
 
-def to_pretrained_weights(spec: PretrainedSpec | None) -> PretrainedWeights | None:
+def to_pretrained_weights(spec: PretrainedSpec | os.PathLike | None) -> PretrainedWeights | None:
     """A `PretrainedWeights` from the strategy argument (a path, or one already built); checks the directory."""
     if spec is None:
         return None
@@ -73,15 +74,23 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise PretrainedLoadError(f"{str(index)!r} lists weight files that are missing: {absent}.")
-        return files
-    if (directory / SINGLE_FILENAME).is_file():
-        return [directory / SINGLE_FILENAME]
-    what = "does not exist" if not directory.exists() else "holds no weights"
-    raise PretrainedLoadError(
-        f"Pretrained directory {str(directory)!r} {what}: expected {SINGLE_FILENAME!r}, or sharded safetensors files"
-        f" with {INDEX_FILENAME!r}, as `save_pretrained` writes them. PyTorch `.bin` weights are not read: convert"
-        " them with `save_pretrained(..., safe_serialization=True)`."
-    )
+    elif (directory / SINGLE_FILENAME).is_file():
+        files = [directory / SINGLE_FILENAME]
+    else:
+        what = "does not exist" if not directory.exists() else "holds no weights"
+        raise PretrainedLoadError(
+            f"Pretrained directory {str(directory)!r} {what}: expected {SINGLE_FILENAME!r}, or sharded safetensors"
+            f" files with {INDEX_FILENAME!r}, as `save_pretrained` writes them. PyTorch `.bin` weights are not read:"
+            " convert them with `save_pretrained(..., safe_serialization=True)`."
+        )
+    # DCP's reader takes every safetensors file of the directory: a stray one would mix other weights in.
+    stray = sorted(p.name for p in directory.glob("*.safetensors") if p not in files)
+    if stray:
+        raise PretrainedLoadError(
+            f"{str(directory)!r} holds safetensors files besides the model's {[f.name for f in files]}: {stray}. Move"
+            " them out of the directory (a leftover of an earlier save?)."
+        )
+    return files
 
 
 def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:

@@ -109,6 +109,11 @@ def test_a_directory_without_weights_is_refused_when_the_strategy_is_built(tmp_p
         to_pretrained_weights(tmp_path)
     with pytest.raises(PretrainedLoadError, match="does not exist"):
         to_pretrained_weights(PretrainedWeights(str(tmp_path / "nope")))
+    save_llama(tmp_path, TINY, "1GB")
+    assert to_pretrained_weights(tmp_path) == PretrainedWeights(str(tmp_path))  # one model.safetensors
+    (tmp_path / "model-old.safetensors").write_bytes((tmp_path / "model.safetensors").read_bytes())
+    with pytest.raises(PretrainedLoadError, match=r"besides the model's \['model.safetensors'\]: \['model-old"):
+        to_pretrained_weights(tmp_path)
 
 
 def test_checkpoint_shapes_come_from_every_shard_file(shared_dir):
