@@ -5,6 +5,7 @@ fine-tuning parity, strictness, export back with `consolidate --format hf`, and 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from lightning_dpar.pretrained import (
     map_keys,
     to_pretrained_weights,
 )
-from tests.conftest import run_workers
+from tests.conftest import ROOT, run_script, run_workers
 
 transformers = pytest.importorskip("transformers")
 
@@ -195,3 +196,17 @@ def test_loading_memory_is_at_most_the_rank_share_plus_the_largest_tensor(result
     for report in results4["pretrained_memory"]:
         assert report["rank_share_bytes"] <= total // 4 + largest  # FSDP on 4 ranks
         assert report["increase_bytes"] <= report["rank_share_bytes"] + largest + MEMORY_ALLOWANCE, report
+
+
+@pytest.mark.slow
+def test_finetune_example_runs_end_to_end(tmp_path):
+    """examples/finetune/run.py: writes a tiny Llama with save_pretrained, fine-tunes it with dpar_2d on 4 processes
+    from those weights, exports with --format hf and reloads the export with from_pretrained."""
+    proc = run_script([str(ROOT / "examples" / "finetune" / "run.py"), "--max-steps", "6"], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "from_pretrained('finetuned'): missing keys [], unexpected keys []" in proc.stdout
+    before, after = map(float, re.search(r"pretrained ([\d.]+) -> fine-tuned ([\d.]+)", proc.stdout).groups())
+    assert after < before - 0.1  # the export holds the fine-tuned weights, not the pretrained (or random) ones
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= {
+        p.name for p in (tmp_path / "finetuned").iterdir()
+    }
