@@ -20,6 +20,7 @@ from lightning_dpar.pretrained import (
     to_pretrained_weights,
 )
 from tests.conftest import ROOT, run_script, run_workers
+from tests.models import Net
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,12 +58,17 @@ def save_llama(path, config: dict, max_shard_size: str) -> None:
 def shared_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("pretrained")
     save_llama(path / "tiny_llama", TINY, "20KB")  # several shard files and an index
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    (path / "net_weights").mkdir()
+    save_file(Net().state_dict(), path / "net_weights" / "model.safetensors")  # one file, no index
     return path
 
 
 @pytest.fixture(scope="module")
 def results2(shared_dir):
-    return run_workers(2, "pretrained_parity,pretrained_errors,pretrained_export", shared_dir)
+    return run_workers(2, "pretrained_parity,pretrained_errors,pretrained_meta,pretrained_export", shared_dir)
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +180,14 @@ def test_key_mismatch_is_named_on_every_rank_and_lenient_load_keeps_the_rest(res
         assert len(messages) == 1 and "keys of the model not in the checkpoint: 'extra_head.weight'" in messages[0]
     assert result["lenient_loaded_diff"] == 0.0
     assert result["lenient_extra_kept"] == 0.0
+
+
+@pytest.mark.slow
+def test_pretrained_weights_overwrite_a_model_materialised_from_the_meta_device(results2):
+    result = results2["pretrained_meta"]
+    assert result["built_on_meta"]
+    assert result["loaded_max_abs_diff"] == 0.0
+    assert result["head_finite_nonzero"]  # not in the checkpoint: initialised by reset_parameters, never garbage
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, PretrainedWeights, ReplicateStrategy
 from lightning_dpar.pretrained import PretrainedLoadError, load_pretrained
+from tests.models import Net, RegressionData
 from tests.workers.common import full_params, trainer_for, world_size
 
 BATCH = 2
@@ -178,6 +179,45 @@ def group_pretrained_errors(results: dict) -> None:
         }
 
 
+class MetaBuilt(L.LightningModule):
+    """A model with `reset_parameters` everywhere, built on the meta device, plus a head the checkpoint lacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Net()
+        self.head = torch.nn.Linear(5, 5)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.head(self.model(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def group_pretrained_meta(results: dict) -> None:
+    """`empty_init=True`: the strategy materialises the shards (`reset_parameters`), then the pretrained weights
+    (one `model.safetensors`) overwrite what the checkpoint has; the head it lacks keeps its initialisation."""
+    path = str(workdir() / "net_weights")
+    capture = CaptureStart()
+    trainer = trainer_for(
+        FullyShardStrategy(pretrained=PretrainedWeights(path, strict=False)), max_steps=1, callbacks=[capture]
+    )
+    with trainer.init_module(empty_init=True):
+        module = MetaBuilt()
+    built_on_meta = all(p.is_meta for p in module.parameters())
+    trainer.fit(module, DataLoader(RegressionData(), batch_size=BATCH))
+    if trainer.global_rank == 0:
+        from safetensors.torch import load_file
+
+        head = capture.params["head.weight"]
+        results["pretrained_meta"] = {
+            "built_on_meta": built_on_meta,
+            "loaded_max_abs_diff": max_diff(capture.params, load_file(f"{path}/model.safetensors"), "model."),
+            "head_finite_nonzero": bool(torch.isfinite(head).all() and head.abs().sum() > 0),
+        }
+
+
 def group_pretrained_export(results: dict) -> None:
     """Fine-tune from pretrained weights under FSDP (the model held as `self.net`), save a sharded checkpoint, and
     export it with `consolidate --format hf` and `--format safetensors --strip-prefix net.`."""
@@ -251,6 +291,7 @@ def group_pretrained_memory(results: dict) -> None:
 GROUPS = {
     "pretrained_parity": group_pretrained_parity,
     "pretrained_errors": group_pretrained_errors,
+    "pretrained_meta": group_pretrained_meta,
     "pretrained_export": group_pretrained_export,
     "pretrained_memory": group_pretrained_memory,
 }
