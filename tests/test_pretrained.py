@@ -191,6 +191,14 @@ def test_pretrained_weights_overwrite_a_model_materialised_from_the_meta_device(
 
 
 @pytest.mark.slow
+def test_hf_export_of_a_checkpoint_without_a_transformers_model_is_an_error(results2):
+    result = results2["pretrained_meta"]
+    assert result["hf_export_code"] == 1 and not result["hf_export_wrote"]
+    assert "has no Hugging Face config" in result["hf_export_error"]
+    assert "--strip-prefix" in result["hf_export_error"]
+
+
+@pytest.mark.slow
 def test_consolidate_format_hf_loads_with_from_pretrained_exactly(results2):
     result = results2["pretrained_export"]
     assert result["codes"] == [0, 0]

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_dpar.pretrained import map_keys, tied_groups  # the key matching of loading pretrained weights
+
 #: Key of the record in a checkpoint's metadata (`meta.pt`, or the dict of a full-format file).
 HF_MODEL_KEY = "hf_model"
 
@@ -85,8 +87,6 @@ def hf_tensor_names(
     inside = {n[len(prefix) :]: n for n in shapes if n.startswith(prefix)}
     left_out = [n for n in shapes if not n.startswith(prefix)]
     expected, tied = _expected_tensors(record)
-    from lightning_dpar.pretrained import map_keys  # the same key matching as loading pretrained weights
-
     mapping = map_keys(expected, {k: tuple(shapes[v]) for k, v in inside.items()}, "", tied)
     problems = mapping.problems(strict=True)
     if problems:
@@ -104,8 +104,6 @@ def _expected_tensors(record: Mapping[str, Any]) -> tuple[dict[str, tuple[int, .
         import transformers
     except ImportError as error:
         raise ExportError("--format hf needs `transformers`: pip install 'lightning-dpar[hf]'.") from error
-    from lightning_dpar.pretrained import tied_groups
-
     config_dict = json.loads(record["config"])
     config = transformers.CONFIG_MAPPING[config_dict["model_type"]].from_dict(config_dict)
     model_class = getattr(transformers, record["class"], None)

@@ -7,6 +7,8 @@ The pretrained directories are written by the pytest side (`tests/test_pretraine
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import sys
@@ -207,15 +209,26 @@ def group_pretrained_meta(results: dict) -> None:
         module = MetaBuilt()
     built_on_meta = all(p.is_meta for p in module.parameters())
     trainer.fit(module, DataLoader(RegressionData(), batch_size=BATCH))
+    ckpt = workdir() / "not_hf.ckpt"
+    trainer.save_checkpoint(ckpt)  # no PreTrainedModel inside: `--format hf` must refuse it
     if trainer.global_rank == 0:
         from safetensors.torch import load_file
 
+        from lightning_dpar.consolidate import main as consolidate
+
         head = capture.params["head.weight"]
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            code = consolidate([str(ckpt), str(workdir() / "not_hf"), "--format", "hf"])
         results["pretrained_meta"] = {
             "built_on_meta": built_on_meta,
             "loaded_max_abs_diff": max_diff(capture.params, load_file(f"{path}/model.safetensors"), "model."),
             "head_finite_nonzero": bool(torch.isfinite(head).all() and head.abs().sum() > 0),
+            "hf_export_code": code,
+            "hf_export_error": stderr.getvalue(),
+            "hf_export_wrote": (workdir() / "not_hf").exists(),
         }
+    dist.barrier()
 
 
 def group_pretrained_export(results: dict) -> None:
