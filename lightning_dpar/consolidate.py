@@ -171,12 +171,12 @@ def write_weights(
     checkpoint: OfflineCheckpoint, out: Path, fmt: str, prefix: str | None, max_shard_size: int
 ) -> list[Path]:
     """`--format safetensors` (optionally with `--strip-prefix`) or `--format hf`; checks before writing anything."""
-    stored = list(checkpoint.model_tensors())
+    stored = checkpoint.model_tensors()
     if fmt == "safetensors":
-        names = hf_export.strip_prefix(stored, prefix) if prefix else None
+        names = hf_export.strip_prefix(list(stored), prefix) if prefix else None
         return write_safetensors(checkpoint, out, max_shard_size, names)
     record = hf_export.require_record(checkpoint.info.metadata, checkpoint.info.location.url)
-    shapes = {name: tuple(meta.size) for name, meta in checkpoint.model_tensors().items()}
+    shapes = {name: tuple(meta.size) for name, meta in stored.items()}
     names, left_out = hf_export.hf_tensor_names(record, shapes)
     if left_out:
         print(f"not part of the {record['class']}, not exported: {left_out}")
