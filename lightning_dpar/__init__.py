@@ -11,6 +11,7 @@ from lightning_dpar.checkpoint import CheckpointLoadError
 from lightning_dpar.checkpoint.inference import load_from_checkpoint
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.precision import DparPrecision
+from lightning_dpar.pretrained import PretrainedWeights
 from lightning_dpar.strategies import (
     DparStrategy,
     FSDPTensorParallelStrategy,
@@ -31,6 +32,7 @@ __all__ = [
     "FullyShardStrategy",
     "ParallelDims",
     "PerformanceMonitor",
+    "PretrainedWeights",
     "ReplicateStrategy",
     "__version__",
     "load_from_checkpoint",

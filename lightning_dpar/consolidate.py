@@ -1,4 +1,4 @@
-"""`consolidate CKPT_DIR OUT [--format lightning|safetensors] [--max-shard-size 5GB]`
+"""`consolidate CKPT_DIR OUT [--format lightning|safetensors|hf] [--strip-prefix P] [--max-shard-size 5GB]`
 
 Turns a sharded checkpoint (lightning_dpar, Lightning's `ModelParallelStrategy` or
 `FSDPStrategy(state_dict_type="sharded")`) into:
@@ -9,7 +9,11 @@ Turns a sharded checkpoint (lightning_dpar, Lightning's `ModelParallelStrategy` 
   needs the model's size in memory.
 - `--format safetensors`: the model weights as safetensors files of at most `--max-shard-size` each in the directory
   OUT (`model.safetensors`, or `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`). Tensors are
-  read and written one at a time: peak memory is about the largest tensor, not the model.
+  read and written one at a time: peak memory is about the largest tensor, not the model. Names are relative to
+  the LightningModule (`model.layers.0...`); `--strip-prefix model.` removes the attribute's name.
+- `--format hf`: a directory `transformers`' `from_pretrained` loads: the weights of the LightningModule's
+  `PreTrainedModel`, prefix stripped, checked against that class, streamed the same way, with its `config.json` and
+  `generation_config.json` (see `lightning_dpar.checkpoint.hf_export`).
 
 Runs in one process, no GPU or process group needed: `python -m lightning_dpar consolidate ...` or
 `python -m lightning_dpar.consolidate ...`.
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_dpar.checkpoint import hf_export
 from lightning_dpar.checkpoint.export import OfflineCheckpoint
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 
@@ -63,9 +68,15 @@ def write_lightning(checkpoint: OfflineCheckpoint, out: Path) -> None:
     torch.save(checkpoint.lightning_checkpoint(), out)
 
 
-def write_safetensors(checkpoint: OfflineCheckpoint, out: Path, max_shard_size: int) -> list[Path]:
-    """Stream the model's tensors into safetensors files; headers are computed from the index up front."""
-    tensors = checkpoint.model_tensors()
+def write_safetensors(
+    checkpoint: OfflineCheckpoint, out: Path, max_shard_size: int, tensor_names: dict[str, str] | None = None
+) -> list[Path]:
+    """Stream the model's tensors into safetensors files; headers are computed from the index up front.
+
+    `tensor_names` maps each output name to its checkpoint name (default: every tensor under its own name)."""
+    stored = checkpoint.model_tensors()
+    tensor_names = tensor_names if tensor_names is not None else {name: name for name in stored}
+    tensors = {name: stored[source] for name, source in tensor_names.items()}
     for name, meta in tensors.items():
         if meta.properties.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{name!r} has dtype {meta.properties.dtype}, which safetensors cannot store.")
@@ -103,7 +114,7 @@ def write_safetensors(checkpoint: OfflineCheckpoint, out: Path, max_shard_size: 
             f.write(struct.pack("<Q", len(encoded)))
             f.write(encoded)
             for name in shard:
-                tensor = checkpoint.read_tensor(name).contiguous()
+                tensor = checkpoint.read_tensor(tensor_names[name]).contiguous()
                 if tensor.numel():
                     f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # no extra copy
                 del tensor
@@ -123,7 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("ckpt_dir", help="sharded checkpoint directory (local path or fsspec URL)")
     parser.add_argument("out", help="output .ckpt file (lightning) or output directory (safetensors)")
-    parser.add_argument("--format", choices=["lightning", "safetensors"], default="lightning")
+    parser.add_argument("--format", choices=["lightning", "safetensors", "hf"], default="lightning")
+    parser.add_argument(
+        "--strip-prefix",
+        default=None,
+        help="safetensors: remove this prefix (e.g. 'model.') from every tensor name; hf strips it automatically",
+    )
     parser.add_argument(
         "--max-shard-size", type=parse_size, default=parse_size("5GB"), help="safetensors file size limit (5GB)"
     )
@@ -134,20 +150,25 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `consolidate`; returns the process exit code (0 success, 1 unusable input or output).
 
     Any unusable input (a missing path, a file, a directory that is not a complete sharded checkpoint, a corrupt or
-    unsafe one) or unwritable output is one line on stderr naming it and what was expected, never a traceback.
+    unsafe one, a checkpoint without the model `--format hf` needs) or unwritable output is one line on stderr
+    naming it and what was expected, never a traceback.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.strip_prefix is not None and args.format != "safetensors":
+        parser.error("--strip-prefix applies to --format safetensors only (--format hf strips the prefix itself)")
     try:
         checkpoint = OfflineCheckpoint(args.ckpt_dir)
         if args.format == "lightning":
             write_lightning(checkpoint, Path(args.out))
-            print(f"wrote {args.out}")
+            written = [Path(args.out)]
         else:
-            for path in write_safetensors(checkpoint, Path(args.out), args.max_shard_size):
-                print(f"wrote {path}")
-    except (CheckpointLoadError, OSError, ValueError) as error:
+            written = write_weights(checkpoint, Path(args.out), args.format, args.strip_prefix, args.max_shard_size)
+    except (CheckpointLoadError, hf_export.ExportError, OSError, ValueError) as error:
         print(f"consolidate: {_one_line(error)}", file=sys.stderr)
         return 1
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 
@@ -155,6 +176,22 @@ def _one_line(error: BaseException) -> str:
     """The message on one line; an `OSError` (e.g. an unwritable output) keeps its type, and names its path."""
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text}" if isinstance(error, OSError) else text
+
+
+def write_weights(
+    checkpoint: OfflineCheckpoint, out: Path, fmt: str, prefix: str | None, max_shard_size: int
+) -> list[Path]:
+    """`--format safetensors` (optionally with `--strip-prefix`) or `--format hf`; checks before writing anything."""
+    stored = checkpoint.model_tensors()
+    if fmt == "safetensors":
+        names = hf_export.strip_prefix(list(stored), prefix) if prefix else None
+        return write_safetensors(checkpoint, out, max_shard_size, names)
+    record = hf_export.require_record(checkpoint.info.metadata, checkpoint.info.location.url)
+    shapes = {name: tuple(meta.size) for name, meta in stored.items()}
+    names, left_out = hf_export.hf_tensor_names(record, shapes)
+    if left_out:
+        print(f"not part of the {record['class']}, not exported: {left_out}")
+    return [*write_safetensors(checkpoint, out, max_shard_size, names), *hf_export.write_configs(record, out)]
 
 
 if __name__ == "__main__":

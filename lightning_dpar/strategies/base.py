@@ -21,7 +21,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -35,6 +35,7 @@ from lightning_dpar._private_api import (
     optimizers_to_device,
     sync_ddp_if_available,
 )
+from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.checkpoint.resume import skip_seen_batches
 from lightning_dpar.compilation import CompileSpec, compile_options, compile_units
@@ -49,6 +50,8 @@ from lightning_dpar.plan import (
     resolve_tp_plan,
 )
 from lightning_dpar.precision import DparPrecision, to_dpar_precision
+from lightning_dpar.pretrained import PretrainedSpec, load_pretrained, to_pretrained_weights
+from lightning_dpar.pretrained import describe as describe_pretrained
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -90,6 +93,9 @@ class DparStrategy(ParallelStrategy):
         checkpoint_format: `"sharded"` (default; a DCP directory, each rank writes its shards) or `"full"` (one file
             that `torch.load` and `LightningModule.load_from_checkpoint` read; gathers the model on rank 0).
         async_save: write sharded checkpoints in the background (staged to CPU memory first).
+        pretrained: a Hugging Face `save_pretrained` directory (or `PretrainedWeights(path, prefix, strict)`) read
+            into the model once it is parallelised, each rank reading only its shards; skipped when a checkpoint is
+            resumed (`ckpt_path`). See `lightning_dpar.pretrained`.
     """
 
     strategy_name = "dpar"
@@ -108,6 +114,7 @@ class DparStrategy(ParallelStrategy):
         start_method: StartMethod = "popen",
         checkpoint_format: CheckpointFormatName = "sharded",
         async_save: bool = False,
+        pretrained: PretrainedSpec | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -142,6 +149,7 @@ class DparStrategy(ParallelStrategy):
         # Checkpointing (see the checkpointing section below).
         #: The single owner of save, load, async writes, removal and the resume state (`checkpoint.manager`).
         self.checkpoints = CheckpointManager(checkpoint_format, async_save, timeout)
+        self._pretrained = to_pretrained_weights(pretrained)
 
     # ------------------------------------------------------------------ precision
     @property
@@ -321,6 +329,7 @@ class DparStrategy(ParallelStrategy):
             module = self.precision_plugin.convert_module(module)
             self._apply_parallelism(module)
             self._parallelized_module = module
+            self._load_pretrained(module, trainer)
         self.model_to_device()
         self._sync_metrics_over_data_parallel(module)
         self.barrier()
@@ -329,6 +338,17 @@ class DparStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def _load_pretrained(self, module: nn.Module, trainer: pl.Trainer) -> None:
+        """Fill the parallelised parameters from `pretrained`, unless a checkpoint about to be loaded replaces them."""
+        if self._pretrained is None:
+            return
+        if trainer.ckpt_path is not None:
+            rank_zero_info(f"Resuming from {trainer.ckpt_path!r}: the pretrained weights are not read.")
+            return
+        mapping = load_pretrained(module, self._pretrained)
+        if mapping.missing or mapping.unexpected:
+            rank_zero_warn(f"Loaded {self._pretrained.path!r} with `strict=False`: {describe_pretrained(mapping)}.")
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -423,6 +443,7 @@ class DparStrategy(ParallelStrategy):
         trainer = _attached_trainer(self.lightning_module)
         data_parallel = self.dims.data_parallel if self.dims is not None else None
         record = self.checkpoints.resume.record(trainer, type(self).__name__, self.world_size, data_parallel)
+        checkpoint.update(hf_model_record(self.lightning_module))  # for `consolidate --format hf`
         self.checkpoints.save(checkpoint, filepath, record)
 
     def remove_checkpoint(self, filepath: Any) -> None:

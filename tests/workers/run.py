@@ -39,6 +39,7 @@ MODULES = [
         "checkpoint",
         "checkpoint_faults",
         "checkpoint_safety",
+        "pretrained",
     )
 ]
 

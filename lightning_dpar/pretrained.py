@@ -1,0 +1,241 @@
+"""Pretrained weights straight into shards: a Hugging Face `save_pretrained` directory loaded into a model after the
+strategy has parallelised it (`DparStrategy(pretrained=...)`).
+
+Every rank asks DCP for the pieces of each tensor it holds (an FSDP shard, a tensor-parallel slice, or the whole
+tensor under `dpar_replicate`), and DCP's `HuggingFaceStorageReader` reads exactly those slices from the safetensors
+files (`safe_open(...).get_slice`), file by file, into the parameters in place. No rank reads or allocates the full
+model, so a model built on the meta device (`empty_init=True`) never exists unsharded anywhere.
+
+Checkpoint keys are the model's own names (`model.layers.0.self_attn.q_proj.weight`); the LightningModule holds the
+model somewhere (`self.model`, `self.net`), so its keys carry a prefix (`model.`, `net.`). The prefix is inferred by
+matching the checkpoint's keys against the LightningModule's, or given explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Union
+
+import torch
+from torch import nn
+
+INDEX_FILENAME = "model.safetensors.index.json"
+SINGLE_FILENAME = "model.safetensors"
+
+
+class PretrainedLoadError(ValueError):
+    """The pretrained directory does not fit the model (missing, unexpected or mis-shaped keys, or no weights)."""
+
+
+@dataclass(frozen=True)
+class PretrainedWeights:
+    """Where the weights are and how their keys map onto the LightningModule.
+
+    Args:
+        path: a `save_pretrained` directory: `model.safetensors`, or `model-0000i-of-0000n.safetensors` files with
+            `model.safetensors.index.json`.
+        prefix: what the LightningModule's keys put in front of the checkpoint's (`"model."` when the Hugging Face
+            model is `self.model`; `""` when the keys already match). `None`: inferred from the keys.
+        strict: refuse a checkpoint that lacks a key of the model or has a key the model lacks. With `False`,
+            parameters the checkpoint lacks keep the model's own initialisation (after materialisation from the
+            meta device, `reset_parameters()`), and the keys left out are reported.
+    """
+
+    path: str
+    prefix: str | None = None
+    strict: bool = True
+
+
+#: The strategy argument: a directory (a `str`; an `os.PathLike` works too) or a `PretrainedWeights`.
+PretrainedSpec = Union[str, PretrainedWeights]
+
+
+def to_pretrained_weights(spec: PretrainedSpec | os.PathLike | None) -> PretrainedWeights | None:
+    """A `PretrainedWeights` from the strategy argument (a path, or one already built); checks the directory."""
+    if spec is None:
+        return None
+    weights = spec if isinstance(spec, PretrainedWeights) else PretrainedWeights(path=os.fspath(spec))
+    safetensors_files(weights.path)  # fail at construction, before any process is launched
+    return weights
+
+
+def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """The weight files of a `save_pretrained` directory, as its index lists them (or the single file)."""
+    directory = Path(path)
+    index = directory / INDEX_FILENAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({directory / name for name in weight_map.values()})
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise PretrainedLoadError(f"{str(index)!r} lists weight files that are missing: {absent}.")
+    elif (directory / SINGLE_FILENAME).is_file():
+        files = [directory / SINGLE_FILENAME]
+    else:
+        what = "does not exist" if not directory.exists() else "holds no weights"
+        raise PretrainedLoadError(
+            f"Pretrained directory {str(directory)!r} {what}: expected {SINGLE_FILENAME!r}, or sharded safetensors"
+            f" files with {INDEX_FILENAME!r}, as `save_pretrained` writes them. PyTorch `.bin` weights are not read:"
+            " convert them with `save_pretrained(..., safe_serialization=True)`."
+        )
+    # DCP's reader takes every safetensors file of the directory: a stray one would mix other weights in.
+    stray = sorted(p.name for p in directory.glob("*.safetensors") if p not in files)
+    if stray:
+        raise PretrainedLoadError(
+            f"{str(directory)!r} holds safetensors files besides the model's {[f.name for f in files]}: {stray}. Move"
+            " them out of the directory (a leftover of an earlier save?)."
+        )
+    return files
+
+
+def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, from the safetensors headers only (no tensor data is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def tied_groups(module: nn.Module) -> list[list[str]]:
+    """Names that share one parameter (e.g. `lm_head.weight` and `embed_tokens.weight` under
+    `tie_word_embeddings`); any one of them in the checkpoint sets them all."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def infer_prefix(model_keys: Sequence[str], checkpoint_keys: Sequence[str]) -> str:
+    """The prefix `p` for which most checkpoint keys `k` have `p + k` among the model's keys.
+
+    `p` is a run of whole name segments ending in a dot (`"model."`, `"net.backbone."`) or empty. A tie between two
+    prefixes is ambiguous and an error; so is a checkpoint none of whose keys is found under any prefix.
+    """
+    prefixes_by_suffix: dict[str, list[str]] = {}
+    for key in model_keys:
+        parts = key.split(".")
+        for i in range(len(parts)):
+            prefixes_by_suffix.setdefault(".".join(parts[i:]), []).append(".".join(parts[:i]) + ("." if i else ""))
+    votes = Counter(prefix for key in checkpoint_keys for prefix in prefixes_by_suffix.get(key, ()))
+    if not votes:
+        raise PretrainedLoadError(
+            f"None of the checkpoint's keys (e.g. {_sample(checkpoint_keys)}) is a key of the LightningModule (e.g."
+            f" {_sample(model_keys)}) under any prefix: the directory holds another model's weights."
+        )
+    ranked = votes.most_common()
+    best, count = ranked[0]
+    tied = [prefix for prefix, n in ranked if n == count]
+    if len(tied) > 1:
+        raise PretrainedLoadError(
+            f"The checkpoint's keys fit the LightningModule's under several prefixes equally well: {tied}. Give the"
+            " one meant as `PretrainedWeights(path, prefix=...)`."
+        )
+    return best
+
+
+@dataclass
+class KeyMapping:
+    """Which checkpoint key fills which model key, and what does not fit."""
+
+    to_model: dict[str, str] = field(default_factory=dict)  # checkpoint key -> model key
+    missing: list[str] = field(default_factory=list)  # model keys the checkpoint has no value for
+    unexpected: list[str] = field(default_factory=list)  # checkpoint keys the model lacks
+    mismatched: list[str] = field(default_factory=list)  # "key: checkpoint (..), model (..)"
+
+    def problems(self, strict: bool) -> list[str]:
+        found = [f"shapes differ: {', '.join(self.mismatched)}"] if self.mismatched else []
+        if strict and self.missing:
+            found.append(f"keys of the model not in the checkpoint: {_listing(self.missing)}")
+        if strict and self.unexpected:
+            found.append(f"keys of the checkpoint not in the model: {_listing(self.unexpected)}")
+        return found
+
+
+def map_keys(
+    model_shapes: Mapping[str, tuple[int, ...]],
+    checkpoint: Mapping[str, tuple[int, ...]],
+    prefix: str,
+    tied: Sequence[Sequence[str]] = (),
+) -> KeyMapping:
+    """Match checkpoint keys to model keys (`prefix + key`), counting a tied name as present when another name of
+    its group is. Pure: the model and checkpoint are described by their keys and (global) shapes."""
+    mapping = KeyMapping()
+    for key, shape in checkpoint.items():
+        model_key = prefix + key
+        if model_key not in model_shapes:
+            mapping.unexpected.append(key)
+        elif tuple(model_shapes[model_key]) != tuple(shape):
+            mapping.mismatched.append(f"{key}: checkpoint {tuple(shape)}, model {tuple(model_shapes[model_key])}")
+        else:
+            mapping.to_model[key] = model_key
+    loaded = set(mapping.to_model.values())
+    tie_of = {name: group for group in tied for name in group}
+    for model_key in model_shapes:
+        if model_key not in loaded and not any(name in loaded for name in tie_of.get(model_key, ())):
+            mapping.missing.append(model_key)
+    # One read per shared parameter: a second name of the same group would write the same storage again.
+    seen_groups: set[int] = set()
+    for key, model_key in list(mapping.to_model.items()):
+        group = tie_of.get(model_key)
+        if group is not None:
+            if id(group) in seen_groups:
+                del mapping.to_model[key]
+            seen_groups.add(id(group))
+    return mapping
+
+
+def load_pretrained(module: nn.Module, weights: PretrainedWeights) -> KeyMapping:
+    """Read `weights` into the parallelised `module` in place; every rank calls it (DCP plans collectively).
+
+    Raises `PretrainedLoadError` on every rank, before any tensor is read, if the keys do not fit (strict), a shape
+    differs, or nothing matches. Returns the mapping, whose `missing`/`unexpected` say what a non-strict load left
+    out.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    checkpoint = checkpoint_shapes(weights.path)
+    state = module.state_dict()  # DTensor shards / local tensors sharing storage with the parameters
+    model_shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    prefix = weights.prefix if weights.prefix is not None else infer_prefix(list(model_shapes), list(checkpoint))
+    mapping = map_keys(model_shapes, checkpoint, prefix, tied_groups(module))
+    problems = mapping.problems(weights.strict)
+    if not mapping.to_model:
+        problems.append(f"no key of the checkpoint is a key of the model under the prefix {prefix!r}")
+    if problems:
+        raise PretrainedLoadError(
+            f"Pretrained weights {weights.path!r} do not fit {type(module).__name__} (keys matched with the prefix"
+            f" {prefix!r}): {'; '.join(problems)}. Pass `PretrainedWeights(path, prefix=..., strict=False)` to load"
+            " only the keys that match."
+        )
+    targets = {key: state[model_key] for key, model_key in mapping.to_model.items()}
+    with torch.no_grad():
+        dcp.load(targets, storage_reader=dcp.HuggingFaceStorageReader(str(weights.path)))
+    return mapping
+
+
+def _sample(keys: Sequence[str], limit: int = 3) -> str:
+    return ", ".join(repr(k) for k in list(keys)[:limit])
+
+
+def _listing(keys: Sequence[str], limit: int = 20) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def describe(mapping: KeyMapping) -> str:
+    """One line for the log about a non-strict load's gaps."""
+    parts: list[str] = []
+    if mapping.missing:
+        parts.append(f"kept their own initialisation (not in the checkpoint): {_listing(mapping.missing)}")
+    if mapping.unexpected:
+        parts.append(f"ignored (not in the model): {_listing(mapping.unexpected)}")
+    return "; ".join(parts)

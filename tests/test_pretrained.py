@@ -1,0 +1,234 @@
+"""Pretrained Hugging Face weights: key matching (in process), then through real Trainers on 2 and 4 gloo ranks
+(workers in `tests/workers/pretrained.py`): loading into shards under `dpar_fsdp`, `dpar_replicate` and `dpar_2d`,
+fine-tuning parity, strictness, export back with `consolidate --format hf`, and the memory a rank needs to load."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from lightning_dpar.checkpoint import hf_export
+from lightning_dpar.pretrained import (
+    PretrainedLoadError,
+    PretrainedWeights,
+    checkpoint_shapes,
+    infer_prefix,
+    map_keys,
+    to_pretrained_weights,
+)
+from tests.conftest import ROOT, run_script, run_workers
+from tests.models import Net
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA: two query heads per key/value head
+    tie_word_embeddings=True,
+)
+#: 6 layers of hidden 1024 and an 8192 vocabulary: 336 MB of fp32 weights, the largest tensor 32 MiB.
+BIG = dict(
+    vocab_size=8192,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=6,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
+#: What loading may add to a rank's RSS beyond the bound's two terms: DCP's plans and the safetensors handles'
+#: bookkeeping, Python objects, allocator slack.
+MEMORY_ALLOWANCE = 64 * 2**20
+
+
+def save_llama(path, config: dict, max_shard_size: str) -> None:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pretrained")
+    save_llama(path / "tiny_llama", TINY, "20KB")  # several shard files and an index
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    (path / "net_weights").mkdir()
+    save_file(Net().state_dict(), path / "net_weights" / "model.safetensors")  # one file, no index
+    return path
+
+
+@pytest.fixture(scope="module")
+def results2(shared_dir):
+    return run_workers(2, "pretrained_parity,pretrained_errors,pretrained_meta,pretrained_export", shared_dir)
+
+
+@pytest.fixture(scope="module")
+def results4(shared_dir):
+    save_llama(shared_dir / "big_llama", BIG, "100MB")
+    return run_workers(4, "pretrained_parity,pretrained_memory", shared_dir)
+
+
+# ---------------------------------------------------------------------- key matching, in process
+MODEL = {"net.model.embed.weight": (8, 4), "net.model.layers.0.w": (4, 4), "net.lm_head.weight": (8, 4)}
+
+
+def test_prefix_is_inferred_from_where_the_keys_fit():
+    checkpoint = ["model.embed.weight", "model.layers.0.w", "lm_head.weight"]
+    assert infer_prefix(list(MODEL), checkpoint) == "net."
+    assert infer_prefix(["model.layers.0.w", "head.w"], ["layers.0.w"]) == "model."  # a base model's checkpoint
+    with pytest.raises(PretrainedLoadError, match="another model's weights"):
+        infer_prefix(list(MODEL), ["encoder.block.0.w"])
+    with pytest.raises(PretrainedLoadError, match=r"several prefixes.*'a\.', 'b\.'"):
+        infer_prefix(["a.w", "b.w"], ["w"])
+
+
+def test_keys_are_matched_with_ties_shapes_and_both_kinds_of_gap_named():
+    tied = [["net.model.embed.weight", "net.lm_head.weight"]]
+    checkpoint = {"model.embed.weight": (8, 4), "model.layers.0.w": (4, 4)}
+    mapping = map_keys(MODEL, checkpoint, "net.", tied)
+    assert mapping.missing == [] and mapping.unexpected == []  # lm_head comes with its tied embedding
+    assert mapping.to_model == {
+        "model.embed.weight": "net.model.embed.weight",
+        "model.layers.0.w": "net.model.layers.0.w",
+    }
+    untied = map_keys(MODEL, {**checkpoint, "model.layers.1.w": (4, 4)}, "net.")
+    assert untied.missing == ["net.lm_head.weight"] and untied.unexpected == ["model.layers.1.w"]
+    problems = untied.problems(strict=True)
+    assert "'net.lm_head.weight'" in problems[0] and "'model.layers.1.w'" in problems[1]
+    assert untied.problems(strict=False) == []
+    shaped = map_keys(MODEL, {"model.layers.0.w": (4, 2)}, "net.")
+    assert shaped.problems(strict=False) == ["shapes differ: model.layers.0.w: checkpoint (4, 2), model (4, 4)"]
+    both = map_keys(MODEL, {"model.embed.weight": (8, 4), "lm_head.weight": (8, 4)}, "net.", tied)
+    assert list(both.to_model) == ["model.embed.weight"]  # one read per shared parameter
+
+
+def test_a_directory_without_weights_is_refused_when_the_strategy_is_built(tmp_path):
+    with pytest.raises(PretrainedLoadError, match="holds no weights"):
+        to_pretrained_weights(tmp_path)
+    with pytest.raises(PretrainedLoadError, match="does not exist"):
+        to_pretrained_weights(PretrainedWeights(str(tmp_path / "nope")))
+    save_llama(tmp_path, TINY, "1GB")
+    assert to_pretrained_weights(tmp_path) == PretrainedWeights(str(tmp_path))  # one model.safetensors
+    (tmp_path / "model-old.safetensors").write_bytes((tmp_path / "model.safetensors").read_bytes())
+    with pytest.raises(PretrainedLoadError, match=r"besides the model's \['model.safetensors'\]: \['model-old"):
+        to_pretrained_weights(tmp_path)
+
+
+def test_checkpoint_shapes_come_from_every_shard_file(shared_dir):
+    index = json.loads((shared_dir / "tiny_llama" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    shapes = checkpoint_shapes(shared_dir / "tiny_llama")
+    assert set(shapes) == set(index["weight_map"])
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (16, 32)  # 2 kv heads x head_dim 8
+
+
+def _record(config: dict) -> dict:
+    model_config = transformers.LlamaConfig(**config)
+    return {"prefix": "net.", "class": "LlamaForCausalLM", "config": model_config.to_json_string()}
+
+
+def test_hf_export_names_drop_the_prefix_and_the_tied_copy_and_refuse_a_mismatch():
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    shapes = {f"net.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+    names, left_out = hf_export.hf_tensor_names(_record(TINY), {**shapes, "loss_scale": ()})
+    assert left_out == ["loss_scale"]
+    assert "lm_head.weight" not in names and names["model.norm.weight"] == "net.model.norm.weight"
+    assert len(names) == len(shapes) - 1
+    del shapes["net.model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(hf_export.ExportError, match=r"not in the checkpoint: 'model\.layers\.1\.mlp\.up_proj"):
+        hf_export.hf_tensor_names(_record(TINY), shapes)
+    wrong = _record({**TINY, "num_key_value_heads": 4})  # the config says 4 kv heads, the weights have 2
+    with pytest.raises(hf_export.ExportError, match=r"shapes differ: model\.layers\.0\.self_attn\.k_proj\.weight"):
+        hf_export.hf_tensor_names(wrong, {f"net.{k}": tuple(v.shape) for k, v in model.state_dict().items()})
+
+
+def test_strip_prefix_refuses_names_outside_it():
+    assert hf_export.strip_prefix(["net.a", "net.b"], "net.") == {"a": "net.a", "b": "net.b"}
+    with pytest.raises(hf_export.ExportError, match=r"1 tensors are not under it, e\.g\. \['head\.w'\]"):
+        hf_export.strip_prefix(["net.a", "head.w"], "net.")
+
+
+# ---------------------------------------------------------------------- through real Trainers
+LOAD_CASES = [("fsdp", 2), ("replicate", 2), ("fsdp", 4), ("replicate", 4), ("2d", 4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "world"), LOAD_CASES)
+def test_pretrained_weights_load_exactly_and_fine_tune_like_one_process(request, strategy, world):
+    """After setup the full parameters are bit-for-bit `from_pretrained`'s (the model started from other random
+    values); three AdamW steps then match single-process training from `from_pretrained` on the same batches."""
+    result = request.getfixturevalue(f"results{world}")[f"pretrained_{strategy}_{world}"]
+    assert result["random_init_diff"] > 0.1
+    assert result["loaded_max_abs_diff"] == 0.0
+    assert result["trained_max_abs_diff"] < 1e-5
+
+
+@pytest.mark.slow
+def test_key_mismatch_is_named_on_every_rank_and_lenient_load_keeps_the_rest(results2):
+    result = results2["pretrained_errors"]
+    for messages in result["strict_messages"]:
+        assert len(messages) == 1 and "keys of the model not in the checkpoint: 'extra_head.weight'" in messages[0]
+    assert result["lenient_loaded_diff"] == 0.0
+    assert result["lenient_extra_kept"] == 0.0
+
+
+@pytest.mark.slow
+def test_pretrained_weights_overwrite_a_model_materialised_from_the_meta_device(results2):
+    result = results2["pretrained_meta"]
+    assert result["built_on_meta"]
+    assert result["loaded_max_abs_diff"] == 0.0
+    assert result["head_finite_nonzero"]  # not in the checkpoint: initialised by reset_parameters, never garbage
+
+
+@pytest.mark.slow
+def test_hf_export_of_a_checkpoint_without_a_transformers_model_is_an_error(results2):
+    result = results2["pretrained_meta"]
+    assert result["hf_export_code"] == 1 and not result["hf_export_wrote"]
+    assert "has no Hugging Face config" in result["hf_export_error"]
+    assert "--strip-prefix" in result["hf_export_error"]
+
+
+@pytest.mark.slow
+def test_consolidate_format_hf_loads_with_from_pretrained_exactly(results2):
+    result = results2["pretrained_export"]
+    assert result["codes"] == [0, 0]
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= set(result["files"])
+    assert result["missing"] == [] and result["unexpected"] == []
+    assert result["max_abs_diff"] == 0.0
+    # The plain format keeps every tensor, tied copy included, with only the given prefix removed.
+    assert result["strip_prefix_keys"] == result["model_keys"]
+
+
+@pytest.mark.slow
+def test_loading_memory_is_at_most_the_rank_share_plus_the_largest_tensor(results4, shared_dir):
+    shapes = checkpoint_shapes(shared_dir / "big_llama")
+    total = sum(torch.Size(s).numel() * 4 for s in shapes.values())
+    largest = max(torch.Size(s).numel() * 4 for s in shapes.values())
+    assert total >= 256 * 2**20
+    for report in results4["pretrained_memory"]:
+        assert report["rank_share_bytes"] <= total // 4 + largest  # FSDP on 4 ranks
+        assert report["increase_bytes"] <= report["rank_share_bytes"] + largest + MEMORY_ALLOWANCE, report
+
+
+@pytest.mark.slow
+def test_finetune_example_runs_end_to_end(tmp_path):
+    """examples/finetune/run.py: writes a tiny Llama with save_pretrained, fine-tunes it with dpar_2d on 4 processes
+    from those weights, exports with --format hf and reloads the export with from_pretrained."""
+    proc = run_script([str(ROOT / "examples" / "finetune" / "run.py"), "--max-steps", "6"], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "from_pretrained('finetuned'): missing keys [], unexpected keys []" in proc.stdout
+    before, after = map(float, re.search(r"pretrained ([\d.]+) -> fine-tuned ([\d.]+)", proc.stdout).groups())
+    assert after < before - 0.1  # the export holds the fine-tuned weights, not the pretrained (or random) ones
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= {
+        p.name for p in (tmp_path / "finetuned").iterdir()
+    }
