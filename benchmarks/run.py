@@ -53,6 +53,8 @@ def run_world(args: argparse.Namespace, world: int) -> dict:
         ]
         if args.only:
             cmd += ["--only", *args.only]
+        if getattr(args, "profile", False):
+            cmd.append("--profile")
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         if args.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", "1")  # one core per rank, as torchrun sets it by default

@@ -17,6 +17,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.profilers import Profiler
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -43,6 +44,8 @@ class Context:
     data: SyntheticTokens
     mesh_2d: DeviceMesh
     checkpoint_root: str
+    #: Record the timed steps with `torch.profiler` (ops, and Lightning's hooks as ranges); see `benchmarks.profile`.
+    profile: bool = False
 
     @property
     def world(self) -> int:
@@ -63,13 +66,19 @@ class Measurement:
     peak_memory_bytes: int
     state_bytes: dict[str, int]
     checkpoint: dict[str, float] = field(default_factory=dict)
+    #: With `Context.profile`: per profiled event, `[name, calls, self CPU us, total CPU us]` over the timed steps.
+    profile: list[list] = field(default_factory=list)
 
 
 class StepClock:
     """Step times and peak memory, measured identically for plain loops and Lightning (via `ClockCallback`)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, profile_window: tuple[int, int] | None = None) -> None:
         self.device = device
+        #: `(after, until)`: run `torch.profiler` from the end of step `after` (the warm-up) to the end of `until`.
+        self.profile_window = profile_window
+        self._profiler: torch.profiler.profile | None = None
+        self.profile: list[list] = []
         self.times: list[float] = []
         self.cpu_times: list[float] = []
         self.peak_rss = 0
@@ -96,6 +105,22 @@ class StepClock:
         self.cpu_times.append(now_cpu - self._last_cpu)
         self._last, self._last_cpu = now, now_cpu
         self.sample_memory()
+        if self.profile_window is None:
+            return
+        if len(self.times) == self.profile_window[0]:
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._profiler.__enter__()
+            self._last, self._last_cpu = time.perf_counter(), time.process_time()  # start-up not counted
+        elif len(self.times) == self.profile_window[1] and self._profiler is not None:
+            self._stop_profiler()
+
+    def _stop_profiler(self) -> None:
+        assert self._profiler is not None
+        self._profiler.__exit__(None, None, None)
+        self.profile = [
+            [e.key, e.count, e.self_cpu_time_total, e.cpu_time_total] for e in self._profiler.key_averages()
+        ]
+        self._profiler = None
 
     def sample_memory(self) -> None:
         """CPU has no allocator statistics: sample the RSS (after forward, when activations are alive, and at the
@@ -181,8 +206,32 @@ def _plain_model(family: str, compiled: bool, ctx: Context) -> tuple[nn.Module, 
     return net, mesh.size(), mesh.get_local_rank()
 
 
+def _clock(ctx: Context) -> StepClock:
+    return StepClock(ctx.device, (ctx.warmup, ctx.total_steps) if ctx.profile else None)
+
+
+class RecordFunctionProfiler(Profiler):
+    """Lightning profiler that only marks each hook and loop phase as a `torch.profiler` range, so a profile of the
+    timed steps shows, next to the ops, the CPU time of every hook by its Lightning name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._open: dict[str, list[Any]] = {}
+
+    def start(self, action_name: str) -> None:
+        handle = torch.profiler.record_function(action_name)
+        handle.__enter__()
+        self._open.setdefault(action_name, []).append(handle)
+
+    def stop(self, action_name: str) -> None:
+        self._open[action_name].pop().__exit__(None, None, None)
+
+    def summary(self) -> str:
+        return ""
+
+
 def run_plain(family: str, compiled: bool, ctx: Context) -> Measurement:
-    clock = StepClock(ctx.device)
+    clock = _clock(ctx)
     model, dp, dp_rank = _plain_model(family, compiled, ctx)
     optimizer = make_bench_optimizer(model.parameters())
     sampler = DistributedSampler(ctx.data, num_replicas=dp, rank=dp_rank, shuffle=False)
@@ -199,7 +248,9 @@ def run_plain(family: str, compiled: bool, ctx: Context) -> Measurement:
         clock.tick()
         if step + 1 == ctx.total_steps:
             break
-    return Measurement(clock.times, clock.cpu_times, clock.peak_memory(), state_bytes(model, optimizer))
+    return Measurement(
+        clock.times, clock.cpu_times, clock.peak_memory(), state_bytes(model, optimizer), profile=clock.profile
+    )
 
 
 # ------------------------------------------------------------------------------------------ Lightning-driven
@@ -207,7 +258,7 @@ def run_plain(family: str, compiled: bool, ctx: Context) -> Measurement:
 
 def run_lightning(make_strategy: Callable[[], Any], module_cls: type, ctx: Context, checkpoint: str) -> Measurement:
     """`checkpoint`: "" (none), "trainer" (save/load through the strategy) or "async" (also `async_save`)."""
-    clock = StepClock(ctx.device)
+    clock = _clock(ctx)
     trainer = L.Trainer(
         accelerator="gpu" if ctx.device.type == "cuda" else "cpu",
         devices=ctx.world,
@@ -219,11 +270,14 @@ def run_lightning(make_strategy: Callable[[], Any], module_cls: type, ctx: Conte
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        profiler=RecordFunctionProfiler() if ctx.profile else None,
     )
     module = module_cls(ctx.size)
     trainer.fit(module, DataLoader(ctx.data, batch_size=ctx.size.batch, shuffle=False))
     optimizer = trainer.optimizers[0]
-    measurement = Measurement(clock.times, clock.cpu_times, clock.peak_memory(), state_bytes(module, optimizer))
+    measurement = Measurement(
+        clock.times, clock.cpu_times, clock.peak_memory(), state_bytes(module, optimizer), profile=clock.profile
+    )
     if checkpoint:
         measurement.checkpoint = _time_checkpoints(trainer, ctx.checkpoint_root, with_async=checkpoint == "async")
     return measurement
@@ -357,7 +411,9 @@ def all_variants() -> list[Variant]:
     return variants
 
 
-def build_context(size: Size, device: torch.device, warmup: int, steps: int, checkpoint_root: str) -> Context:
+def build_context(
+    size: Size, device: torch.device, warmup: int, steps: int, checkpoint_root: str, profile: bool = False
+) -> Context:
     world = dist.get_world_size()
     if world % TENSOR_PARALLEL_SIZE:
         raise ValueError(f"--world-size {world} must be a multiple of the 2D runs' tensor-parallel size 2.")
@@ -367,4 +423,4 @@ def build_context(size: Size, device: torch.device, warmup: int, steps: int, che
         mesh_dim_names=("data_parallel", "tensor_parallel"),
     )
     data = SyntheticTokens(size, n=world * size.batch * (warmup + steps))
-    return Context(size, device, warmup, steps, data, mesh_2d, checkpoint_root)
+    return Context(size, device, warmup, steps, data, mesh_2d, checkpoint_root, profile)

@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--profile", action="store_true", help="record the timed steps with torch.profiler")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
 
@@ -57,7 +58,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = [tmp]
         dist.broadcast_object_list(root)  # one checkpoint directory shared by all ranks (one machine)
-        ctx = build_context(size, device, args.warmup, args.steps, root[0])
+        ctx = build_context(size, device, args.warmup, args.steps, root[0], profile=args.profile)
         variants = [v for v in all_variants() if args.device in v.devices and (not args.only or v.name in args.only)]
         raw: dict[str, list] = {v.name: [] for v in variants}
         started = time.time()
