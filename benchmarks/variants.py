@@ -17,8 +17,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.profilers import Profiler
 import torch.distributed as dist
+from lightning.pytorch.profilers import Profiler
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard

@@ -13,8 +13,8 @@ with new parameters, a parameter without a gradient this step) rebuilds it. Each
 `foreach` norm and one fused `foreach` scale per group on the local shards, and one all-reduce per sharded mesh
 dim, instead of a Python loop of per-parameter kernels and DTensor dispatches.
 
-`torch._foreach_norm` / `_foreach_mul_` / `_foreach_clamp_min_` / `_foreach_clamp_max_` are the documented "foreach" operations
-(torch docs, "Foreach Operations", beta) that `torch.nn.utils.clip_grad_norm_` itself uses.
+`torch._foreach_norm` / `_foreach_mul_` / `_foreach_clamp_min_` / `_foreach_clamp_max_` are the documented
+"foreach" operations (torch docs, "Foreach Operations", beta) that `torch.nn.utils.clip_grad_norm_` itself uses.
 """
 
 from __future__ import annotations
