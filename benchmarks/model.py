@@ -63,7 +63,10 @@ class Preset:
     drivers: tuple[str, ...] = ("plain", "lightning", "dpar")
     #: Time checkpoint save/load/async save on the eager Lightning variants.
     checkpoints: bool = True
-    description: str = ""
+    #: Default measurement: warm-up steps (compilation happens there), timed steps, interleaved repetitions.
+    warmup: int = 5
+    steps: int = 20
+    repeats: int = 3
 
 
 #: `cpu`: the suite's tiny model, where the fixed cost per step shows (~50-200 ms steps on 2 shared cores).
@@ -87,6 +90,11 @@ PRESETS: dict[str, Preset] = {
         families=("fsdp", "2d"),
         drivers=("plain", "dpar"),
         checkpoints=False,
+        # 8 variants, 4 of them compiled (recompiled per variant): ~6-8 min on one H100 (a device command may run
+        # 10 min); `--repeats 2` for a range across repetitions.
+        warmup=3,
+        steps=10,
+        repeats=1,
     ),
     "gpu-smoke": Preset(
         Size(dim=64, hidden=0, depth=2, seq=32, batch=2, kind="gpt", heads=4, vocab=128),

@@ -36,15 +36,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="model size, precision and variants (default: 'cpu' on CPU, 'gpu' on CUDA); see benchmarks/model.py",
     )
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of each repetition's timing")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per repetition")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of every variant")
+    parser.add_argument("--warmup", type=int, default=None, help="steps left out of each repetition's timing")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per repetition")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repetitions of every variant")
     parser.add_argument("--only", nargs="*", default=None, help="variant names to run (default: all)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--profile", action="store_true", help="record the timed steps with torch.profiler")
     args = parser.parse_args(argv)
     args.preset = args.preset or DEFAULT_PRESET[args.device]
-    args.world_size = args.world_size or list(PRESETS[args.preset].world_sizes)
+    preset = PRESETS[args.preset]
+    args.world_size = args.world_size or list(preset.world_sizes)
+    for name in ("warmup", "steps", "repeats"):  # unset: the preset's measurement
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
     return args
 
 
