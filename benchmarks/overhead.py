@@ -6,8 +6,8 @@ suite's own interleaved measurement with `torch.profiler` on during the timed st
 every Lightning hook and loop phase, named as Lightning names them: `[Strategy]...training_step`,
 `run_training_batch`, ...) its calls and CPU ms per step on rank 0: Lightning's hooks, the ops whose number of
 calls differs between the variants (exact: extra work), and the ops whose time differs most. The raw profile is
-kept in `<out>/overhead_<preset>.json`; `--render FILE` redoes the tables from it. The profiler itself slows every op a little; compare the variants with each other, not with the suite's
-unprofiled step times.
+kept in `<out>/overhead_<preset>.json`; `--render FILE` redoes the tables from it. The profiler itself slows every
+op a little; compare the variants with each other, not with the suite's unprofiled step times.
 """
 
 from __future__ import annotations
