@@ -70,7 +70,8 @@ class Preset:
 
 
 #: `cpu`: the suite's tiny model, where the fixed cost per step shows (~50-200 ms steps on 2 shared cores).
-#: `cpu-large`: a step of >= 1 s on the same machine, where the proportional cost shows.
+#: `cpu-large`: steps of ~1 to 3 s on the same machine (2D ~1 s: its two ranks split each matrix product), where
+#: the cost proportional to the model shows and the fixed cost per step fades.
 #: `gpu`: ~1.1 B-parameter decoder, bf16-mixed, world size 1, FSDP and 2D against the plain FSDP2 loop (one H100/H200;
 #: estimated ~35 GB peak: 18 GB of fp32 parameters, gradients and AdamW state, ~11 GB of bf16 activations, ~4 GB
 #: of fp32 logits and their gradient).
