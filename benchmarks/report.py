@@ -24,7 +24,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         measured = [t for run in rank0_runs for t in run["step_times"][warmup:]]
         rep_medians = [statistics.median(run["step_times"][warmup:]) for run in rank0_runs]
         cpu_measured = [t for run in rank0_runs for t in run["cpu_times"][warmup:]]
-        dp = world // 2 if variant["family"] == "2d" else world
+        dp = world // raw.get("tensor_parallel_size", 2) if variant["family"] == "2d" else world
         step = statistics.median(measured)
         checkpoint_keys = sorted({k for run in rank0_runs for k in run["checkpoint"]})
         out[name] = {
@@ -34,6 +34,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "cpu_time_ms": statistics.median(cpu_measured) * 1e3,
             "samples_per_s": size["batch"] * dp / step,
             "tokens_per_s": size["batch"] * size["seq"] * dp / step,
+            "mfu": _mfu(raw, size["batch"] * size["seq"] * dp / step),
             "peak_memory_mib_per_rank": [
                 max(run[r]["peak_memory_bytes"] for run in variant["runs"]) / MIB for r in range(world)
             ],
@@ -44,13 +45,17 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             ],
             "checkpoint": {k: statistics.median(run["checkpoint"][k] for run in rank0_runs) for k in checkpoint_keys},
         }
-    for s in out.values():
+    for name, s in out.items():
         plain = _plain_name(s["family"], s["compiled"])
         if plain in out and s["driver"] != "plain":
             s["throughput_vs_plain"] = out[plain]["step_time_ms"] / s["step_time_ms"]
             s["overhead_vs_plain"] = s["step_time_ms"] / out[plain]["step_time_ms"] - 1
             s["meets_overhead_target"] = s["overhead_vs_plain"] <= OVERHEAD_TARGET
             s["cpu_overhead_vs_plain"] = s["cpu_time_ms"] / out[plain]["cpu_time_ms"] - 1
+        if s["compiled"]:
+            eager = out.get(_eager_name(name))
+            if eager is not None:
+                s["speedup_vs_eager"] = eager["step_time_ms"] / s["step_time_ms"] - 1
         peer = _peer_name(s["family"])
         if s["driver"] == "dpar" and not s["compiled"] and peer in out:
             s["throughput_vs_lightning_peer"] = out[peer]["step_time_ms"] / s["step_time_ms"]
@@ -69,6 +74,29 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _mfu(raw: dict[str, Any], tokens_per_s: float) -> float | None:
+    """Model FLOPs utilisation: model FLOP/s over the peak of all ranks' devices, where both are known."""
+    if raw["device"] != "cuda":
+        return None
+    peak = peak_flops(raw.get("device_name") or "", raw.get("precision", "32-true"))
+    flops_per_token = raw.get("flops_per_token")
+    if not peak or not flops_per_token:
+        return None
+    return flops_per_token * tokens_per_s / (peak * raw["world_size"])
+
+
+def peak_flops(device_name: str, precision: str) -> float | None:
+    """Dense peak FLOP/s of one GPU for the compute dtype of `precision` (the `PerformanceMonitor` table)."""
+    from lightning_dpar.callbacks import PEAK_FLOPS
+
+    dtype = "bf16" if "bf16" in precision else "tf32"  # the benchmark enables TF32 matmuls for fp32
+    return next((table[dtype] for fragment, table in PEAK_FLOPS.items() if fragment in device_name), None)
+
+
+def _eager_name(compiled_name: str) -> str:
+    return compiled_name.removesuffix("_compiled")
+
+
 def _plain_name(family: str, compiled: bool) -> str:
     base = {"replicate": "plain_ddp", "fsdp": "plain_fsdp", "2d": "plain_2d"}[family]
     return base + ("_compiled" if compiled else "")
@@ -85,18 +113,24 @@ def _mark(ok: bool | None) -> str:
 def markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
     world = raw["world_size"]
     size = raw["size"]
+    description = raw.get("size_description") or (
+        f"{size['depth']} residual MLP blocks, dim {size['dim']}, hidden {size['hidden']}"
+    )
+    preset = raw.get("preset", raw["device"])
     lines = [
-        f"### {world} ranks ({raw['device']}, {raw['device_name'] or 'unknown CPU'}, {raw['cpu_count']} cores)",
+        f"### Preset `{preset}`, {world} ranks ({raw['device']}, {raw['device_name'] or 'unknown CPU'},"
+        f" {raw['cpu_count']} cores)",
         "",
-        f"Model: {size['depth']} residual MLP blocks, dim {size['dim']}, hidden {size['hidden']}; batch"
-        f" {size['batch']} x {size['seq']} tokens per data-parallel rank; AdamW. 2D runs: tensor-parallel size 2."
-        f" Medians of {raw['steps']} steps after {raw['warmup']} warm-up steps, {raw['repeats']} interleaved"
-        f" repetitions (range: the repetitions' medians). torch {raw['torch']}, lightning {raw['lightning']}.",
+        f"Model: {description}; batch {size['batch']} x {size['seq']} tokens per data-parallel rank; AdamW;"
+        f" precision {raw.get('precision', '32-true')}. 2D runs: tensor-parallel size"
+        f" {raw.get('tensor_parallel_size', 2)}. Medians of {raw['steps']} steps after {raw['warmup']} warm-up steps,"
+        f" {raw['repeats']} interleaved repetitions (range: the repetitions' medians). torch {raw['torch']}, lightning"
+        f" {raw['lightning']}.",
         "",
-        "| variant | step (ms) | range (ms) | samples/s | vs plain loop | vs Lightning peer | CPU/step (ms)"
-        " | CPU vs plain | CPU vs peer"
+        "| variant | step (ms) | range (ms) | tokens/s | MFU | vs plain loop | vs Lightning peer | compiled vs eager"
+        " | CPU/step (ms) | CPU vs plain | CPU vs peer"
         f" | {'peak CUDA memory' if raw['device'] == 'cuda' else 'RSS growth'}/rank (MiB) | params+optim/rank (MiB) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in summary.items():
         cpu_plain = f"{s['cpu_overhead_vs_plain']:+.1%}" if "cpu_overhead_vs_plain" in s else ""
@@ -117,11 +151,15 @@ def markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         if "state_vs_replicate" in s:
             state += f" ({s['state_vs_replicate']:.2f}x repl.){_mark(s['meets_sharding_target'])}"
         lo, hi = min(s["rep_median_ms"]), max(s["rep_median_ms"])
+        mfu = f"{s['mfu']:.1%}" if s.get("mfu") is not None else ""
+        vs_eager = f"{s['speedup_vs_eager']:+.1%}" if "speedup_vs_eager" in s else ""
         lines.append(
-            f"| {name} | {s['step_time_ms']:.1f} | {lo:.1f}-{hi:.1f} | {s['samples_per_s']:.1f} | {vs_plain}"
-            f" | {vs_peer} | {s['cpu_time_ms']:.1f} | {cpu_plain} | {cpu_peer}"
+            f"| {name} | {s['step_time_ms']:.1f} | {lo:.1f}-{hi:.1f} | {s['tokens_per_s']:,.0f} | {mfu} | {vs_plain}"
+            f" | {vs_peer} | {vs_eager} | {s['cpu_time_ms']:.1f} | {cpu_plain} | {cpu_peer}"
             f" | {max(s['peak_memory_mib_per_rank']):.0f} | {state} |"
         )
+    if not any(s["checkpoint"] for s in summary.values()):
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         "| variant | save (s) | load (s) | async save: blocked, first (s) | blocked, steady (s)"

@@ -2,8 +2,9 @@
 
 For each world size, one torchrun launch trains every variant (plain PyTorch loops, Lightning's strategies, this
 package's strategies eager and compiled) with the same model, data and mesh, then this process writes
-`<out>/benchmark_<device>.json` (raw measurements and summaries) and `<out>/benchmark_<device>.md` (tables).
-`--device cuda` runs the same suite with NCCL, one GPU per rank, and a larger model.
+`<out>/benchmark_<preset>.json` (raw measurements and summaries) and `<out>/benchmark_<preset>.md` (tables).
+`--device cuda` runs the suite with NCCL, one GPU per rank; `--device cuda --preset gpu` (the default preset on CUDA)
+trains a ~1 B-parameter decoder in bf16-mixed on one GPU and reports tokens/s, MFU and peak memory.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.model import DEFAULT_PRESET, PRESETS
 from benchmarks.report import markdown, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,14 +26,30 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, nargs="+", default=[2, 4], help="ranks per run (even numbers)")
+    parser.add_argument(
+        "--world-size", type=int, nargs="+", default=None, help="ranks per run (1 or even; default: the preset's)"
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of each repetition's timing")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per repetition")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of every variant")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="model size, precision and variants (default: 'cpu' on CPU, 'gpu' on CUDA); see benchmarks/model.py",
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="steps left out of each repetition's timing")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per repetition")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repetitions of every variant")
     parser.add_argument("--only", nargs="*", default=None, help="variant names to run (default: all)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    return parser.parse_args(argv)
+    parser.add_argument("--profile", action="store_true", help="record the timed steps with torch.profiler")
+    args = parser.parse_args(argv)
+    args.preset = args.preset or DEFAULT_PRESET[args.device]
+    preset = PRESETS[args.preset]
+    args.world_size = args.world_size or list(preset.world_sizes)
+    for name in ("warmup", "steps", "repeats"):  # unset: the preset's measurement
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    return args
 
 
 def run_world(args: argparse.Namespace, world: int) -> dict:
@@ -46,6 +64,7 @@ def run_world(args: argparse.Namespace, world: int) -> dict:
             "-m",
             "benchmarks.worker",
             f"--device={args.device}",
+            f"--preset={args.preset}",
             f"--warmup={args.warmup}",
             f"--steps={args.steps}",
             f"--repeats={args.repeats}",
@@ -53,6 +72,8 @@ def run_world(args: argparse.Namespace, world: int) -> dict:
         ]
         if args.only:
             cmd += ["--only", *args.only]
+        if args.profile:
+            cmd.append("--profile")
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         if args.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", "1")  # one core per rank, as torchrun sets it by default
@@ -79,11 +100,11 @@ def main(argv: list[str] | None = None) -> None:
         raw = run_world(args, world)
         results.append({"raw": raw, "summary": summarize(raw)})
     command = "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv)
-    (args.out / f"benchmark_{args.device}.json").write_text(
+    (args.out / f"benchmark_{args.preset}.json").write_text(
         json.dumps(_rounded({"command": command, "results": results}), separators=(",", ":"))
     )
     tables = "\n".join(markdown(r["raw"], r["summary"]) for r in results)
-    (args.out / f"benchmark_{args.device}.md").write_text(f"Command: `{command}`\n\n{tables}")
+    (args.out / f"benchmark_{args.preset}.md").write_text(f"Command: `{command}`\n\n{tables}")
     print(tables)
 
 

@@ -12,37 +12,62 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.profilers import Profiler
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from benchmarks.model import TP_PLAN, BenchModule, HandParallelModule, Size, SyntheticTokens, build_net, loss_fn
+from benchmarks.model import (
+    BenchModule,
+    HandParallelModule,
+    Preset,
+    Size,
+    SyntheticTokens,
+    block_class,
+    block_tp_plan,
+    blocks,
+    build_net,
+    loss_fn,
+    tp_plan,
+)
 from benchmarks.model import make_optimizer as make_bench_optimizer
 
+#: Tensor-parallel size of the 2D runs (1 at odd world sizes, e.g. the single-GPU preset: FSDP on a 2D mesh).
 TENSOR_PARALLEL_SIZE = 2
 
 
 @dataclass
 class Context:
-    """What every variant of one run shares: sizes, device, data, meshes and repetition settings."""
+    """What every variant of one run shares: preset, device, data, meshes and repetition settings."""
 
-    size: Size
+    preset: Preset
     device: torch.device
     warmup: int
     steps: int
     data: SyntheticTokens
     mesh_2d: DeviceMesh
     checkpoint_root: str
+    #: Record the timed steps with `torch.profiler` (ops, and Lightning's hooks as ranges); see `benchmarks.profile`.
+    profile: bool = False
+
+    @property
+    def size(self) -> Size:
+        return self.preset.size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.mesh_2d["tensor_parallel"].size()
 
     @property
     def world(self) -> int:
@@ -63,13 +88,19 @@ class Measurement:
     peak_memory_bytes: int
     state_bytes: dict[str, int]
     checkpoint: dict[str, float] = field(default_factory=dict)
+    #: With `Context.profile`: per profiled event, `[name, calls, self CPU us, total CPU us]` over the timed steps.
+    profile: list[list] = field(default_factory=list)
 
 
 class StepClock:
     """Step times and peak memory, measured identically for plain loops and Lightning (via `ClockCallback`)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, profile_window: tuple[int, int] | None = None) -> None:
         self.device = device
+        #: `(after, until)`: run `torch.profiler` from the end of step `after` (the warm-up) to the end of `until`.
+        self.profile_window = profile_window
+        self._profiler: torch.profiler.profile | None = None
+        self.profile: list[list] = []
         self.times: list[float] = []
         self.cpu_times: list[float] = []
         self.peak_rss = 0
@@ -96,6 +127,22 @@ class StepClock:
         self.cpu_times.append(now_cpu - self._last_cpu)
         self._last, self._last_cpu = now, now_cpu
         self.sample_memory()
+        if self.profile_window is None:
+            return
+        if len(self.times) == self.profile_window[0]:
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._profiler.__enter__()
+            self._last, self._last_cpu = time.perf_counter(), time.process_time()  # start-up not counted
+        elif len(self.times) == self.profile_window[1] and self._profiler is not None:
+            self._stop_profiler()
+
+    def _stop_profiler(self) -> None:
+        assert self._profiler is not None
+        self._profiler.__exit__(None, None, None)
+        self.profile = [
+            [e.key, e.count, e.self_cpu_time_total, e.cpu_time_total] for e in self._profiler.key_averages()
+        ]
+        self._profiler = None
 
     def sample_memory(self) -> None:
         """CPU has no allocator statistics: sample the RSS (after forward, when activations are alive, and at the
@@ -153,12 +200,28 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
 
 def _compile_blocks(net: nn.Module) -> None:
-    for block in net.layers:
+    for block in blocks(net):
         block.compile()
 
 
+def _mixed_precision(ctx: Context, root: bool) -> MixedPrecisionPolicy:
+    """As the package maps `bf16-mixed` onto FSDP2: bf16 compute, fp32 gradient reduction, fp32 root outputs."""
+    if ctx.preset.precision != "bf16-mixed":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32 if root else None
+    )
+
+
+def _forward_context(family: str, ctx: Context) -> Any:
+    """DDP has no mixed-precision policy: `bf16-mixed` is autocast there (as in the package and Lightning)."""
+    if family == "replicate" and ctx.preset.precision == "bf16-mixed":
+        return torch.autocast(ctx.device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
 def _plain_model(family: str, compiled: bool, ctx: Context) -> tuple[nn.Module, int, int]:
-    """The `Net` parallelised by hand exactly as the package does it; returns (model, dp size, dp rank)."""
+    """The network parallelised by hand exactly as the package does it; returns (model, dp size, dp rank)."""
     net = build_net(ctx.size).to(ctx.device)
     if family == "replicate":
         if compiled:
@@ -169,29 +232,56 @@ def _plain_model(family: str, compiled: bool, ctx: Context) -> tuple[nn.Module, 
         mesh = None
     else:
         tp_mesh, mesh = ctx.mesh_2d["tensor_parallel"], ctx.mesh_2d["data_parallel"]
-        for block in net.layers:
-            parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        if tp_mesh.size() > 1:
+            for block in blocks(net):
+                parallelize_module(block, tp_mesh, block_tp_plan(ctx.size))
     if compiled:
         _compile_blocks(net)
-    for block in net.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+    for block in blocks(net):
+        fully_shard(block, mesh=mesh, mp_policy=_mixed_precision(ctx, root=False))
+    fully_shard(net, mesh=mesh, mp_policy=_mixed_precision(ctx, root=True))
     if mesh is None:
         return net, ctx.world, dist.get_rank()
     return net, mesh.size(), mesh.get_local_rank()
 
 
+def _clock(ctx: Context) -> StepClock:
+    return StepClock(ctx.device, (ctx.warmup, ctx.total_steps) if ctx.profile else None)
+
+
+class RecordFunctionProfiler(Profiler):
+    """Lightning profiler that only marks each hook and loop phase as a `torch.profiler` range, so a profile of the
+    timed steps shows, next to the ops, the CPU time of every hook by its Lightning name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._open: dict[str, list[Any]] = {}
+
+    def start(self, action_name: str) -> None:
+        handle = torch.profiler.record_function(action_name)
+        handle.__enter__()
+        self._open.setdefault(action_name, []).append(handle)
+
+    def stop(self, action_name: str) -> None:
+        self._open[action_name].pop().__exit__(None, None, None)
+
+    def summary(self) -> str:
+        return ""
+
+
 def run_plain(family: str, compiled: bool, ctx: Context) -> Measurement:
-    clock = StepClock(ctx.device)
+    clock = _clock(ctx)
     model, dp, dp_rank = _plain_model(family, compiled, ctx)
     optimizer = make_bench_optimizer(model.parameters())
+    forward_context = _forward_context(family, ctx)
     sampler = DistributedSampler(ctx.data, num_replicas=dp, rank=dp_rank, shuffle=False)
     loader = DataLoader(ctx.data, batch_size=ctx.size.batch, sampler=sampler)
     for step, batch in enumerate(loader):
         if step == 0:
             clock.start()
         batch = [t.to(ctx.device, non_blocking=True) for t in batch]
-        loss = loss_fn(model, batch)
+        with forward_context:
+            loss = loss_fn(model, batch)
         clock.sample_memory()
         loss.backward()
         optimizer.step()
@@ -199,19 +289,24 @@ def run_plain(family: str, compiled: bool, ctx: Context) -> Measurement:
         clock.tick()
         if step + 1 == ctx.total_steps:
             break
-    return Measurement(clock.times, clock.cpu_times, clock.peak_memory(), state_bytes(model, optimizer))
+    return Measurement(
+        clock.times, clock.cpu_times, clock.peak_memory(), state_bytes(model, optimizer), profile=clock.profile
+    )
 
 
 # ------------------------------------------------------------------------------------------ Lightning-driven
 
 
-def run_lightning(make_strategy: Callable[[], Any], module_cls: type, ctx: Context, checkpoint: str) -> Measurement:
+def run_lightning(
+    make_strategy: Callable[[Context], Any], module_cls: type, ctx: Context, checkpoint: str
+) -> Measurement:
     """`checkpoint`: "" (none), "trainer" (save/load through the strategy) or "async" (also `async_save`)."""
-    clock = StepClock(ctx.device)
+    clock = _clock(ctx)
     trainer = L.Trainer(
         accelerator="gpu" if ctx.device.type == "cuda" else "cpu",
         devices=ctx.world,
-        strategy=make_strategy(),
+        strategy=make_strategy(ctx),
+        precision=ctx.preset.precision,
         max_steps=ctx.total_steps,
         callbacks=[ClockCallback(clock)],
         logger=False,
@@ -219,12 +314,15 @@ def run_lightning(make_strategy: Callable[[], Any], module_cls: type, ctx: Conte
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        profiler=RecordFunctionProfiler() if ctx.profile else None,
     )
     module = module_cls(ctx.size)
     trainer.fit(module, DataLoader(ctx.data, batch_size=ctx.size.batch, shuffle=False))
     optimizer = trainer.optimizers[0]
-    measurement = Measurement(clock.times, clock.cpu_times, clock.peak_memory(), state_bytes(module, optimizer))
-    if checkpoint:
+    measurement = Measurement(
+        clock.times, clock.cpu_times, clock.peak_memory(), state_bytes(module, optimizer), profile=clock.profile
+    )
+    if checkpoint and ctx.preset.checkpoints:
         measurement.checkpoint = _time_checkpoints(trainer, ctx.checkpoint_root, with_async=checkpoint == "async")
     return measurement
 
@@ -271,13 +369,13 @@ def _time_checkpoints(trainer: L.Trainer, checkpoint_root: str, with_async: bool
     return times
 
 
-def _dpar(name: str, **kwargs: Any) -> Callable[[], Any]:
-    def make() -> Any:
+def _dpar(name: str, **kwargs: Any) -> Callable[[Context], Any]:
+    def make(ctx: Context) -> Any:
         import lightning_dpar
 
         if name == "2d":
             return lightning_dpar.FSDPTensorParallelStrategy(
-                tensor_parallel_size=TENSOR_PARALLEL_SIZE, tp_plan=TP_PLAN, **kwargs
+                tensor_parallel_size=ctx.tensor_parallel_size, tp_plan=tp_plan(ctx.size), **kwargs
             )
         cls = {"replicate": lightning_dpar.ReplicateStrategy, "fsdp": lightning_dpar.FullyShardStrategy}[name]
         return cls(**kwargs)
@@ -285,19 +383,16 @@ def _dpar(name: str, **kwargs: Any) -> Callable[[], Any]:
     return make
 
 
-def _lightning_peer(family: str) -> Callable[[], Any]:
-    def make() -> Any:
+def _lightning_peer(family: str) -> Callable[[Context], Any]:
+    def make(ctx: Context) -> Any:
         from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
-
-        from benchmarks.model import Block
 
         if family == "replicate":
             return DDPStrategy()
         if family == "fsdp":
-            return FSDPStrategy(auto_wrap_policy={Block})
-        return ModelParallelStrategy(
-            data_parallel_size=dist.get_world_size() // TENSOR_PARALLEL_SIZE, tensor_parallel_size=TENSOR_PARALLEL_SIZE
-        )
+            return FSDPStrategy(auto_wrap_policy={block_class(ctx.size)})
+        tp = ctx.tensor_parallel_size
+        return ModelParallelStrategy(data_parallel_size=ctx.world // tp, tensor_parallel_size=tp)
 
     return make
 
@@ -357,14 +452,25 @@ def all_variants() -> list[Variant]:
     return variants
 
 
-def build_context(size: Size, device: torch.device, warmup: int, steps: int, checkpoint_root: str) -> Context:
+def build_context(
+    preset: Preset, device: torch.device, warmup: int, steps: int, checkpoint_root: str, profile: bool = False
+) -> Context:
     world = dist.get_world_size()
-    if world % TENSOR_PARALLEL_SIZE:
-        raise ValueError(f"--world-size {world} must be a multiple of the 2D runs' tensor-parallel size 2.")
-    mesh_2d = init_device_mesh(
-        device.type,
-        (world // TENSOR_PARALLEL_SIZE, TENSOR_PARALLEL_SIZE),
-        mesh_dim_names=("data_parallel", "tensor_parallel"),
-    )
-    data = SyntheticTokens(size, n=world * size.batch * (warmup + steps))
-    return Context(size, device, warmup, steps, data, mesh_2d, checkpoint_root)
+    if world % TENSOR_PARALLEL_SIZE and world > 1:
+        raise ValueError(f"--world-size {world} must be 1 or a multiple of the 2D runs' tensor-parallel size 2.")
+    tp = min(TENSOR_PARALLEL_SIZE, world)
+    mesh_2d = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    data = SyntheticTokens(preset.size, n=world * preset.size.batch * (warmup + steps))
+    return Context(preset, device, warmup, steps, data, mesh_2d, checkpoint_root, profile)
+
+
+def preset_variants(preset: Preset, device_type: str, only: list[str] | None = None) -> list[Variant]:
+    """The variants a preset runs on this device type, optionally narrowed to `only` (names)."""
+    return [
+        v
+        for v in all_variants()
+        if device_type in v.devices
+        and v.family in preset.families
+        and v.driver in preset.drivers
+        and (not only or v.name in only)
+    ]

@@ -5,6 +5,7 @@ Rank 0 writes the raw measurements as JSON."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -26,18 +27,29 @@ def cpu_name() -> str:
         return platform.processor() or "unknown CPU"
 
 
+def release_memory(device: torch.device) -> None:
+    """Free what the last variant left (reference cycles of the Trainer, compiled code holding its modules), so the
+    next one starts from the same empty device: at GPU sizes two models' state does not fit at once."""
+    gc.collect()
+    torch.compiler.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--preset", required=True)
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--profile", action="store_true", help="record the timed steps with torch.profiler")
     args = parser.parse_args()
 
-    from benchmarks.model import SIZES
-    from benchmarks.variants import all_variants, build_context
+    from benchmarks.model import PRESETS
+    from benchmarks.variants import build_context, preset_variants
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device == "cuda":
@@ -51,18 +63,19 @@ def main() -> None:
     import lightning.pytorch as pl
 
     pl.seed_everything(0, verbose=False)
-    size = SIZES[args.device]
+    preset = PRESETS[args.preset]
     with tempfile.TemporaryDirectory() as tmp:
         root = [tmp]
         dist.broadcast_object_list(root)  # one checkpoint directory shared by all ranks (one machine)
-        ctx = build_context(size, device, args.warmup, args.steps, root[0])
-        variants = [v for v in all_variants() if args.device in v.devices and (not args.only or v.name in args.only)]
+        ctx = build_context(preset, device, args.warmup, args.steps, root[0], profile=args.profile)
+        variants = preset_variants(preset, args.device, args.only)
         raw: dict[str, list] = {v.name: [] for v in variants}
         started = time.time()
         for rep in range(args.repeats):
             shift = rep % len(variants)
             for variant in variants[shift:] + variants[:shift]:
                 measurement = variant.run(ctx)
+                release_memory(device)
                 per_rank: list = [None] * dist.get_world_size()
                 dist.all_gather_object(per_rank, asdict(measurement))
                 raw[variant.name].append(per_rank)
@@ -82,7 +95,12 @@ def main() -> None:
             "torch": torch.__version__,
             "lightning": pl.__version__,
             "python": sys.version.split()[0],
-            "size": size.as_dict(),
+            "preset": args.preset,
+            "precision": preset.precision,
+            "size": preset.size.as_dict(),
+            "size_description": preset.size.describe(),
+            "flops_per_token": preset.size.flops_per_token(),
+            "tensor_parallel_size": ctx.tensor_parallel_size,
             "warmup": args.warmup,
             "steps": args.steps,
             "repeats": args.repeats,

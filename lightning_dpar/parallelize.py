@@ -109,11 +109,16 @@ def apply_fully_shard(
             mp_policy=mp_policy(False),
             **common,
         )
+    # The top-level units are FSDP roots. `reshard_after_forward=True` on a root frees its parameters after forward
+    # only to all-gather them again at once for backward (the loss is the last thing forward computes); torch's
+    # default (`None`) keeps a root's parameters unsharded instead and reshards every other unit, which is what
+    # `True` means for the blocks. Explicit `False` or an int still apply to the roots as given.
+    root_reshard = None if reshard_after_forward is True else reshard_after_forward
     top_level = []
     for name in data_parallel_roots(root):
         child = root.get_submodule(name)
         if not isinstance(child, FSDPModule):
-            fully_shard(child, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy(True), **common)
+            fully_shard(child, reshard_after_forward=root_reshard, mp_policy=mp_policy(True), **common)
         top_level.append(child)
     return top_level  # type: ignore[return-value]
 

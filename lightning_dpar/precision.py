@@ -44,6 +44,7 @@ class DparPrecision(Precision):
         #: Device type to autocast on; set by the strategy only when its wrapper cannot apply bf16-mixed itself
         #: (DDP-style replicate). `None`: the wrapper (FSDP2's MixedPrecisionPolicy) handles it.
         self.autocast_device_type: str | None = None
+        self._clipper = clipping.GradientClipper()
 
     def mixed_precision_policy(self, root_unit: bool = False) -> MixedPrecisionPolicy:
         """Policy for a `fully_shard` unit. Root units return fp32 outputs so the loss is computed in fp32."""
@@ -90,10 +91,10 @@ class DparPrecision(Precision):
         )
 
     def clip_grad_by_norm(self, optimizer: Optimizable, clip_val: int | float) -> None:
-        clipping.clip_grad_norm_(self.main_params(optimizer), float(clip_val))
+        self._clipper.clip_grad_norm_(self.main_params(optimizer), float(clip_val))
 
     def clip_grad_by_value(self, optimizer: Optimizable, clip_val: int | float) -> None:
-        clipping.clip_grad_value_(self.main_params(optimizer), float(clip_val))
+        self._clipper.clip_grad_value_(self.main_params(optimizer), float(clip_val))
 
 
 def to_dpar_precision(plugin: Precision | None) -> DparPrecision | None:

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from benchmarks.model import PRESETS, Size, parameter_count
+from benchmarks.overhead import overhead_markdown, per_step_events
 from benchmarks.report import markdown, summarize
 from tests.conftest import ROOT, run_script
 
@@ -86,3 +88,103 @@ def test_benchmark_command_end_to_end(tmp_path):
     assert set(result["summary"]) == {"plain_ddp", "dpar_replicate"}
     assert result["summary"]["dpar_replicate"]["checkpoint"]["async_blocked_s"] > 0
     assert "| dpar_replicate |" in (tmp_path / "benchmark_cpu.md").read_text()
+
+
+def test_presets_sizes_and_flops():
+    gpu = PRESETS["gpu"]
+    assert 0.9e9 < parameter_count(gpu.size) < 1.3e9  # "~1B-parameter decoder"
+    assert gpu.precision == "bf16-mixed" and gpu.world_sizes == (1,)
+    assert set(gpu.families) == {"fsdp", "2d"} and "plain" in gpu.drivers and "dpar" in gpu.drivers
+    # fp32 parameters, gradients and two AdamW moments: 16 bytes per parameter, well inside 60 GB with activations.
+    assert parameter_count(gpu.size) * 16 < 20e9
+    large = PRESETS["cpu-large"].size
+    assert (large.kind, large.depth, large.dim) == ("gpt", 8, 512)
+    tiny = Size(dim=8, hidden=0, depth=2, seq=4, batch=1, kind="gpt", heads=2, vocab=16)
+    matmul_params = parameter_count(tiny) - (16 + 4) * 8  # embedding lookups are not matmuls
+    assert tiny.flops_per_token() == 6 * matmul_params + 12 * 2 * 8 * 4
+    mlp = PRESETS["cpu"].size
+    assert mlp.flops_per_token() == 6 * parameter_count(mlp)
+
+
+def test_mfu_and_compile_speedup_on_known_numbers():
+    raw = {
+        **RAW,
+        "world_size": 1,
+        "device": "cuda",
+        "device_name": "NVIDIA H100 80GB HBM3",
+        "precision": "bf16-mixed",
+        "flops_per_token": 1e9,
+        "tensor_parallel_size": 1,
+        "variants": {
+            "plain_fsdp": _variant("fsdp", "plain", False, 100.0, 12.0),
+            "plain_fsdp_compiled": _variant("fsdp", "plain", True, 80.0, 12.0),
+            "dpar_fsdp_compiled": _variant("fsdp", "dpar", True, 82.0, 12.0),
+        },
+    }
+    summary = summarize(raw)
+    tokens_per_s = 8 * 4 / 0.082  # batch x seq x data-parallel ranks / step
+    assert summary["dpar_fsdp_compiled"]["tokens_per_s"] == pytest.approx(tokens_per_s)
+    assert summary["dpar_fsdp_compiled"]["mfu"] == pytest.approx(1e9 * tokens_per_s / 989.4e12)
+    assert summary["plain_fsdp_compiled"]["speedup_vs_eager"] == pytest.approx(100 / 80 - 1)
+    assert summary["dpar_fsdp_compiled"]["overhead_vs_plain"] == pytest.approx(82 / 80 - 1)
+    table = markdown(raw, summary)
+    assert "| plain_fsdp_compiled | 80.0 |" in table and "+25.0%" in table
+    assert "async save" not in table  # no checkpoint timings, no checkpoint table
+    assert summarize({**raw, "device": "cpu"})["dpar_fsdp_compiled"]["mfu"] is None  # no peak FLOPs on CPU
+
+
+def test_overhead_tables_per_step():
+    def run(events):
+        rank = {**_rank(50.0, 1.0), "profile": events}
+        return [rank, rank]
+
+    raw = {
+        **RAW,
+        "preset": "cpu",
+        "steps": 4,
+        "repeats": 2,
+        "variants": {
+            "plain_2d": {"runs": [run([["aten::mm", 8, 400.0, 400.0]])] * 2},
+            "dpar_2d": {
+                "runs": [run([["aten::mm", 8, 400.0, 400.0], ["[Strategy]X.training_step", 4, 80.0, 2000.0]])] * 2
+            },
+        },
+    }
+    events = per_step_events(raw)
+    assert events["plain_2d"]["aten::mm"] == pytest.approx((2.0, 0.1, 0.1))  # 16 calls, 800 us over 8 steps
+    assert events["dpar_2d"]["[Strategy]X.training_step"] == pytest.approx((1.0, 0.02, 0.5))
+    table = overhead_markdown(raw)
+    assert "| `[Strategy]X.training_step` |  | 1: 0.02 / 0.50 |" in table  # a hook only dpar_2d has
+    assert "| `aten::mm` | 2: 0.10 / 0.10 | 2: 0.10 / 0.10 |" in table
+    differing = table.split("Ops called a different number")[1].split("Ops with the largest")[0]
+    assert "aten::mm" not in differing  # same calls in both: not listed as extra work
+    assert "| dpar_2d | 50.0 | 25.0 | 0.1 | 0.1 |" in table
+
+
+@pytest.mark.slow
+def test_gpu_command_code_path_on_cpu(tmp_path):
+    """`--preset gpu` on a GPU runs this exact path (world size 1, bf16-mixed, FSDP2 + compile vs the package) at
+    the `gpu-smoke` size; on CPU there is no MFU (no peak FLOPs), on CUDA the same table has it."""
+    args = ["-m", "benchmarks.run", "--device", "cpu", "--preset", "gpu-smoke", "--warmup", "1", "--steps", "2"]
+    args += ["--repeats", "1", "--out", str(tmp_path)]
+    args += ["--only", "plain_fsdp", "plain_fsdp_compiled", "dpar_fsdp", "dpar_fsdp_compiled", "dpar_2d"]
+    proc = run_script(args, ROOT, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "benchmark_gpu-smoke.json").read_text())["results"][0]
+    assert result["raw"]["world_size"] == 1 and result["raw"]["precision"] == "bf16-mixed"
+    summary = result["summary"]
+    assert set(summary) == {"plain_fsdp", "plain_fsdp_compiled", "dpar_fsdp", "dpar_fsdp_compiled", "dpar_2d"}
+    assert "speedup_vs_eager" in summary["dpar_fsdp_compiled"] and summary["dpar_fsdp"]["tokens_per_s"] > 0
+    assert "| dpar_2d |" in (tmp_path / "benchmark_gpu-smoke.md").read_text()
+
+
+@pytest.mark.slow
+def test_overhead_command_profiles_ops_and_lightning_hooks(tmp_path):
+    args = ["-m", "benchmarks.overhead", "--preset", "gpu-smoke", "--world-size", "1", "--warmup", "1"]
+    args += ["--steps", "2", "--repeats", "1", "--only", "plain_fsdp", "dpar_fsdp", "--out", str(tmp_path)]
+    proc = run_script(args, ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (tmp_path / "overhead_gpu-smoke.md").read_text()
+    assert "| plain_fsdp |" in table and "| dpar_fsdp |" in table
+    assert "`[Strategy]FullyShardStrategy.training_step`" in table  # Lightning's hooks, by Lightning's names
+    assert "`aten::mm`" in table or "`aten::addmm`" in table

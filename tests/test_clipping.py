@@ -1,138 +1,128 @@
-"""`lightning_dpar.clipping` in one process: which mesh dims each gradient layout is reduced over.
-
-A fake process group of 8 ranks supplies the meshes. Its collectives do nothing, so `dist.all_reduce` is replaced by
-one that reduces as if every rank of the group held a shard equal to this rank's (a sum multiplies by the group
-size, a max changes nothing). The norm of such a gradient is known exactly: its local squared norm times the
-number of distinct shards (the product of the sizes of the mesh dims it is sharded over), so reducing a layout over
-a replicated dim, missing a sharded one, or mixing two layouts gives a different number.
-"""
+"""`GradientClipper`: the same numbers as `torch.nn.utils` on whole tensors, and its cached grouping of parameters
+rebuilt whenever the parameters with gradients change (another model, a second `fit`, a parameter left without a
+gradient). In-process, on a one-rank gloo group; the multi-rank sums are covered by the parity tests
+(`tests/test_training.py`, `*_clip_*`)."""
 
 from __future__ import annotations
 
+import gc
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from lightning_dpar.clipping import clip_grad_norm_, total_grad_norm
-from lightning_dpar.mesh import is_sharded
+from lightning_dpar.clipping import GradientClipper
 
 
 @pytest.fixture
-def mesh(fake_world):
-    fake_world(8)
-    return init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tensor_parallel"))
+def one_rank_group():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
-@pytest.fixture
-def reductions(monkeypatch):
-    """Every all-reduce as (group size, op); reduces as if all ranks of the group held this rank's tensor."""
-    seen: list[tuple[int, dist.ReduceOp]] = []
-
-    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        size = dist.get_world_size(group)
-        seen.append((size, op))
-        if op == dist.ReduceOp.SUM:
-            tensor.mul_(size)
-
-    monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    return seen
+def _params(seed: int, shapes=((4, 3), (5,), (2, 2, 2))) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = nn.Parameter(torch.randn(*shape, generator=g))
+        p.grad = torch.randn(*shape, generator=g)
+        params.append(p)
+    return params
 
 
-def _two_d_placements(mesh):
-    """The placements FSDP2 over tensor parallelism gives a colwise and a rowwise Linear (built on meta)."""
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
-    parallelize_module(model, mesh["tensor_parallel"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
-    fully_shard(model, mesh=mesh["replicate", "shard"])
-    return {name: p for name, p in model.named_parameters()}
+def _reference_norm(params, norm_type=2.0) -> float:
+    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in params if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads, norm_type))
 
 
-def _grad_like(param: DTensor, seed: int) -> DTensor:
-    local = torch.randn(param.to_local().shape, generator=torch.Generator().manual_seed(seed))
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_norm_and_clip_match_torch_on_whole_tensors(norm_type):
+    params = _params(0)
+    expected = [p.detach().clone() for p in params]
+    for p, e in zip(params, expected):
+        e.grad = p.grad.clone()
+    norm = GradientClipper().clip_grad_norm_(params, max_norm=0.5, norm_type=norm_type)
+    torch_norm = torch.nn.utils.clip_grad_norm_(expected, max_norm=0.5, norm_type=norm_type)
+    assert float(norm) == pytest.approx(float(torch_norm), rel=1e-6)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e.grad, rtol=1e-6, atol=1e-7)
 
 
-def _expected_norm(grads, norm_type=2.0) -> float:
-    total = 0.0
-    for grad in grads:
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        shards = 1
-        if isinstance(grad, DTensor):
-            shards = math.prod(grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if is_sharded(p))
-        total += torch.linalg.vector_norm(local, norm_type).item() ** norm_type * shards
-    return total ** (1 / norm_type)
+def test_clip_value_matches_torch():
+    params = _params(1)
+    expected = [p.grad.clone().clamp_(-0.3, 0.3) for p in params]
+    GradientClipper().clip_grad_value_(params, 0.3)
+    for p, e in zip(params, expected):
+        assert torch.equal(p.grad, e)
 
 
-def test_fsdp_over_tensor_parallel_shards_are_reduced_over_both_sharded_dims(mesh, reductions):
-    params = _two_d_placements(mesh)
-    colwise = params["0.weight"]
-    assert "_StridedShard" in type(colwise.placements[1]).__name__  # FSDP's strided shard over the TP shard
-    grad = _grad_like(colwise, seed=0)
-    norm = total_grad_norm([grad])
-    assert reductions == [(2, dist.ReduceOp.SUM), (2, dist.ReduceOp.SUM)]  # shard and tensor_parallel, not replicate
-    assert norm.item() == pytest.approx(_expected_norm([grad]), rel=1e-6)
-    assert norm.item() == pytest.approx(torch.linalg.vector_norm(grad.to_local()).item() * 2, rel=1e-6)
+def test_bf16_gradients_are_normed_in_fp32():
+    params = _params(2)
+    for i, p in enumerate(params):
+        bf16 = nn.Parameter(p.detach().to(torch.bfloat16))  # bf16-true: bf16 parameters and gradients
+        bf16.grad = p.grad.to(torch.bfloat16)
+        params[i] = bf16
+    exact = math.sqrt(sum(float(p.grad.float().pow(2).sum()) for p in params))
+    assert float(GradientClipper().total_norm(params)) == pytest.approx(exact, rel=1e-6)
 
 
-def test_each_layout_is_reduced_on_its_own_and_plain_tensors_not_at_all(mesh, reductions):
-    params = _two_d_placements(mesh)
-    # Four layouts: strided+TP shard (colwise), shard+TP shard (rowwise weight), shard only (rowwise bias),
-    # fully replicated on a 1-D submesh, and a plain tensor whole on every rank.
-    replicated = DTensor.from_local(torch.randn(5), mesh["tensor_parallel"], [Replicate()], run_check=False)
-    grads = [_grad_like(params[name], seed) for seed, name in enumerate(["0.weight", "1.weight", "1.bias"])]
-    grads += [replicated, torch.randn(3)]
-    norm = total_grad_norm(grads)
-    assert norm.item() == pytest.approx(_expected_norm(grads), rel=1e-6)
-    # 2 + 2 + 1 reductions: one per sharded dim of each layout; none for the replicated or plain tensor.
-    assert sorted(size for size, _ in reductions) == [2, 2, 2, 2, 2]
+def test_cached_grouping_follows_the_parameters():
+    clipper = GradientClipper()
+    first = _params(3)
+    assert float(clipper.total_norm(first)) == pytest.approx(_reference_norm(first), rel=1e-6)
+    layout = clipper._layout
+    # Same parameters, new gradients (every step): the grouping is reused.
+    for p in first:
+        p.grad = p.grad * 2
+    assert float(clipper.total_norm(first)) == pytest.approx(_reference_norm(first), rel=1e-6)
+    assert clipper._layout is layout
+    # A parameter without a gradient this step: regrouped, and it is left out.
+    first[1].grad = None
+    assert float(clipper.total_norm(first)) == pytest.approx(_reference_norm(first), rel=1e-6)
+    assert clipper._layout is not layout
+    # Another model (a second fit with new parameters), possibly reusing the freed parameters' ids.
+    del first
+    gc.collect()
+    second = _params(4, shapes=((3, 3), (7,)))
+    assert float(clipper.total_norm(second)) == pytest.approx(_reference_norm(second), rel=1e-6)
+    assert len(clipper._layout.params) == 2
 
 
-def test_layouts_on_one_mesh_are_not_mixed(mesh, reductions):
-    def on_mesh(local, placements):
-        return DTensor.from_local(local, mesh, placements, run_check=False)
-
-    grads = [
-        on_mesh(torch.randn(4, 3), [Replicate(), Shard(0), Shard(0)]),
-        on_mesh(torch.randn(6), [Replicate(), Shard(0), Replicate()]),
-        on_mesh(torch.randn(5), [Replicate(), Replicate(), Replicate()]),
-    ]
-    assert total_grad_norm(grads).item() == pytest.approx(_expected_norm(grads), rel=1e-6)
-    assert len(reductions) == 3
-
-
-def test_gradients_of_one_layout_share_one_reduction(mesh, reductions):
-    shard_mesh = mesh["shard"]
-    shard = DTensor.from_local(torch.randn(4), shard_mesh, [Shard(0)], run_check=False)
-    other = DTensor.from_local(torch.randn(6), shard_mesh, [Shard(0)], run_check=False)
-    norm = total_grad_norm([shard, other])
-    assert len(reductions) == 1
-    assert norm.item() == pytest.approx(_expected_norm([shard, other]), rel=1e-6)
-
-
-def test_infinity_norm_takes_the_maximum_over_ranks(mesh, reductions):
-    params = _two_d_placements(mesh)
-    grads = [_grad_like(params["0.weight"], seed=1), torch.tensor([-7.0, 1.0])]
-    norm = total_grad_norm(grads, norm_type=math.inf)
-    assert {op for _, op in reductions} == {dist.ReduceOp.MAX}
-    assert norm.item() == 7.0
-
-
-def test_clip_scales_every_local_shard_to_the_global_max_norm(mesh, reductions):
-    params = _two_d_placements(mesh)
-    grads = [_grad_like(params["0.weight"], seed=2), _grad_like(params["1.bias"], seed=3)]
-    expected = _expected_norm(grads)
-    before = [g.to_local().clone() for g in grads]
-    total = clip_grad_norm_([SimpleNamespace(grad=g) for g in grads], max_norm=1.0)  # only `.grad` is read
-    assert total.item() == pytest.approx(expected, rel=1e-6) and expected > 1.0
-    for grad, old in zip(grads, before):
-        torch.testing.assert_close(grad.to_local(), old * (1.0 / (total.item() + 1e-6)), rtol=1e-5, atol=1e-7)
+def test_dtensor_gradients_on_different_meshes_and_placements(one_rank_group):
+    """Groups per (mesh, placements), plain tensors in a group of their own; the norm is the full vector's."""
+    mesh_2d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("shard", "tensor_parallel"))
+    mesh_1d = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+    g = torch.Generator().manual_seed(5)
+    params = []
+    for mesh, placements, shape in (
+        (mesh_2d, (Shard(0), Shard(1)), (4, 6)),
+        (mesh_2d, (Shard(0), Replicate()), (6,)),
+        (mesh_1d, (Shard(0),), (3, 3)),
+        (None, None, (5,)),
+    ):
+        full, grad = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        if mesh is None:
+            p = nn.Parameter(full)
+            p.grad = grad
+        else:
+            p = nn.Parameter(distribute_tensor(full, mesh, placements))
+            p.grad = distribute_tensor(grad, mesh, placements)
+        params.append(p)
+    clipper = GradientClipper()
+    expected = _reference_norm(params)
+    full_grads = [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for p in params]
+    norm = clipper.clip_grad_norm_(params, max_norm=1.0)
+    assert float(norm) == pytest.approx(expected, rel=1e-6)
+    assert len(clipper._layout.groups) == 4
+    scale = min(1.0, 1.0 / (expected + 1e-6))
+    for p, full in zip(params, full_grads):
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(got, full * scale, rtol=1e-6, atol=1e-7)

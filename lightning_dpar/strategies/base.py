@@ -154,7 +154,9 @@ class DparStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ precision
     @property
     def precision_plugin(self) -> DparPrecision:
-        return self._precision_plugin if self._precision_plugin is not None else DparPrecision()
+        if self._precision_plugin is None:  # kept, so its cached clipping layout lives as long as the strategy
+            self._precision_plugin = DparPrecision()
+        return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
