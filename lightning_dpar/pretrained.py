@@ -24,6 +24,21 @@ from typing import Union
 import torch
 from torch import nn
 
+__all__ = [
+    "KeyMapping",
+    "PretrainedLoadError",
+    "PretrainedSpec",
+    "PretrainedWeights",
+    "checkpoint_shapes",
+    "describe",
+    "infer_prefix",
+    "load_pretrained",
+    "map_keys",
+    "safetensors_files",
+    "tied_groups",
+    "to_pretrained_weights",
+]
+
 INDEX_FILENAME = "model.safetensors.index.json"
 SINGLE_FILENAME = "model.safetensors"
 

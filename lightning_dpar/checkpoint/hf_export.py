@@ -28,6 +28,16 @@ from torch import nn
 from lightning_dpar.pretrained import map_keys, tied_groups  # the key matching of loading pretrained weights
 
 #: Key of the record in a checkpoint's metadata (`meta.pt`, or the dict of a full-format file).
+__all__ = [
+    "HF_MODEL_KEY",
+    "ExportError",
+    "hf_model_record",
+    "hf_tensor_names",
+    "require_record",
+    "strip_prefix",
+    "write_configs",
+]
+
 HF_MODEL_KEY = "hf_model"
 
 
