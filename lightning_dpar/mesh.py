@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Union
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_dpar._private_api import flatten_mesh
@@ -111,3 +112,14 @@ def build_device_mesh(dims: ParallelDims, device_type: str) -> tuple[DeviceMesh,
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """The mesh `fully_shard` takes: 1-D for plain FSDP, 2-D `(replicate, shard)` for HSDP."""
     return mesh[SHARD] if dims.replicate == 1 else mesh[REPLICATE, SHARD]
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Where a model is parallelised: the mesh sizes, the world mesh, its flattened data-parallel mesh, and this
+    rank's device. Strategies build their data-parallel wrapper from it, in training and in the `plan` dry run."""
+
+    dims: ParallelDims
+    mesh: DeviceMesh
+    data_parallel_mesh: DeviceMesh
+    device: torch.device

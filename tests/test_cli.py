@@ -203,7 +203,7 @@ def test_example_configs_agree_where_the_math_is_the_same(configs_run):
 @pytest.mark.parametrize("name", ["2d", "2d_tp_plan", "hsdp", "fsdp", "replicate"])
 def test_plan_dry_run_predicts_the_real_runs_local_shapes(configs_run, name):
     """`plan` (one process, meta device, fake process group) gives rank 0 the shards the 4-rank run gave it."""
-    from lightning_dpar.dry_run import plan
+    from lightning_dpar.plan_report import plan
     from tests.workers.cli_configs import TINY
 
     cli = cli_main(["--config", str(CONFIGS / f"{name}.yaml"), *TINY], run=False, model_on_meta=True)

@@ -11,6 +11,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import lightning_dpar
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.plan import (
+    NamedStyle,
     fqn_matches,
     parse_tp_plan,
     repeated_blocks,
@@ -53,7 +54,8 @@ def test_fqn_matching_is_per_segment():
 
 def test_style_names_and_objects():
     plan = parse_tp_plan({"a": "colwise", "b": "ROWWISE", "c": "sequence_parallel", "d": RowwiseParallel()})
-    assert [type(s) for s in plan.values()] == [ColwiseParallel, RowwiseParallel, SequenceParallel, RowwiseParallel]
+    styles = [s.build(nn.Linear(2, 2)) if isinstance(s, NamedStyle) else s for s in plan.values()]
+    assert [type(s) for s in styles] == [ColwiseParallel, RowwiseParallel, SequenceParallel, RowwiseParallel]
 
 
 def test_unknown_style_is_refused_at_strategy_construction():
