@@ -169,8 +169,8 @@ def _check_divisible(fqn: str, module: nn.Module, style: ParallelStyle, tensor_p
     if sharded is not None and sharded[1] % tensor_parallel_size:
         attribute, size = sharded
         raise ValueError(
-            f"`tensor_parallel_size={tensor_parallel_size}` does not divide {fqn!r}'s {attribute}={size}, which"
-            f" {type(style).__name__} splits across the tensor-parallel ranks. Use a tensor-parallel size among"
+            f"`tensor_parallel_size={tensor_parallel_size}` does not divide {attribute}={size} of module {fqn!r},"
+            f" which {type(style).__name__} splits across the tensor-parallel ranks. Use a tensor-parallel size among"
             f" {_divisors(size)} (for `dpar_2d` the default is the devices of one node), or change the model."
         )
 

@@ -22,6 +22,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -208,6 +209,7 @@ class DparStrategy(ParallelStrategy):
         self.set_world_ranks()
         # Validate the layout before any collective: a bad size fails identically on every rank, never hangs.
         self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
+        self._check_plan_before_collectives()
         if not dist.is_initialized():
             reset_seed()
             self._process_group_backend = self._process_group_backend or default_process_group_backend(self.root_device)
@@ -222,6 +224,19 @@ class DparStrategy(ParallelStrategy):
             self._device_mesh, self._data_parallel_mesh = build_device_mesh(self.dims, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _check_plan_before_collectives(self) -> None:
+        """Resolve the plan of a model that exists already (no `configure_model`) before the process group: a plan
+        that does not fit (e.g. a tensor-parallel size that does not divide a sharded dimension) fails on every rank
+        with the same message, before any rank waits in a collective."""
+        module = self.lightning_module
+        if (
+            module is not None
+            and not is_overridden("configure_model", module)
+            and any(True for _ in module.parameters())
+        ):
+            assert self.dims is not None
+            self.module_plan(module, self.dims)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -17,7 +17,7 @@ warnings.filterwarnings("ignore")
 import torch.distributed as dist  # noqa: E402
 
 import lightning_dpar  # noqa: E402,F401
-from tests.workers import checkpoint, cli_configs, errors, features, parity, perf, precision  # noqa: E402
+from tests.workers import checkpoint, cli_configs, errors, features, hf, ordinary, parity, perf, precision  # noqa: E402
 
 GROUPS = {
     **parity.GROUPS,
@@ -27,6 +27,8 @@ GROUPS = {
     **checkpoint.GROUPS,
     **perf.GROUPS,
     **cli_configs.GROUPS,
+    **ordinary.GROUPS,
+    **hf.GROUPS,
 }
 
 if __name__ == "__main__":
