@@ -93,9 +93,15 @@ def materialize_meta_tensors(root: nn.Module, device: torch.device) -> None:
                 _initialise_whole_then_slice(module, meta_names[module], init)
 
 
+def _unwritten(like: torch.Tensor) -> torch.Tensor:
+    whole = torch.empty(like.shape, dtype=like.dtype, device="cpu")
+    return whole.fill_(float("nan")) if whole.is_floating_point() else whole
+
+
 def _initialise_whole_then_slice(module: nn.Module, names: list[str], init: Initialiser) -> None:
     sharded = {name: getattr(module, name) for name in names}
-    whole = {name: torch.empty(t.shape, dtype=t.dtype, device="cpu") for name, t in sharded.items()}
+    # NaN-filled, so a tensor the initialiser leaves untouched is caught instead of training on garbage.
+    whole = {name: _unwritten(t) for name, t in sharded.items()}
     parameters = {name for name, _ in module.named_parameters(recurse=False)}
     try:
         for name, tensor in whole.items():
@@ -106,6 +112,14 @@ def _initialise_whole_then_slice(module: nn.Module, names: list[str], init: Init
     finally:
         for name, tensor in sharded.items():
             setattr(module, name, tensor)
+    unwritten = [name for name, tensor in whole.items() if tensor.is_floating_point() and tensor.isnan().any()]
+    if unwritten:
+        raise TypeError(
+            f"The initialiser of {type(module).__name__} left {unwritten} uninitialised after the model was built on"
+            " the meta device (e.g. a rotary `inv_freq` buffer that only `__init__` computes; transformers < 5 does"
+            " not recompute it). Give the module a `reset_parameters()` that sets them, or build the model without"
+            " `empty_init` / the meta device."
+        )
     for name, target in sharded.items():
         if isinstance(target, DTensor):
             target.copy_(distribute_tensor(whole[name], target.device_mesh, target.placements, src_data_rank=None))

@@ -34,9 +34,9 @@ class UnitCallGuard:
         if name not in self._called:
             raise RuntimeError(
                 f"A parameter of {name!r} received a gradient, but the `forward` of {name!r} was not called in this"
-                " step: its submodules were called directly. DDP synchronises a unit's gradients only when its `forward`"
-                " runs, so the ranks would silently diverge. Call the module itself (e.g. `self.model(x)`), or call"
-                " its parts from its own `forward`."
+                " step: its submodules were called directly. DDP synchronises a unit's gradients only when its"
+                " `forward` runs, so the ranks would silently diverge. Call the module itself (e.g. `self.model(x)`),"
+                " or call its parts from its own `forward`."
             )
 
     def reset(self) -> None:
