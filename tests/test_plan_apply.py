@@ -27,7 +27,7 @@ PARITY = [
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return run_workers(2, "ordinary,ordinary_errors", tmp_path_factory.mktemp("ordinary2"))
+    return run_workers(2, "ordinary,ordinary_errors,resume_message", tmp_path_factory.mktemp("ordinary2"))
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +97,12 @@ def test_devices_3_with_default_2d_sizes_names_the_size_module_and_dimension(cap
     assert main(["--world-size", "3", "--trainer.strategy=dpar_2d"]) == 1
     err = capsys.readouterr().err
     assert "`tensor_parallel_size=3` does not divide" in err and "of module 'model.blocks.0.attn.q'" in err
+
+
+@pytest.mark.slow
+def test_a_mid_epoch_resume_says_in_one_line_that_it_is_exact(world2):
+    result = world2["resume_message"]
+    assert result["lightning_warning"] == []  # "dataloader is not resumable" contradicted the exact resume
+    assert result["resuming_lines"] == [
+        "Resuming epoch 0 after 3 batches: exact (the distributed sampler continues from the checkpoint's position)."
+    ]

@@ -6,6 +6,7 @@ A concrete strategy only says how it wraps the model for data parallelism (`data
 
 from __future__ import annotations
 
+import warnings
 from abc import abstractmethod
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -24,6 +26,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -65,6 +68,9 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
 
 StartMethod = Literal["popen", "fork", "spawn"]
+
+#: Lightning's warning on a mid-epoch resume whose loader has no `state_dict`; ours resumes without one.
+LIGHTNING_RESUME_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 CheckpointFormat = Literal["sharded", "full"]
 
 
@@ -145,6 +151,16 @@ class DparStrategy(ParallelStrategy):
         self._pending_resume: dict[str, Any] = {}  # RNG and data position of a loaded checkpoint, applied later
         self._train_sampler: resume.ResumableDistributedSampler | None = None
         self._batches_to_skip = 0  # mid-epoch resume with a custom sampler (see `_skip_seen_batches`)
+
+    @classmethod
+    def register_class_names(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register the class's name and import paths, lower-cased as Lightning looks strategy strings up, so a
+        LightningCLI given `--trainer.strategy=FullyShardStrategy` or `=lightning_dpar.FullyShardStrategy` (no init
+        args: jsonargparse then passes the string through) builds the strategy instead of rejecting the name."""
+        for name in {cls.__name__, f"lightning_dpar.{cls.__name__}", f"{cls.__module__}.{cls.__qualname__}"}:
+            strategy_registry.register(
+                name.lower(), cls, description=f"{cls.__name__}, by class name or import path", override=True
+            )
 
     # ------------------------------------------------------------------ precision
     @property
@@ -569,15 +585,25 @@ class DparStrategy(ParallelStrategy):
         self._train_sampler = resume.make_resumable(dataloader)
         position = self._pending_resume.get("data_position")
         seen = self._pending_resume.get("epoch_batches", {})
+        if seen.get("batches", 0) > 0:
+            # Lightning judges resumability by the loader's own `state_dict`, which ours does not need; one line
+            # below (or in `_skip_seen_batches`) says whether this resume is exact instead.
+            warnings.filterwarnings("ignore", message=LIGHTNING_RESUME_WARNING, category=PossibleUserWarning)
         if self._train_sampler is not None and position is not None:
             self._train_sampler.start_at(resume.DataPosition(**position))
+            if seen.get("batches", 0) > 0:
+                rank_zero_info(
+                    f"Resuming epoch {seen.get('epoch')} after {seen['batches']} batches: exact (the distributed"
+                    " sampler continues from the checkpoint's position)."
+                )
         elif seen.get("batches", 0) > 0 and seen.get("data_parallel_size") == (self.dims and self.dims.data_parallel):
             self._batches_to_skip = seen["batches"]  # a custom sampler: replay and drop them in `on_train_start`
         elif seen.get("batches", 0) > 0:
             rank_zero_warn(
-                "The checkpoint was saved mid-epoch with another data-parallel size, and the training loader has a"
-                " custom sampler or batch sampler, whose position cannot be mapped: this epoch restarts from its first"
-                " batch. Use a plain `DataLoader(dataset, batch_size=...)` (Lightning adds the distributed sampler)."
+                "Resuming not exactly: the checkpoint was saved mid-epoch with another data-parallel size, and the"
+                " training loader has a custom sampler or batch sampler, whose position cannot be mapped: this epoch"
+                " restarts from its first batch. Use a plain `DataLoader(dataset, batch_size=...)` (Lightning adds the"
+                " distributed sampler)."
             )
         return dataloader
 
@@ -629,9 +655,14 @@ class DparStrategy(ParallelStrategy):
             return  # not resuming inside the epoch the checkpoint was taken in (e.g. saved at its end)
         iterator = unfetched_training_iterator(trainer)
         if iterator is None:
-            rank_zero_warn(f"Could not skip the {skip} batches already seen this epoch; the epoch restarts.")
+            rank_zero_warn(
+                f"Resuming not exactly: could not skip the {skip} batches already seen this epoch; the epoch restarts."
+            )
             return
-        rank_zero_info(f"Skipping the {skip} batches of this epoch seen before the checkpoint (custom sampler).")
+        rank_zero_info(
+            f"Resuming after {skip} batches of this epoch: exact (the custom sampler's batches seen before the"
+            " checkpoint are drawn again and skipped)."
+        )
         for _ in range(skip):
             next(iterator, None)
 

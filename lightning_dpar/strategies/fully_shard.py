@@ -92,6 +92,7 @@ class FullyShardStrategy(DparStrategy):
             override=True,
             replicate_size="auto",
         )
+        cls.register_class_names(strategy_registry)
 
 
 class FSDPTensorParallelStrategy(FullyShardStrategy):
@@ -142,6 +143,7 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register("dpar_2d", cls, description="2D: FSDP2 + tensor parallelism", override=True)
+        cls.register_class_names(strategy_registry)
 
 
 def _outermost_fsdp_modules(root: nn.Module) -> list[nn.Module]:

@@ -186,3 +186,4 @@ class ReplicateStrategy(DparStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register("dpar_replicate", cls, description="Composable DDP (replicate)", override=True)
+        cls.register_class_names(strategy_registry)

@@ -4,6 +4,11 @@ never a silent divergence). Each parity case ends with the same parameters as si
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+import warnings
+
 import lightning as L
 import torch
 import torch.distributed as dist
@@ -172,4 +177,43 @@ def group_ordinary_errors(results):
     _error(results, "tp_does_not_divide", FSDPTensorParallelStrategy(tensor_parallel_size=2), OddWidths())
 
 
-GROUPS = {"ordinary": group_ordinary, "ordinary_errors": group_ordinary_errors}
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def group_resume_message(results):
+    """A mid-epoch resume says in one line whether it is exact, and Lightning's "not resumable" warning is gone."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    directory = os.path.join(os.path.dirname(sys.argv[2]), "resume_message")
+    data = RegressionData()  # 128 samples / batch 4 / the data-parallel ranks: step 3 is mid-epoch
+    checkpoint = ModelCheckpoint(dirpath=directory, every_n_train_steps=3, save_top_k=-1)
+    trainer_for("dpar_fsdp", enable_checkpointing=True, callbacks=[checkpoint]).fit(
+        TopLevelBlocks(), loader(data, BATCH)
+    )
+    records = _Records()
+    logging.getLogger("lightning.pytorch").addHandler(records)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = trainer_for("dpar_fsdp", max_steps=STEPS + 2)
+            trainer.fit(TopLevelBlocks(), loader(data, BATCH), ckpt_path=os.path.join(directory, "epoch=0-step=3.ckpt"))
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(records)
+    if trainer.global_rank == 0:
+        results["resume_message"] = {
+            "lightning_warning": [str(w.message) for w in caught if "not resumable" in str(w.message)],
+            "resuming_lines": [m for m in records.messages if m.startswith("Resuming")],
+        }
+
+
+GROUPS = {
+    "ordinary": group_ordinary,
+    "ordinary_errors": group_ordinary_errors,
+    "resume_message": group_resume_message,
+}
