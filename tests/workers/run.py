@@ -17,7 +17,18 @@ warnings.filterwarnings("ignore")
 import torch.distributed as dist  # noqa: E402
 
 import lightning_dpar  # noqa: E402,F401
-from tests.workers import checkpoint, cli_configs, errors, features, hf, ordinary, parity, perf, precision  # noqa: E402
+from tests.workers import (  # noqa: E402
+    checkpoint,
+    cli_configs,
+    errors,
+    features,
+    hf,
+    lit_gpt_models,
+    ordinary,
+    parity,
+    perf,
+    precision,
+)
 
 GROUPS = {
     **parity.GROUPS,
@@ -29,6 +40,7 @@ GROUPS = {
     **cli_configs.GROUPS,
     **ordinary.GROUPS,
     **hf.GROUPS,
+    **lit_gpt_models.GROUPS,
 }
 
 if __name__ == "__main__":
