@@ -2,22 +2,31 @@
 order tensor parallel -> activation checkpointing -> compile -> data-parallel wrapper (`fully_shard` or
 `replicate`) -> meta-device materialisation. Training and the `plan` dry run both go through `apply_plan`.
 
-Wrappers are applied to the LightningModule's children, never to the LightningModule itself: Lightning calls
-`training_step` directly (not `forward`), so hooks on the LightningModule would never fire, and a user's
-`self(x)` inside `training_step` would re-enter them. A child that is only a container (`nn.ModuleList`,
-`nn.ModuleDict`: no `forward` of its own) is never wrapped either; its items are.
+Wrappers are applied to the LightningModule's children: Lightning calls `training_step` directly (not `forward`), so
+forward hooks on the LightningModule would never fire. A child that is only a container (`nn.ModuleList`,
+`nn.ModuleDict`: no `forward` of its own) is never wrapped either; its items are. Parameters registered on the
+LightningModule itself get a `fully_shard` unit on it whose forward methods are the step methods
+(`shard_direct_parameters`); under DDP the strategy all-reduces their gradients itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
@@ -78,18 +87,6 @@ def direct_parameters(root: nn.Module) -> list[str]:
     return [name for name, _ in root.named_parameters(recurse=False)]
 
 
-def check_no_direct_parameters(root: nn.Module) -> None:
-    """Refuse parameters registered directly on the LightningModule: no wrapper can see them being used (Lightning
-    calls `training_step`, not `forward`), so their gradients would never be synchronised."""
-    direct = direct_parameters(root)
-    if direct:
-        raise ValueError(
-            f"{type(root).__name__} registers parameters directly on the LightningModule ({direct}). The"
-            " lightning_dpar strategies wrap its child modules; move these parameters into a submodule (e.g."
-            " `self.model = MyModel()`, or an `nn.Module` holding them that your step calls)."
-        )
-
-
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
@@ -100,7 +97,6 @@ def data_parallel_roots(root: nn.Module) -> list[str]:
     never run (`fully_shard` refuses it; `replicate` would silently skip the gradient all-reduce): its items take its
     place, recursively.
     """
-    check_no_direct_parameters(root)
     roots: list[str] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
@@ -153,7 +149,28 @@ def apply_fully_shard(
         if not isinstance(child, FSDPModule):
             fully_shard(child, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy(True), **common)
         top_level.append(child)
+    if direct_parameters(root):
+        return [shard_direct_parameters(root, mp_policy(True), common)]
     return top_level  # type: ignore[return-value]
+
+
+#: The LightningModule methods Lightning calls instead of `forward`.
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def shard_direct_parameters(root: nn.Module, policy: MixedPrecisionPolicy, common: Mapping[str, Any]) -> FSDPModule:
+    """Shard the parameters registered on the LightningModule itself with a `fully_shard` unit on it.
+
+    Lightning calls the step methods, not `forward`, so they are registered as FSDP forward methods: the unit's
+    parameters are gathered for each step and their gradients reduce-scattered after its backward. The unit is the
+    root of all others and keeps its parameters gathered from forward to backward (FSDP's rule for the root); batch
+    inputs are not cast (`cast_forward_inputs=False`), the children cast their own.
+    """
+    fully_shard(root, mp_policy=replace(policy, cast_forward_inputs=False), reshard_after_forward=False, **common)
+    for name in STEP_METHODS:
+        if callable(getattr(root, name, None)):
+            register_fsdp_forward_method(root, name)
+    return root  # type: ignore[return-value]
 
 
 def _depth(fqn: str) -> int:

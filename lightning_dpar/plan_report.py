@@ -115,6 +115,9 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
     return ["  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
 
 
+#: How the report names the LightningModule itself.
+ROOT = "(the LightningModule)"
+
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 
@@ -168,12 +171,14 @@ def _describe_modules(module: nn.Module, plan: ModulePlan, compiling: bool) -> d
         described.setdefault(fqn, []).append("compile")
     for fqn, sub in module.named_modules():
         if not fqn:
+            if isinstance(sub, FSDPModule):  # parameters registered on the LightningModule itself
+                described[ROOT] = ["FSDP unit (its own parameters; step methods gather them)"]
             continue
         if isinstance(sub, FSDPModule):
             described.setdefault(fqn, []).append("FSDP unit")
         if is_composable_replicated(sub):
             described.setdefault(fqn, []).append("replicate (DDP)")
-    order = {fqn: i for i, (fqn, _) in enumerate(module.named_modules())}
+    order = {fqn or ROOT: i for i, (fqn, _) in enumerate(module.named_modules())}
     return dict(sorted(described.items(), key=lambda item: order[item[0]]))
 
 

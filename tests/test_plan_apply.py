@@ -20,6 +20,10 @@ PARITY = [
     "top_level_blocks_replicate",
     "top_level_blocks_fsdp",
     "top_level_blocks_2d",
+    "direct_parameters_replicate",
+    "direct_parameters_fsdp",
+    "direct_parameters_2d",
+    "direct_parameters_replicate_tp",
     "embedding_rowwise_2d",
     "embedding_rowwise_replicate_tp",
 ]

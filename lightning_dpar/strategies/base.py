@@ -249,6 +249,7 @@ class DparStrategy(ParallelStrategy):
         if (
             module is not None
             and not is_overridden("configure_model", module)
+            and not parallelize.is_parallelized(module)  # e.g. `validate` after `fit`: planned and applied already
             and any(True for _ in module.parameters())
         ):
             assert self.dims is not None

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -90,6 +93,7 @@ class ReplicateStrategy(DparStrategy):
         self._compiled_autograd = compiled_autograd
         self._previous_ddp_optimize_mode: Any = None
         self._unit_guard: UnitCallGuard | None = None
+        self._direct_parameters: list[nn.Parameter] = []
 
     def resolve_dims(self, world_size: int, devices_per_node: int, num_nodes: int) -> ParallelDims:
         # Every data-parallel rank is a replica: the shard dim has size 1.
@@ -148,10 +152,31 @@ class ReplicateStrategy(DparStrategy):
     def _parallelize(self, module: nn.Module) -> None:
         super()._parallelize(module)
         assert self.dims is not None
+        if self.dims.tensor_parallel == 1:
+            # DDP wraps children only: parameters on the LightningModule itself are all-reduced here, once per
+            # optimizer step (after the last micro-batch's backward, before clipping).
+            self._direct_parameters = [p for _, p in module.named_parameters(recurse=False) if p.requires_grad]
         if self.dims.tensor_parallel == 1 and not self._compiled_autograd:
             # Compiled autograd traces the backward, hooks included; the guard's check is eager-only.
             units = {name: module.get_submodule(name) for name in parallelize.data_parallel_roots(module)}
             self._unit_guard = UnitCallGuard({n: u for n, u in units.items() if u in self._grad_sync_modules})
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._direct_parameters:
+            closure = partial(self._closure_then_average_direct_gradients, closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _closure_then_average_direct_gradients(self, closure: Callable[[], Any]) -> Any:
+        result = closure()
+        gradients = [p.grad for p in self._direct_parameters if p.grad is not None]
+        group = self.data_parallel_group
+        if gradients and group is not None:
+            flat = torch.cat([g.reshape(-1) for g in gradients])
+            dist.all_reduce(flat, group=group)
+            flat.div_(dist.get_world_size(group))
+            for gradient, averaged in zip(gradients, flat.split([g.numel() for g in gradients])):
+                gradient.copy_(averaged.view_as(gradient))
+        return result
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if not self._compiled_autograd:

@@ -47,6 +47,19 @@ class TopLevelBlocks(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
+class DirectParameters(TopLevelBlocks):
+    """Parameters registered on the LightningModule itself, used in `training_step` (outside `forward`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((5,), 0.5))
+        self.shift = nn.Parameter(torch.zeros(5))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x) * self.scale + self.shift, y)
+
+
 class TokenData(Dataset):
     def __init__(self, n: int = 128, vocab: int = 16, length: int = 6, seed: int = 7) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -115,6 +128,24 @@ def group_ordinary(results):
         "top_level_blocks_2d",
         TopLevelBlocks,
         FSDPTensorParallelStrategy(tensor_parallel_size=tp),
+        world // tp,
+        data,
+    )
+    _parity(results, "direct_parameters_replicate", DirectParameters, ReplicateStrategy(), world, data)
+    _parity(results, "direct_parameters_fsdp", DirectParameters, FullyShardStrategy(), world, data)
+    _parity(
+        results,
+        "direct_parameters_2d",
+        DirectParameters,
+        FSDPTensorParallelStrategy(tensor_parallel_size=tp),
+        world // tp,
+        data,
+    )
+    _parity(
+        results,
+        "direct_parameters_replicate_tp",
+        DirectParameters,
+        ReplicateStrategy(tensor_parallel_size=tp, tp_plan=DirectParameters.tp_plan),
         world // tp,
         data,
     )
