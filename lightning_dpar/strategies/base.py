@@ -297,7 +297,7 @@ class DparStrategy(ParallelStrategy):
         tp_plan = self._tp_plan_for(module, dims)
         tensor_parallel = resolve_tp_plan(module, tp_plan, dims.tensor_parallel) if tp_plan else {}
         shard_units = self._shard_units(module)
-        parallelize.data_parallel_roots(module)  # refuses parameters no wrapper would synchronise
+        parallelize.data_parallel_roots(module)  # refuses containers holding parameters of their own
         check_initialisable(module)
         return ModulePlan(
             tensor_parallel=tensor_parallel,

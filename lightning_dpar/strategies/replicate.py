@@ -107,8 +107,6 @@ class ReplicateStrategy(DparStrategy):
             if self._compiled_autograd and self._previous_ddp_optimize_mode is None:
                 # Before the first forward, when composable `replicate` builds its DDP reducer.
                 self._previous_ddp_optimize_mode = swap_ddp_optimize_mode("python_reducer")
-        else:
-            self._check_tp_compatible_options()
         super().setup(trainer)
 
     def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
@@ -130,6 +128,7 @@ class ReplicateStrategy(DparStrategy):
                 )
 
             return wrap_ddp
+        self._check_tp_compatible_options()
         reduce_dtype = COMPRESS_HOOK_DTYPES.get(self._comm_hook_spec)  # type: ignore[arg-type]
         base_policy = self.precision_plugin.mixed_precision_policy
 
