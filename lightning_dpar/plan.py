@@ -192,7 +192,8 @@ def _check_head_counts(root: nn.Module, resolved: Mapping[str, ParallelStyle], t
         parent = root.get_submodule(parent_fqn)
         head_dim = getattr(parent, "head_dim", None)
         module = root.get_submodule(fqn)
-        if isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear) and isinstance(head_dim, int):
+        keeps_heads_split = isinstance(style, ColwiseParallel) and Replicate() not in style.output_layouts
+        if keeps_heads_split and isinstance(module, nn.Linear) and isinstance(head_dim, int):
             heads, rest = divmod(module.out_features, head_dim)
             if not rest and heads % tensor_parallel_size:
                 raise ValueError(

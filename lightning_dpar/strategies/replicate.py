@@ -98,6 +98,8 @@ class ReplicateStrategy(DparStrategy):
     def resolve_dims(self, world_size: int, devices_per_node: int, num_nodes: int) -> ParallelDims:
         # Every data-parallel rank is a replica: the shard dim has size 1.
         dims = super().resolve_dims(world_size, devices_per_node, num_nodes)
+        if dims.tensor_parallel > 1:
+            self._check_tp_compatible_options()  # a configuration error: before the plan is even looked at
         return ParallelDims(world_size, replicate=dims.data_parallel, shard=1, tensor_parallel=dims.tensor_parallel)
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -128,7 +130,6 @@ class ReplicateStrategy(DparStrategy):
                 )
 
             return wrap_ddp
-        self._check_tp_compatible_options()
         reduce_dtype = COMPRESS_HOOK_DTYPES.get(self._comm_hook_spec)  # type: ignore[arg-type]
         base_policy = self.precision_plugin.mixed_precision_policy
 
