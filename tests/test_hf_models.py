@@ -25,6 +25,7 @@ CASES = [
     "llama_replicate",
     "llama_2d_auto_plan",
     "llama_2d_default_plan",
+    "qwen3_2d_auto_plan",  # per-head q_norm / k_norm: replicated weights, gradients summed over TP ranks
     "llama_meta_init_fsdp",
     "llama_meta_init_2d",
 ]

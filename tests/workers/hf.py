@@ -60,6 +60,27 @@ class LlamaModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
+class Qwen3Module(LlamaModule):
+    """Qwen3: per-head `q_norm` / `k_norm` in its plan as `replicated_with_grad_allreduce`."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        torch.manual_seed(0)
+        config = Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=SEQ,
+        )
+        self.net = Qwen3ForCausalLM(config)
+
+
 def global_batches(data: Dataset, dp: int, seed: int) -> list[torch.Tensor]:
     """What Lightning's distributed sampler (shuffled with the global seed) feeds `dp` ranks, one batch per step."""
     from torch.utils.data import DistributedSampler
@@ -95,7 +116,7 @@ def _diff(got, want) -> float:
     return max((got[k] - want[k]).abs().max().item() for k in want)
 
 
-def _parity(results, name, strategy, dp, empty_init=False):
+def _parity(results, name, strategy, dp, empty_init=False, model=LlamaModule):
     data = TokenIds()
     trainer = trainer_for(strategy)
     if empty_init:
@@ -104,12 +125,12 @@ def _parity(results, name, strategy, dp, empty_init=False):
         assert all(p.is_meta for p in module.parameters())
         L.seed_everything(SEED)  # the materialisation draws from the seeded global generator (and shuffles with it)
     else:
-        module = LlamaModule()
+        module = model()
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
     local_numel = max(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in module.parameters())
     got = full_params(trainer)
     if trainer.global_rank == 0:
-        want_module = initialised_like_materialisation(SEED) if empty_init else LlamaModule()
+        want_module = initialised_like_materialisation(SEED) if empty_init else model()
         shuffle_seed = SEED if empty_init else 0
         results[name] = {"max_abs_diff": _diff(got, reference(want_module, data, dp, shuffle_seed))}
         if empty_init:
@@ -125,6 +146,9 @@ def group_hf_llama(results):
         results, "llama_2d_auto_plan", FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan="auto"), world // 2
     )
     _parity(results, "llama_2d_default_plan", FSDPTensorParallelStrategy(tensor_parallel_size=2), world // 2)
+    _parity(
+        results, "qwen3_2d_auto_plan", FSDPTensorParallelStrategy(tensor_parallel_size=2), world // 2, model=Qwen3Module
+    )
     try:
         _parity(results, "llama_meta_init_fsdp", FullyShardStrategy(), world, empty_init=True)
         _parity(
