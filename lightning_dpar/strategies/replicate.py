@@ -168,9 +168,12 @@ class ReplicateStrategy(DparStrategy):
 
     def _closure_then_average_direct_gradients(self, closure: Callable[[], Any]) -> Any:
         result = closure()
-        gradients = [p.grad for p in self._direct_parameters if p.grad is not None]
         group = self.data_parallel_group
-        if gradients and group is not None:
+        for parameter in self._direct_parameters:
+            if parameter.grad is None:  # unused on this rank: every rank must all-reduce the same sizes
+                parameter.grad = torch.zeros_like(parameter)
+        gradients = [p.grad for p in self._direct_parameters]
+        if group is not None:
             flat = torch.cat([g.reshape(-1) for g in gradients])
             dist.all_reduce(flat, group=group)
             flat.div_(dist.get_world_size(group))
