@@ -24,6 +24,8 @@ def _replicate_with_grad_sum(module: nn.Module) -> SequenceParallel:
 
 
 #: transformers style name -> builder of the equivalent torch style (`None`: keep the module whole on every rank).
+#: `colwise`, `rowwise` and `sequence_parallel` are also this package's own names (`lightning_dpar.plan.STYLE_NAMES`),
+#: which take precedence; none of the model families below uses `sequence_parallel`.
 HF_STYLES: dict[str, StyleBuilder] = {
     "colwise": lambda module: ColwiseParallel(),
     "rowwise": rowwise_style,
@@ -33,7 +35,6 @@ HF_STYLES: dict[str, StyleBuilder] = {
     "rowwise_rep": lambda module: RowwiseParallel(input_layouts=Replicate()),
     "embedding_rowwise": lambda module: RowwiseParallel(input_layouts=Replicate()),
     "embedding_colwise": lambda module: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-    "sequence_parallel": lambda module: SequenceParallel(use_local_output=True),
     "replicated_with_grad_allreduce": _replicate_with_grad_sum,
     "replicate": lambda module: None,
 }

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import lightning_dpar
 from lightning_dpar.hf_plan import HF_STYLES, transformers_tp_plan
 from lightning_dpar.materialize import materialize_meta_tensors
-from lightning_dpar.plan import parse_tp_plan, resolve_tp_plan
+from lightning_dpar.plan import STYLE_NAMES, parse_tp_plan, resolve_tp_plan
 from lightning_dpar.plan_report import plan
 from tests.conftest import run_workers
 from tests.workers.hf import LlamaModule, initialised_like_materialisation
@@ -113,7 +113,7 @@ def test_every_style_of_the_listed_model_families_is_supported():
             if isinstance(cls, type):
                 used |= set((getattr(cls, "base_model_tp_plan", None) or {}).values())
                 used |= set((getattr(cls, "_tp_plan", None) or {}).values())
-    assert used and used <= set(HF_STYLES), sorted(used - set(HF_STYLES))
+    assert used and used <= set(HF_STYLES) | set(STYLE_NAMES), sorted(used - set(HF_STYLES) - set(STYLE_NAMES))
 
 
 def test_plan_dry_run_of_llama_shows_the_mapped_plan_and_never_materialises():
