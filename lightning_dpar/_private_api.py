@@ -68,6 +68,8 @@ __all__ = [
     "optimizers_to_device",
     "swap_ddp_optimize_mode",
     "sync_ddp_if_available",
+    "transformers_module_initialiser",
+    "transformers_tp_plan_attribute",
     "unfetched_training_iterator",
 ]
 
@@ -162,3 +164,16 @@ LIGHTNING_SUBCLASS_HOOKS = {
     "_collect_rank_zero_results": "the launcher's hook for what rank 0 hands back to the interactive process; ours"
     " gathers the sharded weights (Lightning's sends rank 0's shards only).",
 }
+
+
+def transformers_module_initialiser(model: Any) -> Any:
+    """A transformers `PreTrainedModel`'s per-module initialiser, `_init_weights(module)`: what its own
+    `post_init` / `init_weights` apply to every submodule (and where rotary `inv_freq` is recomputed). transformers
+    has no public per-module entry point, and meta init must initialise one module at a time."""
+    return model._init_weights
+
+
+def transformers_tp_plan_attribute(model: Any) -> Any:
+    """The whole-model tensor-parallel plan transformers merges in `post_init` (`_tp_plan`); read-only, and the
+    only place the plans of the model's heads (e.g. `lm_head`) are combined with the base model's."""
+    return getattr(model, "_tp_plan", None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Union
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.placement_types import Placement
@@ -20,6 +21,7 @@ __all__ = [
     "REPLICATE",
     "SHARD",
     "TENSOR_PARALLEL",
+    "MeshLayout",
     "ParallelDims",
     "SizeArg",
     "build_device_mesh",
@@ -145,3 +147,14 @@ def is_sharded(placement: Placement) -> bool:
     `Shard` (nor `is_shard()`) in torch>=2.13. Replicated and partial (pending-reduction) placements are not sharded.
     """
     return not placement.is_replicate() and not placement.is_partial()
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Where a model is parallelised: the mesh sizes, the world mesh, its flattened data-parallel mesh, and this
+    rank's device. Strategies build their data-parallel wrapper from it, in training and in the `plan` dry run."""
+
+    dims: ParallelDims
+    mesh: DeviceMesh
+    data_parallel_mesh: DeviceMesh
+    device: torch.device

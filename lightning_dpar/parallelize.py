@@ -1,40 +1,46 @@
-"""One small function per parallelism concern, applied in a fixed order: tensor parallel, activation checkpointing,
-compile, then the data-parallel wrapper (`fully_shard` or `replicate`), then meta-device materialisation.
+"""Applying a parallelism plan: one small function per concern, and `apply_plan`, which applies them in the fixed
+order tensor parallel -> activation checkpointing -> compile -> data-parallel wrapper (`fully_shard` or
+`replicate`) -> meta-device materialisation. Training and the `plan` dry run both go through `apply_plan`.
 
-Wrappers are applied to the LightningModule's children, never to the LightningModule itself: Lightning calls
-`training_step` directly (not `forward`), so hooks on the LightningModule would never fire, and a user's
-`self(x)` inside `training_step` would re-enter them.
+Wrappers are applied to the LightningModule's children: Lightning calls `training_step` directly (not `forward`), so
+forward hooks on the LightningModule would never fire. A child that is only a container (`nn.ModuleList`,
+`nn.ModuleDict`: no `forward` of its own) is never wrapped either; its items are. Parameters registered on the
+LightningModule itself get a `fully_shard` unit on it whose forward methods are the step methods
+(`shard_direct_parameters`); under DDP the strategy all-reduces their gradients itself.
 """
 
 from __future__ import annotations
 
-import importlib
-import itertools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from lightning_dpar._private_api import (
-    checkpoint_activations,
-    ddp_replicate,
-    functional_all_reduce,
-    is_composable_replicated,
-)
+from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, is_composable_replicated
+from lightning_dpar.materialize import materialize_meta_tensors
+from lightning_dpar.plan import ModulePlan
 
 __all__ = [
-    "COMPRESS_HOOK_DTYPES",
-    "CommHook",
+    "DataParallelWrapper",
     "apply_activation_checkpointing",
     "apply_compile",
     "apply_ddp_replicate",
     "apply_fully_shard",
+    "apply_plan",
     "apply_tensor_parallel",
     "check_not_wrapped_by_other_parallelism",
     "data_parallel_roots",
@@ -42,10 +48,36 @@ __all__ = [
     "ignored_parameters",
     "is_parallelized",
     "materialize_meta_tensors",
-    "resolve_comm_hook",
 ]
 
-CommHook = Union[str, Callable[..., Any]]
+#: Applies the data-parallel wrapper for a plan; returns the modules whose gradient sync `no_sync` controls.
+DataParallelWrapper = Callable[[nn.Module, ModulePlan], list[nn.Module]]
+
+
+def apply_plan(
+    root: nn.Module,
+    plan: ModulePlan,
+    *,
+    tensor_parallel_mesh: DeviceMesh | None,
+    wrap_data_parallel: DataParallelWrapper,
+    compile_options: Mapping[str, Any] | None = None,
+    materialize_on: torch.device | None = None,
+) -> list[nn.Module]:
+    """Apply `plan` to `root` in the fixed order; return the modules whose gradient sync `wrap_data_parallel` set up.
+
+    `materialize_on=None` leaves meta-device tensors on the meta device (the `plan` dry run); otherwise each rank
+    allocates and initialises only its own shards there (see `lightning_dpar.materialize`).
+    """
+    if plan.tensor_parallel:
+        assert tensor_parallel_mesh is not None, "a tensor-parallel plan needs the tensor-parallel mesh"
+        apply_tensor_parallel(root, tensor_parallel_mesh, plan.tensor_parallel)
+    apply_activation_checkpointing(root, plan.activation_checkpointing)
+    if compile_options is not None:
+        apply_compile(root, plan.compile_units, compile_options)
+    wrapped = wrap_data_parallel(root, plan)
+    if materialize_on is not None:
+        materialize_meta_tensors(root, materialize_on)
+    return wrapped
 
 
 def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:
@@ -66,22 +98,40 @@ def apply_compile(root: nn.Module, fqns: Sequence[str], options: Mapping[str, An
         root.get_submodule(fqn).compile(**options)
 
 
-def data_parallel_roots(root: nn.Module, covered: Sequence[str] = ()) -> list[str]:
+def direct_parameters(root: nn.Module) -> list[str]:
+    """Names of parameters registered on `root` itself rather than on a child module."""
+    return [name for name, _ in root.named_parameters(recurse=False)]
+
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def data_parallel_roots(root: nn.Module) -> list[str]:
     """Children of the LightningModule that hold parameters: each becomes a top-level wrapped unit.
 
-    Parameters registered directly on the LightningModule cannot be wrapped (see module docstring); they are
-    refused here with a message saying how to fix the model.
+    A container child (`nn.ModuleList` / `nn.ModuleDict`) has no `forward`, so a wrapper's forward hooks on it would
+    never run (`fully_shard` refuses it; `replicate` would silently skip the gradient all-reduce): its items take its
+    place, recursively.
     """
-    direct = [name for name, _ in root.named_parameters(recurse=False)]
-    if direct:
-        raise ValueError(
-            f"{type(root).__name__} registers parameters directly on the LightningModule ({direct}). The"
-            " lightning_dpar strategies wrap its child modules; move these parameters into a submodule (e.g."
-            " `self.model = MyModel()`)."
-        )
-    return [
-        name for name, child in root.named_children() if name not in covered and any(True for _ in child.parameters())
-    ]
+    roots: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            fqn = f"{prefix}{name}"
+            if not any(True for _ in child.parameters()):
+                continue
+            if isinstance(child, CONTAINERS):
+                if direct_parameters(child):
+                    raise ValueError(
+                        f"Container {fqn!r} ({type(child).__name__}) holds parameters of its own"
+                        f" ({direct_parameters(child)}); put them in a module that the model calls."
+                    )
+                visit(f"{fqn}.", child)
+            else:
+                roots.append(fqn)
+
+    visit("", root)
+    return roots
 
 
 def apply_fully_shard(
@@ -101,7 +151,7 @@ def apply_fully_shard(
     common: dict[str, Any] = {"mesh": mesh, "offload_policy": offload}
     if ignored_params:
         common["ignored_params"] = ignored_params
-    # Reverse pre-order visits descendants before ancestors, as nested fully_shard requires.
+    # Deepest first (a stable sort by depth): nested `fully_shard` must wrap descendants before their ancestors.
     for fqn in sorted(units, key=_depth, reverse=True):
         fully_shard(
             root.get_submodule(fqn),
@@ -120,62 +170,32 @@ def apply_fully_shard(
         if not isinstance(child, FSDPModule):
             fully_shard(child, reshard_after_forward=root_reshard, mp_policy=mp_policy(True), **common)
         top_level.append(child)
+    if direct_parameters(root):
+        return [shard_direct_parameters(root, mp_policy(True), common)]
     return top_level  # type: ignore[return-value]
+
+
+#: The LightningModule methods Lightning calls instead of `forward`.
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def shard_direct_parameters(root: nn.Module, policy: MixedPrecisionPolicy, common: Mapping[str, Any]) -> FSDPModule:
+    """Shard the parameters registered on the LightningModule itself with a `fully_shard` unit on it.
+
+    Lightning calls the step methods, not `forward`, so they are registered as FSDP forward methods: the unit's
+    parameters are gathered for each step and their gradients reduce-scattered after its backward. The unit is the
+    root of all others and keeps its parameters gathered from forward to backward (FSDP's rule for the root); batch
+    inputs are not cast (`cast_forward_inputs=False`), the children cast their own.
+    """
+    fully_shard(root, mp_policy=replace(policy, cast_forward_inputs=False), reshard_after_forward=False, **common)
+    for name in STEP_METHODS:
+        if callable(getattr(root, name, None)):
+            register_fsdp_forward_method(root, name)
+    return root  # type: ignore[return-value]
 
 
 def _depth(fqn: str) -> int:
     return fqn.count(".")
-
-
-COMPRESS_HOOK_DTYPES: dict[str, torch.dtype] = {"bf16_compress": torch.bfloat16, "fp16_compress": torch.float16}
-
-
-def compressed_allreduce_hook(dtype: torch.dtype) -> Callable[..., Any]:
-    """A DDP comm hook that all-reduces each gradient bucket in `dtype` (halving the bytes on the wire).
-
-    Same arithmetic as torch's `bf16_compress_hook` / `fp16_compress_hook`, but backend-agnostic: torch's bf16 hook
-    refuses anything but NCCL, which would make the option untestable on CPU (gloo reduces bf16 fine). Like torch's,
-    it also serves DDP's Python reducer under compiled autograd, which passes `(grad, param)` instead of a bucket
-    and traces the hook, so it must use a traceable (functional) all-reduce.
-    """
-
-    # No annotations: DDP checks them with `inspect` and this module's postponed (string) annotations fail that check.
-    def hook(process_group, bucket):  # type: ignore[no-untyped-def]
-        group = process_group if process_group is not None else dist.group.WORLD
-        buffer = bucket[0] if isinstance(bucket, tuple) else bucket.buffer()
-        compressed = buffer.to(dtype).div_(dist.get_world_size(group))
-        if torch.compiler.is_compiling():
-            return buffer.copy_(functional_all_reduce(compressed, "sum", group))
-        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-        def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            buffer.copy_(fut.value()[0])
-            return buffer
-
-        return future.then(decompress)
-
-    hook.__name__ = f"{dtype}_compress_hook".replace("torch.", "")
-    return hook
-
-
-def resolve_comm_hook(comm_hook: CommHook | None) -> Callable[..., Any] | None:
-    """A DDP communication hook from its name (`bf16_compress`, `fp16_compress`), its import path, or itself."""
-    if comm_hook is None or callable(comm_hook):
-        return comm_hook
-    if comm_hook in COMPRESS_HOOK_DTYPES:
-        return compressed_allreduce_hook(COMPRESS_HOOK_DTYPES[comm_hook])
-    module_name, _, attribute = comm_hook.rpartition(".")
-    if module_name:  # an import path, as a YAML config writes a callable
-        try:
-            hook = getattr(importlib.import_module(module_name), attribute, None)
-        except ImportError:
-            hook = None
-        if callable(hook):
-            return hook
-    raise ValueError(
-        f"`comm_hook={comm_hook!r}` is unknown. Use one of {sorted(COMPRESS_HOOK_DTYPES)}, a DDP comm-hook callable,"
-        " or its import path (`package.module.hook`)."
-    )
 
 
 def apply_ddp_replicate(
@@ -234,28 +254,3 @@ def check_not_wrapped_by_other_parallelism(module: nn.Module, strategy_name: str
                 " own parallelism. Remove the wrapper from your model (or `configure_model`) and pass the plain"
                 " module."
             )
-
-
-def materialize_meta_tensors(root: nn.Module, device: torch.device) -> None:
-    """Allocate meta-device params/buffers on `device` (local shards only) and initialise them.
-
-    Each module with meta tensors must implement `reset_parameters()`; otherwise it would hold uninitialised memory,
-    so we refuse rather than train on garbage.
-    """
-    if not any(t.is_meta for t in itertools.chain(root.parameters(), root.buffers())):
-        return
-    needs_init = [
-        m
-        for m in root.modules()
-        if any(t.is_meta for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
-    ]
-    missing = sorted({type(m).__name__ for m in needs_init if not callable(getattr(m, "reset_parameters", None))})
-    if missing:
-        raise TypeError(
-            f"Modules {missing} were created on the meta device but define no `reset_parameters()`, so their"
-            " shards cannot be initialised. Implement `reset_parameters()` or build them without `empty_init`."
-        )
-    root.to_empty(device=device)
-    with torch.no_grad():
-        for module in needs_init:
-            module.reset_parameters()

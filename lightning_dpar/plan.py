@@ -8,11 +8,12 @@ same way (and with the same message) in training, on every rank, and in the `pla
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Union
 
 import torch.nn as nn
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -35,39 +36,76 @@ __all__ = [
 ]
 
 StyleSpec = Union[str, ParallelStyle]
-TPPlanSpec = Mapping[str, StyleSpec]
+#: `{module-name pattern: style}`, or `"auto"`: the plan of the transformers model the LightningModule holds.
+TPPlanSpec = Union[Mapping[str, StyleSpec], str]
+AUTO = "auto"
 ModuleSelector = Union[str, type]
 
-STYLE_NAMES: dict[str, type[ParallelStyle]] = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-    "sequence_parallel": SequenceParallel,
+#: Builds a style for one module: a named style can depend on the module (row-wise on an `nn.Embedding` shards the
+#: vocabulary and keeps the token ids whole). `None` means "leave this module unsharded".
+StyleBuilder = Callable[[nn.Module], ParallelStyle | None]
+
+
+def rowwise_style(module: nn.Module) -> ParallelStyle:
+    """Row-wise: split a Linear's input features, or an Embedding's vocabulary rows with the token ids whole."""
+    # An embedding's input is token ids, which cannot be split along a hidden dim: keep them whole (torchtitan's
+    # layout for token embeddings); each rank looks up its vocabulary rows and the partial sums are all-reduced.
+    return RowwiseParallel(input_layouts=Replicate()) if isinstance(module, nn.Embedding) else RowwiseParallel()
+
+
+STYLE_NAMES: dict[str, StyleBuilder] = {
+    "colwise": lambda module: ColwiseParallel(),
+    "rowwise": rowwise_style,
+    "sequence_parallel": lambda module: SequenceParallel(),
 }
 
-#: Styles that shard a module's weight, and the module types whose weight layout they understand.
-_WEIGHT_SHARDING_STYLES: dict[type[ParallelStyle], tuple[type[nn.Module], ...]] = {
-    ColwiseParallel: (nn.Linear, nn.Embedding),
-    RowwiseParallel: (nn.Linear, nn.Embedding),
+
+@dataclass(frozen=True)
+class NamedStyle:
+    """A style given by name (ours, or a `transformers` style name): built per module when the plan is resolved."""
+
+    name: str
+    build: StyleBuilder
+
+    def __repr__(self) -> str:
+        return repr(self.name)
+
+
+PlanStyle = Union[NamedStyle, ParallelStyle]
+
+#: Styles that shard a module's weight, the module types whose weight layout they understand, and for each type the
+#: weight dim that is split (column-wise splits the output features, row-wise the input features / vocabulary).
+_WEIGHT_SHARDING_STYLES: dict[type[ParallelStyle], dict[type[nn.Module], tuple[int, str]]] = {
+    ColwiseParallel: {nn.Linear: (0, "out_features"), nn.Embedding: (1, "embedding_dim")},
+    RowwiseParallel: {nn.Linear: (1, "in_features"), nn.Embedding: (0, "num_embeddings")},
 }
 
 
-def parse_style(pattern: str, spec: StyleSpec) -> ParallelStyle:
-    """A style object from a name (`"colwise"`, `"rowwise"`, `"sequence_parallel"`) or a `ParallelStyle`."""
-    if isinstance(spec, ParallelStyle):
+def parse_style(pattern: str, spec: StyleSpec) -> PlanStyle:
+    """A style from a name (`"colwise"`, `"rowwise"`, `"sequence_parallel"`, or a `transformers` style name such as
+    `"colwise_gather_output"`; see `lightning_dpar.hf_plan`) or a `ParallelStyle` instance, used as given."""
+    from lightning_dpar.hf_plan import HF_STYLES
+
+    if isinstance(spec, (ParallelStyle, NamedStyle)):
         return spec
-    if isinstance(spec, str) and spec.lower() in STYLE_NAMES:
-        return STYLE_NAMES[spec.lower()]()
+    if isinstance(spec, str):
+        builder = STYLE_NAMES.get(spec.lower()) or HF_STYLES.get(spec.lower())
+        if builder is not None:
+            return NamedStyle(spec.lower(), builder)
     raise ValueError(
-        f"tp_plan[{pattern!r}] = {spec!r} is not a tensor-parallel style. Use one of {sorted(STYLE_NAMES)} or a"
-        " `torch.distributed.tensor.parallel.ParallelStyle` instance (in YAML: a `class_path` entry)."
+        f"tp_plan[{pattern!r}] = {spec!r} is not a tensor-parallel style. Use one of"
+        f" {sorted({*STYLE_NAMES, *HF_STYLES})} or a `torch.distributed.tensor.parallel.ParallelStyle` instance (in"
+        " YAML: a `class_path` entry)."
     )
 
 
-def parse_tp_plan(plan: TPPlanSpec | None) -> dict[str, ParallelStyle] | None:
+def parse_tp_plan(plan: TPPlanSpec | None) -> dict[str, PlanStyle] | None:
     """Validate a user plan's keys and styles; `None` stays `None` (no plan from this source)."""
     if plan is None:
         return None
     if not isinstance(plan, Mapping):
+        if plan == AUTO:
+            raise ValueError(f"tp_plan={AUTO!r} is resolved against the model; this function takes a mapping.")
         raise TypeError(f"`tp_plan` must map module-name patterns to styles, got {type(plan).__name__}: {plan!r}.")
     parsed = {}
     for pattern, spec in plan.items():
@@ -85,15 +123,20 @@ def fqn_matches(pattern: str, fqn: str) -> bool:
     )
 
 
-def resolve_tp_plan(root: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
-    """Expand patterns into concrete module names, checking every pattern matches and every style fits its module.
+def resolve_tp_plan(
+    root: nn.Module, plan: Mapping[str, PlanStyle], tensor_parallel_size: int = 1
+) -> dict[str, ParallelStyle]:
+    """Expand patterns into concrete module names, checking every pattern matches, every style fits its module and
+    `tensor_parallel_size` divides every dimension (and head count) it splits.
 
     Returns `{fqn: style}` in module order; one module matched by two patterns is an error, not a silent override.
+    A named style that means "replicate" (`"replicate"`) leaves its modules out. Pure (no process group), so a bad
+    plan fails on every rank before any collective, and in the `plan` dry run, with the same message.
     """
     resolved: dict[str, ParallelStyle] = {}
     matched_by: dict[str, str] = {}
     modules = [(fqn, module) for fqn, module in root.named_modules() if fqn]
-    for pattern, style in plan.items():
+    for pattern, spec in plan.items():
         hits = [(fqn, module) for fqn, module in modules if fqn_matches(pattern, fqn)]
         if not hits:
             raise ValueError(
@@ -106,20 +149,88 @@ def resolve_tp_plan(root: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[
                     f"Module {fqn!r} is matched by both tp_plan patterns {matched_by[fqn]!r} and {pattern!r};"
                     " make the patterns disjoint."
                 )
-            _check_style_fits(fqn, module, style)
             matched_by[fqn] = pattern
+            style = spec.build(module) if isinstance(spec, NamedStyle) else spec
+            if style is None:
+                continue
+            _check_style_fits(fqn, module, style)
+            _check_divisible(fqn, module, style, tensor_parallel_size)
             resolved[fqn] = style
+    _check_head_counts(root, resolved, tensor_parallel_size)
     return resolved
 
 
 def _check_style_fits(fqn: str, module: nn.Module, style: ParallelStyle) -> None:
     for style_type, module_types in _WEIGHT_SHARDING_STYLES.items():
-        if type(style) is style_type and not isinstance(module, module_types):
+        if type(style) is style_type and not isinstance(module, tuple(module_types)):
             raise ValueError(
                 f"tp_plan style {style_type.__name__} cannot shard {fqn!r} ({type(module).__name__}): it supports"
                 f" {' and '.join(t.__name__ for t in module_types)} only. Point the pattern at the Linear layers"
                 " inside that module (e.g. '<block>.*.fc1') or give a custom ParallelStyle."
             )
+
+
+def _sharded_dim(module: nn.Module, style: ParallelStyle) -> tuple[str, int] | None:
+    """(attribute name, size) of the weight dim `style` splits on `module`; `None` if it splits none we know."""
+    for module_type, (dim, attribute) in _WEIGHT_SHARDING_STYLES.get(type(style), {}).items():
+        if isinstance(module, module_type):
+            return attribute, module.weight.shape[dim]
+    return None
+
+
+def _check_divisible(fqn: str, module: nn.Module, style: ParallelStyle, tensor_parallel_size: int) -> None:
+    sharded = _sharded_dim(module, style)
+    if sharded is not None and sharded[1] % tensor_parallel_size:
+        attribute, size = sharded
+        raise ValueError(
+            f"`tensor_parallel_size={tensor_parallel_size}` does not divide {attribute}={size} of module {fqn!r},"
+            f" which {type(style).__name__} splits across the tensor-parallel ranks. Use a tensor-parallel size among"
+            f" {_divisors(size)} (for `dpar_2d` the default is the devices of one node), or change the model."
+        )
+
+
+#: Head-count attributes of attention modules and model configs (torch, transformers, LitGPT spellings).
+HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "n_head", "num_key_value_heads", "n_query_groups")
+
+
+def _check_head_counts(root: nn.Module, resolved: Mapping[str, ParallelStyle], tensor_parallel_size: int) -> None:
+    """Column-wise q/k/v projections give each rank `heads / tp` whole heads: the head counts must divide.
+
+    Two sources: a `head_dim` attribute on a parent of a column-wise Linear (its heads are out_features / head_dim),
+    and the head counts of the `config` of a module above any tensor-parallel module (transformers, LitGPT).
+    """
+    if tensor_parallel_size == 1 or not resolved:
+        return
+    for fqn, style in resolved.items():
+        parent_fqn, _, _ = fqn.rpartition(".")
+        parent = root.get_submodule(parent_fqn)
+        head_dim = getattr(parent, "head_dim", None)
+        module = root.get_submodule(fqn)
+        keeps_heads_split = isinstance(style, ColwiseParallel) and Replicate() not in style.output_layouts
+        if keeps_heads_split and isinstance(module, nn.Linear) and isinstance(head_dim, int):
+            heads, rest = divmod(module.out_features, head_dim)
+            if not rest and heads % tensor_parallel_size:
+                raise ValueError(
+                    f"`tensor_parallel_size={tensor_parallel_size}` does not divide the {heads} heads of {fqn!r}"
+                    f" (out_features {module.out_features} = {heads} heads x head_dim {head_dim}): each rank must hold"
+                    f" whole heads. Use a tensor-parallel size among {_divisors(heads)}."
+                )
+    for fqn, module in root.named_modules():
+        config = getattr(module, "config", None)
+        if config is None or not any(name == fqn or name.startswith(f"{fqn}.") or not fqn for name in resolved):
+            continue
+        for attribute in HEAD_COUNT_ATTRIBUTES:
+            count = getattr(config, attribute, None)
+            if isinstance(count, int) and not isinstance(count, bool) and count % tensor_parallel_size:
+                raise ValueError(
+                    f"`tensor_parallel_size={tensor_parallel_size}` does not divide {attribute}={count} of the"
+                    f" {type(module).__name__} at {fqn or '<root>'!r}: column-wise attention projections must give"
+                    f" each rank whole heads. Use a tensor-parallel size among {_divisors(count)}."
+                )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _examples(names: Iterable[str], limit: int = 6) -> str:
@@ -167,11 +278,16 @@ def repeated_blocks(root: nn.Module) -> list[str]:
 
 @dataclass(frozen=True)
 class ModulePlan:
-    """What will be applied to which module, in application order (TP, activation checkpointing, FSDP)."""
+    """What will be applied to which module, in application order (TP, activation checkpointing, compile, FSDP).
+
+    `adopted` marks a model the user parallelised in `configure_model`: no TP or activation checkpointing is added.
+    """
 
     tensor_parallel: dict[str, ParallelStyle]
     activation_checkpointing: list[str]
     shard_units: list[str]
+    compile_units: list[str] = field(default_factory=list)
+    adopted: bool = False
 
 
 def resolve_blocks(root: nn.Module, spec: Sequence[ModuleSelector] | None, what: str) -> list[str]:

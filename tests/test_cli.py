@@ -103,13 +103,17 @@ def test_config_parses_to_its_strategy_without_inheriting_the_default_arguments(
 
 
 def test_tp_plan_written_in_yaml_gives_style_objects():
-    strategy = parse("--config", str(CONFIGS / "2d_tp_plan.yaml")).trainer.strategy
-    styles = {pattern: type(style) for pattern, style in strategy._tp_plan.items()}
-    assert styles == {
-        "model.blocks.*.attn.[qkv]": ColwiseParallel,
-        "model.blocks.*.attn.proj": RowwiseParallel,
-        "model.blocks.*.mlp.fc": ColwiseParallel,
-        "model.blocks.*.mlp.proj": RowwiseParallel,
+    cli = parse("--config", str(CONFIGS / "2d_tp_plan.yaml"))
+    strategy = cli.trainer.strategy
+    dims = strategy.resolve_dims(world_size=4, devices_per_node=4, num_nodes=1)
+    styles = {fqn: type(style) for fqn, style in strategy.module_plan(cli.model, dims).tensor_parallel.items()}
+    assert {fqn: style for fqn, style in styles.items() if fqn.startswith("model.blocks.0.")} == {
+        "model.blocks.0.attn.q": ColwiseParallel,
+        "model.blocks.0.attn.k": ColwiseParallel,
+        "model.blocks.0.attn.v": ColwiseParallel,
+        "model.blocks.0.attn.proj": RowwiseParallel,
+        "model.blocks.0.mlp.fc": ColwiseParallel,
+        "model.blocks.0.mlp.proj": RowwiseParallel,
     }
 
 
@@ -204,7 +208,7 @@ def test_example_configs_agree_where_the_math_is_the_same(configs_run):
 @pytest.mark.parametrize("name", ["2d", "2d_tp_plan", "hsdp", "fsdp", "replicate"])
 def test_plan_dry_run_predicts_the_real_runs_local_shapes(configs_run, name):
     """`plan` (one process, meta device, fake process group) gives rank 0 the shards the 4-rank run gave it."""
-    from lightning_dpar.dry_run import plan
+    from lightning_dpar.plan_report import plan
     from tests.workers.cli import TINY
 
     cli = cli_main(["--config", str(CONFIGS / f"{name}.yaml"), *TINY], run=False, model_on_meta=True)

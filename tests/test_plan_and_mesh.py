@@ -11,6 +11,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import lightning_dpar
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.plan import (
+    NamedStyle,
     fqn_matches,
     parse_tp_plan,
     repeated_blocks,
@@ -53,7 +54,8 @@ def test_fqn_matching_is_per_segment():
 
 def test_style_names_and_objects():
     plan = parse_tp_plan({"a": "colwise", "b": "ROWWISE", "c": "sequence_parallel", "d": RowwiseParallel()})
-    assert [type(s) for s in plan.values()] == [ColwiseParallel, RowwiseParallel, SequenceParallel, RowwiseParallel]
+    styles = [s.build(nn.Linear(2, 2)) if isinstance(s, NamedStyle) else s for s in plan.values()]
+    assert [type(s) for s in styles] == [ColwiseParallel, RowwiseParallel, SequenceParallel, RowwiseParallel]
 
 
 def test_unknown_style_is_refused_at_strategy_construction():
@@ -138,13 +140,23 @@ def test_supported_precision_maps_to_the_package_plugin(precision):
     assert policy.reduce_dtype == (torch.float32 if precision == "bf16-mixed" else None)
 
 
-def test_parameters_on_the_lightning_module_itself_are_refused():
-    from lightning_dpar.parallelize import data_parallel_roots
+def test_parameters_on_the_lightning_module_itself_get_a_unit_on_it():
+    from lightning_dpar.plan_report import ROOT, plan
 
-    class Bad(L.LightningModule):
+    class Direct(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.scale = nn.Parameter(torch.ones(1))
+            self.body = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.ones(4))
 
-    with pytest.raises(ValueError, match=r"registers parameters directly on the LightningModule \(\['scale'\]\)"):
-        data_parallel_roots(Bad())
+        def reset_parameters(self) -> None:  # what initialises `scale` when built on the meta device
+            nn.init.ones_(self.scale)
+
+        def training_step(self, batch, batch_idx):
+            return (self.body(batch) * self.scale).sum()
+
+    with torch.device("meta"):
+        module = Direct()
+    report = plan(lightning_dpar.FullyShardStrategy(), module, world_size=2)
+    assert report.modules[ROOT] == ["FSDP unit (its own parameters; step methods gather them)"]
+    assert report.modules["body"] == ["FSDP unit"]

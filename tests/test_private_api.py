@@ -34,7 +34,7 @@ HANDLED_TYPES = (L.LightningModule, L.Trainer, LightningOptimizer, Strategy, tor
 HANDLED_TYPES += (DeviceMesh, DTensor)
 #: Known uses being removed on another branch of issue 12 (the dry run setting the strategy's attributes); an entry
 #: that no longer occurs fails the test, so the list shrinks to nothing when that branch is merged.
-PENDING = {("dry_run.py", "strategy._device_mesh")}
+PENDING: set[tuple[str, str]] = set()
 #: Underscored names torch documents as API: the "Foreach Operations" page (beta) lists `torch._foreach_*`, which
 #: `torch.nn.utils.clip_grad_norm_` itself uses.
 DOCUMENTED = ("torch._foreach_",)

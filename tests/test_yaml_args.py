@@ -9,10 +9,12 @@ import pytest
 import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import lightning_dpar
+from lightning_dpar.plan import NamedStyle
 
 pytestmark = pytest.mark.usefixtures("no_pytest_argv")
 
@@ -50,7 +52,8 @@ def test_2d_every_argument_from_yaml(tmp_path):
         },
     )
     assert isinstance(strategy, lightning_dpar.FSDPTensorParallelStrategy)
-    assert isinstance(strategy._tp_plan["layers.*.fc1"], ColwiseParallel)
+    colwise = strategy._tp_plan["layers.*.fc1"]  # a named style, built per module when the plan is resolved
+    assert isinstance(colwise, NamedStyle) and isinstance(colwise.build(nn.Linear(2, 2)), ColwiseParallel)
     rowwise = strategy._tp_plan["layers.*.fc2"]
     assert isinstance(rowwise, RowwiseParallel) and rowwise.use_local_output is False
     assert strategy._shard_modules == ["Block", "layers.*"]

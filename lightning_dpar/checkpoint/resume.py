@@ -210,28 +210,38 @@ class ResumeState:
                 record["data_position"] = self.train_sampler.position(batches).as_dict()
         return record
 
-    def position_loader(self, dataloader: object, data_parallel_size: int | None) -> str:
+    def position_loader(self, dataloader: object, data_parallel_size: int | None) -> tuple[str, bool]:
         """Make the training loader resumable mid-epoch and position it where the loaded checkpoint left off.
-        Returns how the epoch resumes, in words, for the one line the strategy logs."""
+        Returns one line saying how the epoch resumes, and whether the resume is exact."""
         self.train_sampler = make_resumable(dataloader)
         position = self.pending.get("data_position")
         seen = self.pending.get("epoch_batches", {})
-        batches = seen.get("batches", 0)
+        epoch, batches = seen.get("epoch", 0), seen.get("batches", 0)
+        same_size = seen.get("data_parallel_size") == data_parallel_size
         if self.train_sampler is not None and position is not None:
             self.train_sampler.start_at(DataPosition(**position))
-            exact = seen.get("data_parallel_size") == data_parallel_size
-            how = "exactly the batches" if exact else "every remaining sample once (data-parallel size changed)"
-            return f"the training data resumes at batch {batches} of epoch {seen.get('epoch', 0)}: {how}"
-        if batches > 0 and seen.get("data_parallel_size") == data_parallel_size:
-            self.batches_to_skip = batches  # a custom sampler: replay and drop them in `skip_seen_batches`
-            return f"the {batches} batches of this epoch seen before the checkpoint are replayed and dropped"
-        if batches > 0:
+            if same_size:
+                return (
+                    f"Resuming epoch {epoch} after {batches} batches: exact (the distributed sampler continues from"
+                    " the checkpoint's position).",
+                    True,
+                )
             return (
-                "the checkpoint was saved mid-epoch with another data-parallel size, and the training loader has a"
-                " custom sampler or batch sampler, whose position cannot be mapped: this epoch restarts from its first"
-                " batch. Use a plain `DataLoader(dataset, batch_size=...)` (Lightning adds the distributed sampler)"
+                f"Resuming epoch {epoch} after {batches} batches: not the same batches, because the data-parallel size"
+                f" changed from {seen.get('data_parallel_size')} to {data_parallel_size}; every remaining sample of"
+                " the epoch is still seen once.",
+                True,
             )
-        return "the checkpoint was saved at an epoch boundary"
+        if batches > 0 and same_size:
+            self.batches_to_skip = batches  # a custom sampler: replay and drop them in `skip_seen_batches`
+            return f"Resuming epoch {epoch} after {batches} batches (custom sampler).", True
+        return (
+            "Resuming not exactly: the checkpoint was saved mid-epoch with another data-parallel size, and the"
+            " training loader has a custom sampler or batch sampler, whose position cannot be mapped: this epoch"
+            " restarts from its first batch. Use a plain `DataLoader(dataset, batch_size=...)` (Lightning adds the"
+            " distributed sampler).",
+            False,
+        )
 
     def restore_rng(self, world_size: int, global_rank: int) -> str | None:
         """Restore this rank's RNG streams; returns a note when they cannot be mapped to this world size."""
@@ -257,8 +267,13 @@ def skip_seen_batches(state: ResumeState, trainer: Any) -> None:
         return  # not resuming inside the epoch the checkpoint was taken in (e.g. saved at its end)
     iterator = unfetched_training_iterator(trainer)
     if iterator is None:
-        rank_zero_warn(f"Could not skip the {skip} batches already seen this epoch; the epoch restarts.")
+        rank_zero_warn(
+            f"Resuming not exactly: could not skip the {skip} batches already seen this epoch; the epoch restarts."
+        )
         return
-    rank_zero_info(f"Skipping the {skip} batches of this epoch seen before the checkpoint (custom sampler).")
+    rank_zero_info(
+        f"Resuming after {skip} batches of this epoch: exact (the custom sampler's batches seen before the"
+        " checkpoint are drawn again and skipped)."
+    )
     for _ in range(skip):
         next(iterator, None)

@@ -1,11 +1,12 @@
 """What every lightning_dpar strategy shares: process group and mesh, launch, data-parallel sampling and reductions,
 precision, gradient-sync control, checkpointing, and the fixed order in which parallelism is applied.
 
-A concrete strategy only says how it wraps the model for data parallelism (`_wrap_data_parallel`).
+A concrete strategy only says how it wraps the model for data parallelism (`data_parallel_wrapper`).
 """
 
 from __future__ import annotations
 
+import warnings
 from abc import abstractmethod
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -21,7 +22,9 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,6 +33,7 @@ from torch.optim import Optimizer
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import (
     IS_INTERACTIVE,
+    StrategyRegistryType,
     attach_device_mesh,
     init_dist_connection,
     optimizers_to_device,
@@ -39,11 +43,15 @@ from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.checkpoint.resume import skip_seen_batches
 from lightning_dpar.compilation import CompileSpec, compile_options, compile_units
+from lightning_dpar.hf_plan import transformers_tp_plan
 from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
-from lightning_dpar.mesh import TENSOR_PARALLEL, ParallelDims, SizeArg, build_device_mesh
+from lightning_dpar.materialize import check_initialisable
+from lightning_dpar.mesh import TENSOR_PARALLEL, MeshLayout, ParallelDims, SizeArg, build_device_mesh
 from lightning_dpar.plan import (
+    AUTO,
     ModulePlan,
     ModuleSelector,
+    PlanStyle,
     TPPlanSpec,
     parse_tp_plan,
     resolve_activation_checkpointing,
@@ -64,6 +72,9 @@ __all__ = [
 ]
 
 StartMethod = Literal["popen", "fork", "spawn"]
+
+#: Lightning's warning on a mid-epoch resume whose loader has no `state_dict`; ours resumes without one.
+LIGHTNING_RESUME_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
 def _attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
@@ -133,7 +144,7 @@ class DparStrategy(ParallelStrategy):
         self._tensor_parallel_size = tensor_parallel_size
         self._data_parallel_size = data_parallel_size
         self._replicate_size = replicate_size
-        self._tp_plan = parse_tp_plan(tp_plan)
+        self._tp_plan = tp_plan if tp_plan == AUTO else parse_tp_plan(tp_plan)
         self._activation_checkpointing = activation_checkpointing
         self._compile_options = compile_options(compile)
         self._process_group_backend = process_group_backend
@@ -150,6 +161,16 @@ class DparStrategy(ParallelStrategy):
         #: The single owner of save, load, async writes, removal and the resume state (`checkpoint.manager`).
         self.checkpoints = CheckpointManager(checkpoint_format, async_save, timeout)
         self._pretrained = to_pretrained_weights(pretrained)
+
+    @classmethod
+    def register_class_names(cls, strategy_registry: StrategyRegistryType) -> None:
+        """Register the class's name and import paths, lower-cased as Lightning looks strategy strings up, so a
+        LightningCLI given `--trainer.strategy=FullyShardStrategy` or `=lightning_dpar.FullyShardStrategy` (no init
+        args: jsonargparse then passes the string through) builds the strategy instead of rejecting the name."""
+        for name in {cls.__name__, f"lightning_dpar.{cls.__name__}", f"{cls.__module__}.{cls.__qualname__}"}:
+            strategy_registry.register(
+                name.lower(), cls, description=f"{cls.__name__}, by class name or import path", override=True
+            )
 
     # ------------------------------------------------------------------ precision
     @property
@@ -216,6 +237,7 @@ class DparStrategy(ParallelStrategy):
         self.set_world_ranks()
         # Validate the layout before any collective: a bad size fails identically on every rank, never hangs.
         self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
+        self._check_plan_before_collectives()
         if not dist.is_initialized():
             reset_seed()
             self._process_group_backend = self._process_group_backend or dist.get_default_backend_for_device(
@@ -232,6 +254,20 @@ class DparStrategy(ParallelStrategy):
             self._device_mesh, self._data_parallel_mesh = build_device_mesh(self.dims, self.root_device.type)
         assert self.lightning_module is not None
         attach_device_mesh(self.lightning_module, self._device_mesh)
+
+    def _check_plan_before_collectives(self) -> None:
+        """Resolve the plan of a model that exists already (no `configure_model`) before the process group: a plan
+        that does not fit (e.g. a tensor-parallel size that does not divide a sharded dimension) fails on every rank
+        with the same message, before any rank waits in a collective."""
+        module = self.lightning_module
+        if (
+            module is not None
+            and not is_overridden("configure_model", module)
+            and not parallelize.is_parallelized(module)  # e.g. `validate` after `fit`: planned and applied already
+            and any(True for _ in module.parameters())
+        ):
+            assert self.dims is not None
+            self.module_plan(module, self.dims)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -258,18 +294,55 @@ class DparStrategy(ParallelStrategy):
         with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
-    def module_plan(self, module: nn.Module) -> ModulePlan:
-        """What will be applied to which submodule; pure (no process group), so the dry-run prints the same plan."""
-        tp_plan = self._tp_plan if self._tp_plan is not None else parse_tp_plan(getattr(module, "tp_plan", None))
-        dims = self.dims
-        tensor_parallel = resolve_tp_plan(module, tp_plan) if tp_plan and dims and dims.tensor_parallel > 1 else {}
+    def module_plan(self, module: nn.Module, dims: ParallelDims | None = None) -> ModulePlan:
+        """What will be applied to which submodule on a world of `dims` (default: this run's).
+
+        Pure (no process group): it runs on every rank before any collective, and in the `plan` dry run, so a plan
+        that does not fit the model (a pattern matching nothing, a tensor-parallel size that does not divide a
+        sharded dimension or head count) fails the same way everywhere.
+        """
+        dims = dims if dims is not None else self.dims
+        assert dims is not None, "the mesh sizes are resolved in `setup_environment`"
+        parallelize.check_not_wrapped_by_other_parallelism(module, type(self).__name__)
+        if parallelize.is_parallelized(module):
+            self._check_adoptable(module)
+            shard_units = self._shard_units(module)
+            return ModulePlan({}, [], shard_units, compile_units(module, shard_units), adopted=True)
+        tp_plan = self._tp_plan_for(module, dims)
+        tensor_parallel = resolve_tp_plan(module, tp_plan, dims.tensor_parallel) if tp_plan else {}
         shard_units = self._shard_units(module)
+        parallelize.data_parallel_roots(module)  # refuses containers holding parameters of their own
+        check_initialisable(module)
         return ModulePlan(
             tensor_parallel=tensor_parallel,
             activation_checkpointing=resolve_activation_checkpointing(
                 module, self._activation_checkpointing, shard_units
             ),
             shard_units=shard_units,
+            compile_units=compile_units(module, shard_units),
+        )
+
+    def _tp_plan_for(self, module: nn.Module, dims: ParallelDims) -> dict[str, PlanStyle] | None:
+        """The plan's source, first found: the strategy's `tp_plan` argument, the LightningModule's `tp_plan`
+        attribute, the plan of the transformers model it holds (also what `tp_plan="auto"` asks for)."""
+        if dims.tensor_parallel == 1:
+            return None
+        attribute = getattr(module, "tp_plan", None)
+        for source in (self._tp_plan, attribute):
+            if source is not None and source != AUTO:
+                return parse_tp_plan(source)
+        plan = parse_tp_plan(transformers_tp_plan(module))
+        if plan is not None:
+            return plan
+        name = type(module).__name__
+        if AUTO in (self._tp_plan, attribute):
+            found = f"`tp_plan='auto'` found no transformers model with a tensor-parallel plan in {name}"
+        else:
+            found = f"none was given (strategy argument, `tp_plan` attribute on {name}, or a transformers model's plan)"
+        raise ValueError(
+            f"`tensor_parallel_size={dims.tensor_parallel}` needs a `tp_plan`, but {found}. Give a `tp_plan`"
+            " ({module-name pattern: style}), or write a `configure_model` that parallelises the model with"
+            " `self.device_mesh`."
         )
 
     def _shard_units(self, module: nn.Module) -> list[str]:
@@ -277,49 +350,39 @@ class DparStrategy(ParallelStrategy):
         return []
 
     @abstractmethod
-    def _wrap_data_parallel(self, module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
-        """Apply the data-parallel wrapper; return the modules whose gradient sync `block_backward_sync` controls."""
+    def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
+        """The function that applies this strategy's data-parallel wrapper on `layout`; it sets no strategy state,
+        so the `plan` dry run can call it on a fake world."""
 
-    def _check_tensor_parallel_config(self, module: nn.Module) -> None:
-        if (
-            self.dims is not None
-            and self.dims.tensor_parallel > 1
-            and not (self._tp_plan or getattr(module, "tp_plan", None))
-        ):
-            raise ValueError(
-                f"`tensor_parallel_size={self.dims.tensor_parallel}` needs a `tp_plan` (strategy argument or a"
-                f" `tp_plan` attribute on {type(module).__name__}) or a `configure_model` that parallelises the"
-                " model with `self.device_mesh`."
-            )
-
-    def _apply_parallelism(self, module: nn.Module) -> None:
-        """TP -> activation checkpointing -> compile -> data-parallel wrapper -> materialise meta tensors, each
-        exactly once. A model the user parallelised in `configure_model` is compiled after adoption: in-place
-        `nn.Module.compile` looks the wrapper's hooks up at call time, so it compiles the same blocks either way."""
-        parallelize.check_not_wrapped_by_other_parallelism(module, type(self).__name__)
-        if parallelize.is_parallelized(module):
-            self._adopt_user_parallelism(module)
-            self._compile_blocks(module, self._shard_units(module))
-        else:
-            self._check_tensor_parallel_config(module)
-            plan = self.module_plan(module)
-            if plan.tensor_parallel:
-                parallelize.apply_tensor_parallel(module, self.device_mesh[TENSOR_PARALLEL], plan.tensor_parallel)
-            parallelize.apply_activation_checkpointing(module, plan.activation_checkpointing)
-            self._compile_blocks(module, plan.shard_units)
-            self._grad_sync_modules = self._wrap_data_parallel(module, plan)
-        parallelize.materialize_meta_tensors(module, self.root_device)
-
-    def _compile_blocks(self, module: nn.Module, shard_units: Sequence[str]) -> None:
-        if self._compile_options is not None:
-            parallelize.apply_compile(module, compile_units(module, shard_units), self._compile_options)
-
-    def _adopt_user_parallelism(self, module: nn.Module) -> None:
+    def _check_adoptable(self, module: nn.Module) -> None:
         """A model the user parallelised in `configure_model` is only accepted by strategies that allow it."""
         raise TypeError(
             f"{type(module).__name__} was already parallelised (in `configure_model` or before `fit`);"
             f" {type(self).__name__} applies its own parallelism. Remove the manual `fully_shard` /"
             " `parallelize_module` / `replicate` calls, or use strategy='dpar_2d', which adopts them."
+        )
+
+    @property
+    def compile_options(self) -> dict[str, Any] | None:
+        """The `torch.compile` options each compile unit gets; `None` when not compiling."""
+        return self._compile_options
+
+    @property
+    def mesh_layout(self) -> MeshLayout:
+        """This run's mesh sizes, meshes and device (exists once the processes are initialised)."""
+        assert self.dims is not None and self._data_parallel_mesh is not None
+        return MeshLayout(self.dims, self.device_mesh, self._data_parallel_mesh, self.root_device)
+
+    def _parallelize(self, module: nn.Module) -> None:
+        """The training code path: `apply_plan` with this strategy's plan and wrapper, materialising the shards."""
+        plan = self.module_plan(module)
+        self._grad_sync_modules = parallelize.apply_plan(
+            module,
+            plan,
+            tensor_parallel_mesh=self.device_mesh[TENSOR_PARALLEL],
+            wrap_data_parallel=self.data_parallel_wrapper(self.mesh_layout),
+            compile_options=self._compile_options,
+            materialize_on=self.root_device,
         )
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -329,7 +392,7 @@ class DparStrategy(ParallelStrategy):
         assert module is not None
         if self._parallelized_module is not module:
             module = self.precision_plugin.convert_module(module)
-            self._apply_parallelism(module)
+            self._parallelize(module)
             self._parallelized_module = module
             self._load_pretrained(module, trainer)
         self.model_to_device()
@@ -472,10 +535,16 @@ class DparStrategy(ParallelStrategy):
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         data_parallel = self.dims.data_parallel if self.dims is not None else None
-        resumed = bool(self.checkpoints.resume.pending)
-        how = self.checkpoints.resume.position_loader(dataloader, data_parallel)
-        if resumed:
-            rank_zero_info(f"Resuming: {how}.")
+        mid_epoch = self.checkpoints.resume.pending.get("epoch_batches", {}).get("batches", 0) > 0
+        if mid_epoch:
+            # Lightning judges resumability by the loader's own `state_dict`, which ours does not need; the one line
+            # below (or `skip_seen_batches`'s) says whether this resume is exact instead.
+            warnings.filterwarnings("ignore", message=LIGHTNING_RESUME_WARNING, category=PossibleUserWarning)
+        how, exact = self.checkpoints.resume.position_loader(dataloader, data_parallel)
+        if mid_epoch and exact:
+            rank_zero_info(how)
+        elif mid_epoch:
+            rank_zero_warn(how)
         return dataloader
 
     def on_train_start(self) -> None:

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType
-from lightning_dpar.mesh import SizeArg, fsdp_mesh
+from lightning_dpar.mesh import MeshLayout, SizeArg, fsdp_mesh
 from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, resolve_blocks
 from lightning_dpar.strategies.base import DparStrategy
 
@@ -60,19 +60,29 @@ class FullyShardStrategy(DparStrategy):
         self._shard_modules = None if shard_modules is None else list(shard_modules)
         self._cpu_offload = cpu_offload
 
+    @property
+    def cpu_offload(self) -> bool:
+        """Whether sharded parameters, gradients and optimizer state live in CPU memory."""
+        return self._cpu_offload
+
     def _shard_units(self, module: nn.Module) -> list[str]:
         return resolve_blocks(module, self._shard_modules, "shard_modules")
 
-    def _wrap_data_parallel(self, module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
-        assert self.dims is not None
-        return parallelize.apply_fully_shard(
-            module,
-            fsdp_mesh(self.device_mesh, self.dims),
-            plan.shard_units,
-            self.precision_plugin.mixed_precision_policy,
-            reshard_after_forward=self._reshard_after_forward,
-            cpu_offload=self._cpu_offload,
-        )
+    def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
+        mesh = fsdp_mesh(layout.mesh, layout.dims)
+        mp_policy = self.precision_plugin.mixed_precision_policy
+
+        def wrap(module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
+            return parallelize.apply_fully_shard(
+                module,
+                mesh,
+                plan.shard_units,
+                mp_policy,
+                reshard_after_forward=self._reshard_after_forward,
+                cpu_offload=self._cpu_offload,
+            )
+
+        return wrap
 
     @classmethod
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
@@ -87,6 +97,7 @@ class FullyShardStrategy(DparStrategy):
             override=True,
             replicate_size="auto",
         )
+        cls.register_class_names(strategy_registry)
 
 
 class FSDPTensorParallelStrategy(FullyShardStrategy):
@@ -116,22 +127,28 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
             tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, tp_plan=tp_plan, **kwargs
         )
 
-    def _adopt_user_parallelism(self, module: nn.Module) -> None:
-        """Run a `ModelParallelStrategy`-style `configure_model` unchanged; add FSDP if it only applied TP."""
+    def _check_adoptable(self, module: nn.Module) -> None:
+        """A `ModelParallelStrategy`-style `configure_model` runs unchanged; FSDP is added if it only applied TP."""
         if self._tp_plan is not None:
             raise ValueError(
                 f"{type(module).__name__}.configure_model already parallelised the model, and the strategy was"
                 " also given a `tp_plan`. Use one or the other, so the plan is not applied twice."
             )
-        if parallelize.has_fully_shard(module):
-            self._grad_sync_modules = _outermost_fsdp_modules(module)
-            return
-        plan = ModulePlan(tensor_parallel={}, activation_checkpointing=[], shard_units=self._shard_units(module))
-        self._grad_sync_modules = self._wrap_data_parallel(module, plan)
+
+    def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
+        fully_shard_units = super().data_parallel_wrapper(layout)
+
+        def wrap(module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
+            if plan.adopted and parallelize.has_fully_shard(module):
+                return _outermost_fsdp_modules(module)
+            return fully_shard_units(module, plan)
+
+        return wrap
 
     @classmethod
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register("dpar_2d", cls, description="2D: FSDP2 + tensor parallelism", override=True)
+        cls.register_class_names(strategy_registry)
 
 
 def _outermost_fsdp_modules(root: nn.Module) -> list[nn.Module]:

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType, compiled_autograd, swap_ddp_optimize_mode
+from lightning_dpar.comm_hooks import COMPRESS_HOOK_DTYPES, CommHook, resolve_comm_hook
 from lightning_dpar.compilation import compiled_autograd_compiler
-from lightning_dpar.mesh import REPLICATE, SHARD, ParallelDims, SizeArg
-from lightning_dpar.parallelize import CommHook
+from lightning_dpar.mesh import REPLICATE, SHARD, MeshLayout, ParallelDims, SizeArg
 from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, select_modules
 from lightning_dpar.strategies.base import DparStrategy
+from lightning_dpar.unit_guard import UnitCallGuard
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = [
     "ReplicateStrategy",
@@ -77,7 +86,7 @@ class ReplicateStrategy(DparStrategy):
         if bucket_cap_mb is not None:
             self._ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
         self._comm_hook_spec = comm_hook
-        self._comm_hook = parallelize.resolve_comm_hook(comm_hook)  # validates the name early
+        self._comm_hook = resolve_comm_hook(comm_hook)  # validates the name early
         self._ignored_modules = list(ignored_modules)
         if compiled_autograd and self._compile_options is None:
             raise ValueError(
@@ -86,48 +95,102 @@ class ReplicateStrategy(DparStrategy):
             )
         self._compiled_autograd = compiled_autograd
         self._previous_ddp_optimize_mode: Any = None
+        self._unit_guard: UnitCallGuard | None = None
+        self._direct_parameters: list[nn.Parameter] = []
 
     def resolve_dims(self, world_size: int, devices_per_node: int, num_nodes: int) -> ParallelDims:
         # Every data-parallel rank is a replica: the shard dim has size 1.
         dims = super().resolve_dims(world_size, devices_per_node, num_nodes)
+        if dims.tensor_parallel > 1:
+            self._check_tp_compatible_options()  # a configuration error: before the plan is even looked at
         return ParallelDims(world_size, replicate=dims.data_parallel, shard=1, tensor_parallel=dims.tensor_parallel)
 
-    def _wrap_data_parallel(self, module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.dims is not None
-        ignored = select_modules(module, self._ignored_modules, "ignored_modules") if self._ignored_modules else []
         if self.dims.tensor_parallel == 1:
             self.precision_plugin.autocast_device_type = self.root_device.type
-            if self._compiled_autograd:
+            if self._compiled_autograd and self._previous_ddp_optimize_mode is None:
                 # Before the first forward, when composable `replicate` builds its DDP reducer.
                 self._previous_ddp_optimize_mode = swap_ddp_optimize_mode("python_reducer")
-            group = self.data_parallel_group
-            assert group is not None
-            return parallelize.apply_ddp_replicate(
-                module, group, ignored, self._ddp_kwargs, self._comm_hook, self.root_device
+        super().setup(trainer)
+
+    def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
+        ignored_selectors = self._ignored_modules
+
+        def ignored_fqns(module: nn.Module) -> list[str]:
+            return select_modules(module, ignored_selectors, "ignored_modules") if ignored_selectors else []
+
+        if layout.dims.tensor_parallel == 1:
+
+            def wrap_ddp(module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
+                return parallelize.apply_ddp_replicate(
+                    module,
+                    layout.data_parallel_mesh.get_group(),
+                    ignored_fqns(module),
+                    self._ddp_kwargs,
+                    self._comm_hook,
+                    layout.device,
+                )
+
+            return wrap_ddp
+        reduce_dtype = COMPRESS_HOOK_DTYPES.get(self._comm_hook_spec)  # type: ignore[arg-type]
+        base_policy = self.precision_plugin.mixed_precision_policy
+
+        def mp_policy(top_level: bool) -> MixedPrecisionPolicy:
+            policy = base_policy(top_level)
+            return policy if reduce_dtype is None else replace(policy, reduce_dtype=reduce_dtype)
+
+        def wrap_fsdp_replicas(module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
+            return parallelize.apply_fully_shard(
+                module,
+                layout.mesh[REPLICATE, SHARD],
+                units=[],
+                mp_policy=mp_policy,
+                reshard_after_forward=False,
+                ignored_params=parallelize.ignored_parameters(module, ignored_fqns(module)),
             )
-        self._check_tp_compatible_options()
-        reduce_dtype = parallelize.COMPRESS_HOOK_DTYPES.get(self._comm_hook_spec)  # type: ignore[arg-type]
 
-        def mp_policy(top_level: bool) -> Any:
-            policy = self.precision_plugin.mixed_precision_policy(top_level)
-            if reduce_dtype is None:
-                return policy
-            from dataclasses import replace
+        return wrap_fsdp_replicas
 
-            return replace(policy, reduce_dtype=reduce_dtype)
+    def _parallelize(self, module: nn.Module) -> None:
+        super()._parallelize(module)
+        assert self.dims is not None
+        if self.dims.tensor_parallel == 1:
+            # DDP wraps children only: parameters on the LightningModule itself are all-reduced here, once per
+            # optimizer step (after the last micro-batch's backward, before clipping).
+            self._direct_parameters = [p for _, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if self.dims.tensor_parallel == 1 and not self._compiled_autograd:
+            # Compiled autograd traces the backward, hooks included; the guard's check is eager-only.
+            units = {name: module.get_submodule(name) for name in parallelize.data_parallel_roots(module)}
+            self._unit_guard = UnitCallGuard({n: u for n, u in units.items() if u in self._grad_sync_modules})
 
-        return parallelize.apply_fully_shard(
-            module,
-            self.device_mesh[REPLICATE, SHARD],
-            units=[],
-            mp_policy=mp_policy,
-            reshard_after_forward=False,
-            ignored_params=parallelize.ignored_parameters(module, ignored),
-        )
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._direct_parameters:
+            closure = partial(self._closure_then_average_direct_gradients, closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _closure_then_average_direct_gradients(self, closure: Callable[[], Any]) -> Any:
+        result = closure()
+        group = self.data_parallel_group
+        for parameter in self._direct_parameters:
+            if parameter.grad is None:  # unused on this rank: every rank must all-reduce the same sizes
+                parameter.grad = torch.zeros_like(parameter)
+        gradients = [p.grad for p in self._direct_parameters]
+        if group is not None:
+            flat = torch.cat([g.reshape(-1) for g in gradients])
+            dist.all_reduce(flat, group=group)
+            flat.div_(dist.get_world_size(group))
+            for gradient, averaged in zip(gradients, flat.split([g.numel() for g in gradients])):
+                gradient.copy_(averaged.view_as(gradient))
+        return result
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if not self._compiled_autograd:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            try:
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+            finally:
+                if self._unit_guard is not None:
+                    self._unit_guard.reset()
         assert self._compile_options is not None
         with compiled_autograd(compiled_autograd_compiler(self._compile_options)):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -142,7 +205,7 @@ class ReplicateStrategy(DparStrategy):
         ddp_only = {k: v for k, v in self._ddp_kwargs.items() if v}
         if self._compiled_autograd:
             ddp_only["compiled_autograd"] = True
-        if self._comm_hook_spec is not None and self._comm_hook_spec not in parallelize.COMPRESS_HOOK_DTYPES:
+        if self._comm_hook_spec is not None and self._comm_hook_spec not in COMPRESS_HOOK_DTYPES:
             ddp_only["comm_hook"] = self._comm_hook_spec  # a callable, or an import path resolved to one
         if ddp_only:
             raise ValueError(
@@ -154,3 +217,4 @@ class ReplicateStrategy(DparStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register("dpar_replicate", cls, description="Composable DDP (replicate)", override=True)
+        cls.register_class_names(strategy_registry)

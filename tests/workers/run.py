@@ -40,6 +40,9 @@ MODULES = [
         "checkpoint_faults",
         "checkpoint_safety",
         "pretrained",
+        "ordinary",
+        "hf",
+        "lit_gpt_models",
     )
 ]
 

@@ -1,9 +1,10 @@
 """`python -m lightning_dpar plan`: what a strategy will do to a model on N ranks, without launching anything.
 
 The model is built on the meta device (no memory), a fake process group of N ranks stands in for the real one
-(collectives do nothing), and the strategy then runs its own training code path (`DparStrategy.resolve_dims`,
-`build_device_mesh`, `module_plan` and `_apply_parallelism`: tensor parallel, activation checkpointing, FSDP or
-replicate) on that model. The printed placements and local shapes are those of the real run, a bad plan fails
+(collectives do nothing), and the training code path then runs on that model: the strategy's `resolve_dims`,
+`build_device_mesh`, the strategy's `module_plan` and `data_parallel_wrapper`, and `parallelize.apply_plan` (tensor
+parallel, activation checkpointing, compile, FSDP or replicate), without materialisation. The strategy object is
+only read, never changed. The printed placements and local shapes are those of the real run, a bad plan fails
 with the error training would raise, and a 65B-parameter plan (`examples/plan/gpt_70b.yaml`) takes seconds on a laptop.
 """
 
@@ -23,11 +24,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim import Optimizer
 
 from lightning_dpar import memory, parallelize
 from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
-from lightning_dpar.mesh import TENSOR_PARALLEL, ParallelDims, build_device_mesh, init_fake_process_group
+from lightning_dpar.mesh import TENSOR_PARALLEL, MeshLayout, ParallelDims, build_device_mesh, init_fake_process_group
 from lightning_dpar.plan import ModulePlan
 from lightning_dpar.strategies.base import DparStrategy
 
@@ -120,6 +122,9 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
     return ["  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
 
 
+#: How the report names the LightningModule itself.
+ROOT = "(the LightningModule)"
+
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 
@@ -147,20 +152,40 @@ def _placement(param: torch.Tensor) -> str:
     return ", ".join(f"{name}:{p}" for name, p in zip(names, param.placements))
 
 
-def _describe_modules(module: nn.Module, plan: ModulePlan | None) -> dict[str, list[str]]:
+def describe_style(style: ParallelStyle) -> str:
+    """`ColwiseParallel(output=Replicate)`: the style and the layouts where they differ from its defaults."""
+    defaults = type(style)()
+    changed = [
+        f"{label}={_layouts(getattr(style, attribute))}"
+        for attribute, label in (("input_layouts", "input"), ("output_layouts", "output"), ("sequence_sharding", "seq"))
+        if getattr(style, attribute, None) != getattr(defaults, attribute, None)
+    ]
+    return f"{type(style).__name__}({', '.join(changed)})" if changed else type(style).__name__
+
+
+def _layouts(value: Any) -> str:
+    values = value if isinstance(value, tuple) else (value,)
+    return ",".join(repr(v) for v in values)
+
+
+def _describe_modules(module: nn.Module, plan: ModulePlan, compiling: bool) -> dict[str, list[str]]:
     described: dict[str, list[str]] = {}
-    for fqn, style in (plan.tensor_parallel if plan else {}).items():
-        described.setdefault(fqn, []).append(f"TP {type(style).__name__}")
-    for fqn in plan.activation_checkpointing if plan else []:
+    for fqn, style in plan.tensor_parallel.items():
+        described.setdefault(fqn, []).append(f"TP {describe_style(style)}")
+    for fqn in plan.activation_checkpointing:
         described.setdefault(fqn, []).append("activation checkpointing")
+    for fqn in plan.compile_units if compiling else []:
+        described.setdefault(fqn, []).append("compile")
     for fqn, sub in module.named_modules():
         if not fqn:
+            if isinstance(sub, FSDPModule):  # parameters registered on the LightningModule itself
+                described[ROOT] = ["FSDP unit (its own parameters; step methods gather them)"]
             continue
         if isinstance(sub, FSDPModule):
             described.setdefault(fqn, []).append("FSDP unit")
         if is_composable_replicated(sub):
             described.setdefault(fqn, []).append("replicate (DDP)")
-    order = {fqn: i for i, (fqn, _) in enumerate(module.named_modules())}
+    order = {fqn or ROOT: i for i, (fqn, _) in enumerate(module.named_modules())}
     return dict(sorted(described.items(), key=lambda item: order[item[0]]))
 
 
@@ -241,27 +266,29 @@ def _plan_on_fake_world(
     rank: int,
     devices_per_node: int,
 ) -> PlanReport:
-    # The strategy state `setup_environment` would create, with meta "devices" so nothing is ever allocated.
-    strategy.num_nodes = num_nodes
-    strategy.parallel_devices = [torch.device("meta")] * devices_per_node
-    strategy.dims = dims
     mesh, data_parallel_mesh = build_device_mesh(dims, "cpu")
-    strategy._device_mesh, strategy._data_parallel_mesh = mesh, data_parallel_mesh
-    attach_device_mesh(module, mesh)
+    attach_device_mesh(module, mesh)  # what `LightningModule.device_mesh` returns inside `configure_model`
     with torch.device("meta"):
         module.configure_model()
     module = strategy.precision_plugin.convert_module(module)
-    plan_ = None if parallelize.is_parallelized(module) else strategy.module_plan(module)
-    strategy._apply_parallelism(module)  # the training code path: TP, activation checkpointing, FSDP/replicate
+    plan_ = strategy.module_plan(module, dims)
+    layout = MeshLayout(dims, mesh, data_parallel_mesh, torch.device("meta"))
+    parallelize.apply_plan(  # the training code path, minus materialisation
+        module,
+        plan_,
+        tensor_parallel_mesh=mesh[TENSOR_PARALLEL],
+        wrap_data_parallel=strategy.data_parallel_wrapper(layout),
+        compile_options=None,  # compile units are reported; compiling is lazy and would do nothing here
+    )
     notes = []
-    if plan_ is None:
+    if plan_.adopted:
         notes.append("the model's configure_model applied its own parallelism; it is shown as applied")
     try:
         optimizers = _optimizers(module.configure_optimizers())
     except Exception as err:  # e.g. configure_optimizers reads self.trainer, which a dry run does not have
         optimizers = []
         notes.append(f"configure_optimizers could not run without a Trainer ({type(err).__name__}: {err})")
-    if getattr(strategy, "_cpu_offload", False):
+    if getattr(strategy, "cpu_offload", False):
         notes.append(
             "cpu_offload: parameters, gradients and optimizer state below live in CPU memory; the accelerator holds"
             " only the unit being computed (its all-gather)"
@@ -275,7 +302,7 @@ def _plan_on_fake_world(
         rank=rank,
         coordinate=dict(zip(mesh.mesh_dim_names or (), mesh.get_coordinate() or ())),
         precision=precision,
-        modules=_describe_modules(module, plan_),
+        modules=_describe_modules(module, plan_, strategy.compile_options is not None),
         params=[
             ParamRow(
                 name,

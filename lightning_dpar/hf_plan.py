@@ -1,0 +1,115 @@
+"""Hugging Face `transformers` tensor-parallel plans, as data: the style names transformers writes in
+`config.base_model_tp_plan` and `model._tp_plan`, mapped to torch `ParallelStyle`s, and the plan of the
+`transformers` model a LightningModule holds (`tp_plan="auto"`), with names prefixed by where that model sits.
+
+transformers' attention reshapes with `-1` heads (`view(*input_shape, -1, head_dim)`), so column-wise q/k/v
+projections give each rank `heads / tp` query heads and `kv_heads / tp` key/value heads with the same GQA ratio; the
+plan resolution checks that the tensor-parallel size divides both head counts of the model's config.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from lightning_dpar._private_api import transformers_tp_plan_attribute
+from lightning_dpar.plan import StyleBuilder, rowwise_style
+
+__all__ = [
+    "HF_STYLES",
+    "UNSUPPORTED_HF_STYLES",
+    "check_style_supported",
+    "is_transformers_model",
+    "model_tp_plan",
+    "transformers_models",
+    "transformers_tp_plan",
+]
+
+
+def _replicate_with_grad_sum(module: nn.Module) -> SequenceParallel:
+    # Per-head norms (Qwen3 / Gemma3 `q_norm`, `k_norm`) see only this rank's heads, on the second-to-last dim of
+    # their input: replicated weights on a heads-sharded input; DTensor sums their partial gradients over the
+    # tensor-parallel ranks, as transformers' `ReplicatedWithGradAllReduce` does by hand.
+    return SequenceParallel(sequence_dim=-2, use_local_output=True)
+
+
+#: transformers style name -> builder of the equivalent torch style (`None`: keep the module whole on every rank).
+#: `colwise`, `rowwise` and `sequence_parallel` are also this package's own names (`lightning_dpar.plan.STYLE_NAMES`),
+#: which take precedence; none of the model families below uses `sequence_parallel`.
+HF_STYLES: dict[str, StyleBuilder] = {
+    "colwise": lambda module: ColwiseParallel(),
+    "rowwise": rowwise_style,
+    "colwise_gather_output": lambda module: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_rep": lambda module: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda module: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_rep": lambda module: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda module: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_colwise": lambda module: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    "replicated_with_grad_allreduce": _replicate_with_grad_sum,
+    "replicate": lambda module: None,
+}
+
+#: transformers styles with no torch equivalent here (packed expert weights, expert parallelism, MLA projections).
+UNSUPPORTED_HF_STYLES = (
+    "packed_colwise",
+    "packed_rowwise",
+    "moe_tp_experts",
+    "moe_identity_expert",
+    "mla_kv_a_proj",
+    "all_reduce",
+    "local_params",
+)
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    """Whether `module` is a `transformers.PreTrainedModel` (checked by name: transformers is optional)."""
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__
+    )
+
+
+def transformers_models(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost transformers models inside `root` (or `root` itself), with their module names."""
+    found: list[tuple[str, nn.Module]] = []
+    for fqn, module in root.named_modules():
+        if is_transformers_model(module) and not any(fqn.startswith(f"{outer}.") or not outer for outer, _ in found):
+            found.append((fqn, module))
+    return found
+
+
+def model_tp_plan(model: nn.Module) -> dict[str, str]:
+    """A transformers model's own plan, relative to the model: `model._tp_plan` (the whole model's, merged by
+    `post_init`), else `config.base_model_tp_plan` under the base model's attribute."""
+    plan = transformers_tp_plan_attribute(model)
+    if plan:
+        return dict(plan)
+    config = getattr(model, "config", None)
+    base_plan = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return {f"{prefix}.{key}": style for key, style in base_plan.items()}
+    return dict(base_plan)
+
+
+def transformers_tp_plan(root: nn.Module) -> dict[str, str] | None:
+    """The tensor-parallel plan of the transformers model(s) `root` holds, with names relative to `root`; `None` if
+    it holds none or they have no plan. An unsupported style is an error naming it and the model (no collective has
+    run yet: this is pure)."""
+    plan: dict[str, str] = {}
+    for fqn, model in transformers_models(root):
+        for key, style in model_tp_plan(model).items():
+            check_style_supported(style, key, type(model).__name__)
+            plan[f"{fqn}.{key}" if fqn else key] = style
+    return plan or None
+
+
+def check_style_supported(style: object, key: str, model_name: str) -> None:
+    if isinstance(style, str) and style.lower() in HF_STYLES:
+        return
+    reason = " (packed / expert-parallel weights)" if style in UNSUPPORTED_HF_STYLES else ""
+    raise ValueError(
+        f"{model_name}'s tensor-parallel plan gives {key!r} the transformers style {style!r}, which lightning_dpar"
+        f" does not support{reason}. Supported styles: {sorted(HF_STYLES)}. Pass your own `tp_plan` (module-name"
+        " pattern -> style) to the strategy instead of 'auto'."
+    )

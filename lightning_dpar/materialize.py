@@ -1,0 +1,135 @@
+"""Meta-device materialisation, shard by shard: each rank allocates only its own shards, and every parameter and
+buffer gets exactly the value the model's own initialiser gives it on a whole model.
+
+A model built on the meta device (`trainer.init_module(empty_init=True)`, `with torch.device("meta")`, or in
+`configure_model`) holds no memory; the strategies shard it first and call `materialize_meta_tensors` last. For each
+module with meta tensors, in the order `nn.Module.apply` and transformers' `init_weights` visit them (children
+before parents):
+
+1. its own parameters and buffers are allocated whole, on CPU, for that module only;
+2. its initialiser fills them: the `_init_weights(module)` of the nearest enclosing transformers `PreTrainedModel`
+   (which also recomputes rotary `inv_freq` buffers exactly), otherwise the module's `reset_parameters()`;
+3. each rank copies its slice into its shard (`distribute_tensor(..., src_data_rank=None)`: no communication).
+
+So the random draws happen in the same order and with the same shapes as when the initialiser runs over the whole
+model on one process: with the same seed, the sharded model is the whole model, sliced. The peak extra memory is the
+largest single module's own tensors (e.g. the token embedding), never the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_dpar._private_api import transformers_module_initialiser
+from lightning_dpar.hf_plan import is_transformers_model
+
+__all__ = [
+    "Initialiser",
+    "check_initialisable",
+    "initialisers",
+    "materialize_meta_tensors",
+]
+
+Initialiser = Callable[[nn.Module], None]
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    """Children before parents, the order of `nn.Module.apply` and transformers' `initialize_weights`."""
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+def _own_meta_tensors(module: nn.Module) -> list[str]:
+    tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    return [name for name, tensor in tensors if tensor.is_meta]
+
+
+def initialisers(root: nn.Module) -> dict[nn.Module, Initialiser | None]:
+    """For every module with meta tensors, the function that initialises its own tensors (`None`: none found)."""
+    found: dict[nn.Module, Initialiser | None] = {}
+
+    def visit(module: nn.Module, owner: nn.Module | None) -> None:
+        owner = module if is_transformers_model(module) else owner
+        for child in module.children():
+            visit(child, owner)
+        if not _own_meta_tensors(module):
+            return
+        if owner is not None:
+            found[module] = transformers_module_initialiser(owner)
+        elif callable(getattr(module, "reset_parameters", None)):
+            found[module] = lambda m: m.reset_parameters()
+        else:
+            found[module] = None
+
+    visit(root, None)
+    return found
+
+
+def check_initialisable(root: nn.Module) -> None:
+    """Refuse a meta model with tensors that nothing would initialise (they would hold garbage)."""
+    missing = {
+        f"{type(module).__name__} ({', '.join(_own_meta_tensors(module))})"
+        for module, init in initialisers(root).items()
+        if init is None
+    }
+    if missing:
+        raise TypeError(
+            f"Modules {sorted(missing)} were created on the meta device, but nothing can initialise their tensors:"
+            " they define no `reset_parameters()` and sit in no transformers `PreTrainedModel` (whose `_init_weights`"
+            " would). Implement `reset_parameters()` (it must also recompute non-persistent buffers), or build the"
+            " model without `empty_init` / the meta device."
+        )
+
+
+def materialize_meta_tensors(root: nn.Module, device: torch.device) -> None:
+    """Allocate `root`'s meta tensors on `device` (local shards only) and initialise them as described above."""
+    plan = initialisers(root)
+    if not plan:
+        return
+    check_initialisable(root)
+    meta_names = {module: _own_meta_tensors(module) for module in plan}
+    root.to_empty(device=device)  # FSDP2 and DTensor allocate each rank's local shard only
+    with torch.no_grad():
+        for module in _post_order(root):
+            init = plan.get(module)
+            if init is not None:
+                _initialise_whole_then_slice(module, meta_names[module], init)
+
+
+def _unwritten(like: torch.Tensor) -> torch.Tensor:
+    whole = torch.empty(like.shape, dtype=like.dtype, device="cpu")
+    return whole.fill_(float("nan")) if whole.is_floating_point() else whole
+
+
+def _initialise_whole_then_slice(module: nn.Module, names: list[str], init: Initialiser) -> None:
+    sharded = {name: getattr(module, name) for name in names}
+    # NaN-filled, so a tensor the initialiser leaves untouched is caught instead of training on garbage.
+    whole = {name: _unwritten(t) for name, t in sharded.items()}
+    parameters = {name for name, _ in module.named_parameters(recurse=False)}
+    try:
+        for name, tensor in whole.items():
+            value = nn.Parameter(tensor, requires_grad=sharded[name].requires_grad) if name in parameters else tensor
+            setattr(module, name, value)
+        init(module)
+        whole = {name: getattr(module, name).detach() for name in names}  # an initialiser may rebind a buffer
+    finally:
+        for name, tensor in sharded.items():
+            setattr(module, name, tensor)
+    unwritten = [name for name, tensor in whole.items() if tensor.is_floating_point() and tensor.isnan().any()]
+    if unwritten:
+        raise TypeError(
+            f"The initialiser of {type(module).__name__} left {unwritten} uninitialised after the model was built on"
+            " the meta device (e.g. a rotary `inv_freq` buffer that only `__init__` computes; transformers < 5 does"
+            " not recompute it). Give the module a `reset_parameters()` that sets them, or build the model without"
+            " `empty_init` / the meta device."
+        )
+    for name, target in sharded.items():
+        if isinstance(target, DTensor):
+            target.copy_(distribute_tensor(whole[name], target.device_mesh, target.placements, src_data_rank=None))
+        else:
+            target.copy_(whole[name])

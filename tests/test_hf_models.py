@@ -1,0 +1,157 @@
+"""transformers models: their own tensor-parallel plans as data (`tp_plan="auto"`), every strategy, and meta-device
+init materialised shard by shard, through real Trainers on 2 and 4 gloo ranks (skipped without transformers)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+pytest.importorskip("transformers")
+
+import lightning_dpar
+from lightning_dpar.hf_plan import HF_STYLES, transformers_tp_plan
+from lightning_dpar.materialize import materialize_meta_tensors
+from lightning_dpar.plan import STYLE_NAMES, parse_tp_plan, resolve_tp_plan
+from lightning_dpar.plan_report import plan
+from tests.conftest import run_workers
+from tests.workers.hf import LlamaModule, initialised_like_materialisation
+
+ATOL = 1e-5
+CASES = [
+    "llama_fsdp",
+    "llama_replicate",
+    "llama_2d_auto_plan",
+    "llama_2d_default_plan",
+    "qwen3_2d_auto_plan",  # per-head q_norm / k_norm: replicated weights, gradients summed over TP ranks
+    "llama_meta_init_fsdp",
+    "llama_meta_init_2d",
+]
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return run_workers(2, "hf_llama", tmp_path_factory.mktemp("hf2"))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return run_workers(4, "hf_llama", tmp_path_factory.mktemp("hf4"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["world2", "world4"])
+@pytest.mark.parametrize("case", CASES)
+def test_llama_with_gqa_matches_single_process_training(world, case, request):
+    assert request.getfixturevalue(world)[case]["max_abs_diff"] < ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["llama_meta_init_fsdp", "llama_meta_init_2d"])
+def test_meta_init_never_holds_a_whole_parameter(world4, case):
+    result = world4[case]
+    assert result["largest_local_numel"] * 4 <= result["largest_numel"] * 2  # at most half of the largest tensor
+
+
+def test_auto_plan_is_the_models_plan_prefixed_by_where_it_sits():
+    with torch.device("meta"):
+        module = LlamaModule(build_seed=None)
+    auto = transformers_tp_plan(module)
+    assert auto["net.lm_head"] == "colwise_gather_output"
+    assert auto["net.model.embed_tokens"] == "embedding_rowwise"
+    assert auto["net.model.layers.*.self_attn.k_proj"] == "colwise"
+    styles = resolve_tp_plan(module, parse_tp_plan(auto), tensor_parallel_size=2)
+    assert isinstance(styles["net.lm_head"], ColwiseParallel)
+    assert styles["net.lm_head"].output_layouts == (Replicate(),)
+    assert isinstance(styles["net.model.embed_tokens"], RowwiseParallel)
+    assert styles["net.model.embed_tokens"].input_layouts == (Replicate(),)
+
+
+def test_head_counts_of_the_config_must_divide():
+    with torch.device("meta"):
+        module = LlamaModule(build_seed=None)
+    # 4 query heads, 2 key/value heads: TP 4 would split a key/value head.
+    with pytest.raises(
+        ValueError, match=r"`tensor_parallel_size=4` does not divide the 2 heads of 'net.model.layers.0"
+    ):
+        resolve_tp_plan(module, parse_tp_plan(transformers_tp_plan(module)), tensor_parallel_size=4)
+
+
+def test_strategy_argument_and_module_attribute_win_over_the_models_plan():
+    with torch.device("meta"):
+        module = LlamaModule(build_seed=None)
+    own = {"net.model.layers.*.mlp.up_proj": "colwise", "net.model.layers.*.mlp.down_proj": "rowwise"}
+    strategy = lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=own)
+    report = plan(strategy, module, world_size=2)
+    assert {fqn for fqn, what in report.modules.items() if any(w.startswith("TP") for w in what)} == {
+        "net.model.layers.0.mlp.up_proj",
+        "net.model.layers.0.mlp.down_proj",
+        "net.model.layers.1.mlp.up_proj",
+        "net.model.layers.1.mlp.down_proj",
+    }
+
+
+def test_unsupported_style_names_it_and_the_model():
+    with torch.device("meta"):
+        module = LlamaModule(build_seed=None)
+    module.net._tp_plan = {**module.net._tp_plan, "model.layers.*.mlp": "moe_tp_experts"}
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM's tensor-parallel plan gives 'model.layers.\*.mlp' the"):
+        plan(lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan="auto"), module, world_size=2)
+
+
+def test_every_style_of_the_listed_model_families_is_supported():
+    import importlib
+
+    families = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "gpt_neox"]
+    used = set()
+    for family in families:
+        config = importlib.import_module(f"transformers.models.{family}.configuration_{family}")
+        modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        for cls in [*vars(config).values(), *vars(modeling).values()]:
+            if isinstance(cls, type):
+                used |= set((getattr(cls, "base_model_tp_plan", None) or {}).values())
+                used |= set((getattr(cls, "_tp_plan", None) or {}).values())
+    assert used and used <= set(HF_STYLES) | set(STYLE_NAMES), sorted(used - set(HF_STYLES) - set(STYLE_NAMES))
+
+
+def test_plan_dry_run_of_llama_shows_the_mapped_plan_and_never_materialises():
+    with torch.device("meta"):
+        module = LlamaModule(build_seed=None)
+    strategy = lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2, compile=True)
+    text = plan(strategy, module, world_size=4).render()
+    assert "net.lm_head                          TP ColwiseParallel(output=Replicate())" in text
+    assert "net.model.embed_tokens               TP RowwiseParallel(input=Replicate())" in text
+    assert "compile, FSDP unit" in text
+    assert all(p.is_meta for p in module.parameters())
+
+
+def test_materialisation_reproduces_the_models_own_initialiser_exactly():
+    with torch.device("meta"):
+        module = LlamaModule(build_seed=None)
+    torch.manual_seed(5)
+    materialize_meta_tensors(module, torch.device("cpu"))
+    reference = initialised_like_materialisation(5)
+    for (name, got), (_, want) in zip(
+        [*module.named_parameters(), *module.named_buffers()],
+        [*reference.named_parameters(), *reference.named_buffers()],
+    ):
+        assert torch.equal(got, want), name  # rotary inv_freq included: recomputed, not left uninitialised
+
+
+def test_a_meta_module_nothing_can_initialise_is_refused():
+    class NoInit(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(3))
+
+    class Holder(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.part = NoInit()
+
+    with torch.device("meta"):
+        module = Holder()
+    with pytest.raises(TypeError, match=r"Modules \['NoInit \(scale\)'\] were created on the meta device"):
+        plan(lightning_dpar.FullyShardStrategy(), module, world_size=2)

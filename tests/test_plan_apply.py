@@ -1,0 +1,112 @@
+"""Applying plans to ordinary models: blocks in top-level containers under every strategy, row-wise embeddings,
+tensor-parallel sizes that do not fit the model, and DDP units that the model bypasses (real Trainers on 2 and 4
+gloo ranks), plus the pure checks that run before any collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_dpar
+from lightning_dpar.parallelize import data_parallel_roots
+from lightning_dpar.plan import parse_tp_plan, resolve_tp_plan
+from lightning_dpar.plan_report import main, plan
+from tests.conftest import run_workers
+from tests.workers.ordinary import EmbeddingModel, TopLevelBlocks
+
+ATOL = 1e-5
+PARITY = [
+    "top_level_blocks_replicate",
+    "top_level_blocks_fsdp",
+    "top_level_blocks_2d",
+    "direct_parameters_replicate",
+    "direct_parameters_fsdp",
+    "direct_parameters_2d",
+    "direct_parameters_replicate_tp",
+    "embedding_rowwise_2d",
+    "embedding_rowwise_replicate_tp",
+]
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return run_workers(2, "ordinary,ordinary_errors,resume_message", tmp_path_factory.mktemp("ordinary2"))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return run_workers(4, "ordinary", tmp_path_factory.mktemp("ordinary4"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["world2", "world4"])
+@pytest.mark.parametrize("case", PARITY)
+def test_parity_with_single_process_training(world, case, request):
+    assert request.getfixturevalue(world)[case]["max_abs_diff"] < ATOL
+
+
+@pytest.mark.slow
+def test_a_unit_whose_forward_is_bypassed_is_refused_under_ddp(world2):
+    messages = world2["bypassed_unit_replicate"]
+    assert len(set(messages)) == 1 and messages[0] is not None  # every rank, same error: never a silent divergence
+    assert "A parameter of 'body' received a gradient, but the `forward` of 'body' was not called" in messages[0]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_size_not_dividing_a_dimension_fails_on_every_rank(world2):
+    messages = world2["tp_does_not_divide"]
+    assert len(set(messages)) == 1 and messages[0] is not None
+    assert "`tensor_parallel_size=2` does not divide out_features=9 of module 'layers.0.fc1'" in messages[0]
+
+
+def test_containers_are_never_wrapped_their_items_are():
+    assert data_parallel_roots(TopLevelBlocks()) == ["inp", "layers.0", "layers.1", "heads.out"]
+
+
+@pytest.mark.parametrize("strategy", ["dpar_replicate", "dpar_fsdp", "dpar_2d"])
+def test_plan_of_top_level_blocks_wraps_no_container(strategy):
+    with torch.device("meta"):
+        module = TopLevelBlocks()
+    trainer_strategy = lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2)
+    if strategy == "dpar_replicate":
+        trainer_strategy = lightning_dpar.ReplicateStrategy()
+    elif strategy == "dpar_fsdp":
+        trainer_strategy = lightning_dpar.FullyShardStrategy()
+    report = plan(trainer_strategy, module, world_size=4)
+    assert "layers" not in report.modules and "heads" not in report.modules
+    assert any("layers.0" == name for name in report.modules)
+
+
+def test_rowwise_embedding_keeps_the_token_ids_whole():
+    styles = resolve_tp_plan(EmbeddingModel(), parse_tp_plan(EmbeddingModel.tp_plan), tensor_parallel_size=2)
+    embedding = styles["net.emb"]
+    assert isinstance(embedding, torch.distributed.tensor.parallel.RowwiseParallel)
+    assert embedding.input_layouts == (torch.distributed.tensor.Replicate(),)
+
+
+def test_head_counts_must_divide():
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head_dim = 4
+            self.q = nn.Linear(12, 12)  # 3 heads of 4
+
+    with pytest.raises(ValueError, match=r"does not divide the 3 heads of 'q' \(out_features 12 = 3 heads x head_dim"):
+        resolve_tp_plan(Attention(), parse_tp_plan({"q": "colwise"}), tensor_parallel_size=2)
+
+
+def test_devices_3_with_default_2d_sizes_names_the_size_module_and_dimension(capsys):
+    # The issue's case: `devices=3` with `strategy="dpar_2d"` (tensor_parallel_size "auto" = 3) on the example GPT.
+    assert main(["--world-size", "3", "--trainer.strategy=dpar_2d"]) == 1
+    err = capsys.readouterr().err
+    assert "`tensor_parallel_size=3` does not divide" in err and "of module 'model.blocks.0.attn.q'" in err
+
+
+@pytest.mark.slow
+def test_a_mid_epoch_resume_says_in_one_line_that_it_is_exact(world2):
+    result = world2["resume_message"]
+    assert result["lightning_warning"] == []  # "dataloader is not resumable" contradicted the exact resume
+    assert result["resuming_lines"] == [
+        "Resuming epoch 0 after 3 batches: exact (the distributed sampler continues from the checkpoint's position)."
+    ]

@@ -1,0 +1,165 @@
+"""transformers models through real Trainers: a tiny Llama with grouped-query attention (4 query heads, 2 key/value
+heads) held under a LightningModule attribute that is not `model`, trained with its own tensor-parallel plan
+(`tp_plan="auto"`) and with every strategy, and built on the meta device and materialised shard by shard. Each case
+ends with the same parameters as single-process training of the same model."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import torch
+from torch.utils.data import Dataset
+
+from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
+from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
+
+VOCAB, SEQ, SEED = 64, 8, 1234
+
+
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+
+
+class TokenIds(Dataset):
+    def __init__(self, n: int = 64) -> None:
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(3))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.ids[i]
+
+
+class LlamaModule(L.LightningModule):
+    def __init__(self, build_seed: int | None = 0) -> None:
+        super().__init__()
+        from transformers import LlamaForCausalLM
+
+        if build_seed is not None:
+            torch.manual_seed(build_seed)
+        self.net = LlamaForCausalLM(llama_config())
+
+    def training_step(self, batch, batch_idx):
+        return self.net(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        # SGD: the parameters move by lr x gradient, so the comparison measures the gradients. (Adam's first steps
+        # are about lr x sign(gradient), which turns float noise in a near-zero gradient into a difference of lr.)
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+class Qwen3Module(LlamaModule):
+    """Qwen3: per-head `q_norm` / `k_norm` in its plan as `replicated_with_grad_allreduce`."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        torch.manual_seed(0)
+        config = Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=SEQ,
+        )
+        self.net = Qwen3ForCausalLM(config)
+
+
+def global_batches(data: Dataset, dp: int, seed: int) -> list[torch.Tensor]:
+    """What Lightning's distributed sampler (shuffled with the global seed) feeds `dp` ranks, one batch per step."""
+    from torch.utils.data import DistributedSampler
+
+    per_rank = [list(DistributedSampler(data, num_replicas=dp, rank=r, shuffle=True, seed=seed)) for r in range(dp)]
+    return [
+        torch.stack([data[i] for r in range(dp) for i in per_rank[r][s * BATCH : (s + 1) * BATCH]])
+        for s in range(STEPS)
+    ]
+
+
+def reference(module: LlamaModule, data: Dataset, dp: int, seed: int) -> dict[str, torch.Tensor]:
+    optimizer = module.configure_optimizers()
+    for batch in global_batches(data, dp, seed):
+        optimizer.zero_grad()
+        module.training_step(batch, 0).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def initialised_like_materialisation(seed: int) -> LlamaModule:
+    """The whole model on one CPU process, initialised by its own initialiser (`init_weights`) from `seed`."""
+    with torch.device("meta"):
+        module = LlamaModule(build_seed=None)
+    module.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    module.net.init_weights()
+    return module
+
+
+def _diff(got, want) -> float:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+def _parity(results, name, strategy, dp, empty_init=False, model=LlamaModule):
+    data = TokenIds()
+    trainer = trainer_for(strategy)
+    if empty_init:
+        with trainer.init_module(empty_init=True):
+            module = LlamaModule(build_seed=None)
+        assert all(p.is_meta for p in module.parameters())
+        L.seed_everything(SEED)  # the materialisation draws from the seeded global generator (and shuffles with it)
+    else:
+        module = model()
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
+    local_numel = max(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in module.parameters())
+    got = full_params(trainer)
+    if trainer.global_rank == 0:
+        want_module = initialised_like_materialisation(SEED) if empty_init else model()
+        shuffle_seed = SEED if empty_init else 0
+        results[name] = {"max_abs_diff": _diff(got, reference(want_module, data, dp, shuffle_seed))}
+        if empty_init:
+            results[name]["largest_local_numel"] = local_numel
+            results[name]["largest_numel"] = max(p.numel() for p in want_module.parameters())
+
+
+def group_hf_llama(results):
+    world = world_size()
+    _parity(results, "llama_fsdp", FullyShardStrategy(), world)
+    _parity(results, "llama_replicate", ReplicateStrategy(), world)
+    _parity(
+        results, "llama_2d_auto_plan", FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan="auto"), world // 2
+    )
+    _parity(results, "llama_2d_default_plan", FSDPTensorParallelStrategy(tensor_parallel_size=2), world // 2)
+    _parity(
+        results, "qwen3_2d_auto_plan", FSDPTensorParallelStrategy(tensor_parallel_size=2), world // 2, model=Qwen3Module
+    )
+    try:
+        _parity(results, "llama_meta_init_fsdp", FullyShardStrategy(), world, empty_init=True)
+        _parity(
+            results,
+            "llama_meta_init_2d",
+            FSDPTensorParallelStrategy(tensor_parallel_size=2),
+            world // 2,
+            empty_init=True,
+        )
+    finally:
+        os.environ.pop("PL_GLOBAL_SEED", None)  # later cases shuffle with Lightning's default seed 0 again
+
+
+GROUPS = {"hf_llama": group_hf_llama}
