@@ -19,6 +19,8 @@ from lightning_dpar.checkpoint.storage import Location
 __all__ = ["DirectoryScan", "resolve_last"]
 
 CHECKPOINT_SUFFIX = ".ckpt"
+#: How Lightning's `ModelCheckpoint` names its "last" checkpoints (`last.ckpt`, `last-v1.ckpt`).
+LAST_PREFIX = "last"
 
 
 @dataclass
@@ -57,7 +59,8 @@ def resolve_last(directories: list[Location]) -> tuple[str | None, str]:
         incomplete.extend(scan.incomplete)
     where = ", ".join(repr(d.url) for d in directories)
     if complete:
-        newest = max(complete, key=complete.__getitem__)
+        # Ties (a `save_last="link"` link and its target) go to the `last*` name, as Lightning's own "last" would.
+        newest = max(complete, key=lambda url: (complete[url], url.rsplit("/", 1)[-1].startswith(LAST_PREFIX)))
         skipped = f"; skipped the incomplete {sorted(incomplete)}" if incomplete else ""
         return newest, f"the newest complete checkpoint in {where}{skipped}"
     if incomplete:
