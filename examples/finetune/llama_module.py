@@ -1,10 +1,10 @@
 """The LightningModule of the fine-tuning example: a Hugging Face causal LM, held as `self.model`, trained on byte
 sequences (token ids 0-255).
 
-It builds the model from the pretrained directory's `config.json` only: the weights come from the strategy's
-`pretrained` argument, which reads each rank's shards straight from the safetensors files once the model is
-parallelised. Building the model here costs one copy of its (random) values per rank; `trainer.init_module
-(empty_init=True)` avoids that where the strategy can materialise every module of the model on the meta device.
+It builds the model from the pretrained directory's `config.json` only, on the meta device (`configure_model`): the
+strategy applies the model's own tensor-parallel plan (`tp_plan: auto`), shards it, materialises each rank's shards
+with the model's own initialiser, and its `pretrained` argument then reads each rank's slices straight from the
+safetensors files. No rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ class LlamaFineTune(L.LightningModule):
     def __init__(self, pretrained: str, learning_rate: float = 1e-3) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(pretrained))
+        self.model: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:  # once: `validate` after `fit` reuses the parallelised model
+            with torch.device("meta"):
+                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.hparams.pretrained))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch, labels=batch).loss  # the model shifts the labels itself
