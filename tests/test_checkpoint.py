@@ -1,36 +1,49 @@
-"""Checkpointing through real Trainers on 1, 2 and 4 gloo ranks (workers in `tests/workers/checkpoint.py`).
+"""Lightning's checkpoint flow through real Trainers on 2 gloo ranks (workers in `tests/workers/checkpoint.py`):
+ModelCheckpoint, exact resume, `ckpt_path="last"`, strict loading, bad input, and a kill during a save.
 
-One directory is shared by every launch of this module: the resharding chain saves under one layout in one launch
-and loads under the next layout in the next launch; the kill test's second launch inspects what the killed one left.
+Two launches: the kill (driven here with torchrun: it must die), then one launch of every other case, including
+the after-kill cases, which load what the kill left (the `killed` fixture passes its directory). Resharding is
+`tests/test_checkpoint_reshard.py`; formats, fsspec and migration `tests/test_checkpoint_formats.py`.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, WORKERS, run_workers, subprocess_env
+from tests.conftest import ROOT, WORKERS, LaunchResults, run_workers, subprocess_env
+from tests.workers.checkpoint_common import inputs_env
+
+
+@dataclass(frozen=True)
+class Killed:
+    """What the killed launch left: the directory it saved into, and how it ended."""
+
+    directory: Path
+    returncode: int
+    output: str
 
 
 @pytest.fixture(scope="module")
-def shared_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("ckpt")
+def killed(tmp_path_factory) -> Killed:
+    """A 2-rank training saving every step; rank 0 is SIGKILLed inside its third save (all shards written, no
+    metadata yet). Not asserted here: the launch reading it also runs cases that do not need it."""
+    shared = tmp_path_factory.mktemp("kill")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(WORKERS / "run.py"), "ckpt_kill", str(shared / "records")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=ROOT)
+    return Killed(shared / "kill", done.returncode, done.stdout + done.stderr)
 
 
 @pytest.fixture(scope="module")
-def results(shared_dir):
-    """All launches, in dependency order; each returns rank 0's results, merged here."""
-    merged: dict = {}
-    merged.update(run_workers(4, "ckpt_chain_a,ckpt_position_save", shared_dir))
-    world2 = (
-        "ckpt_chain_bc,ckpt_position_load,ckpt_bad_input,ckpt_resume,ckpt_resume_last,ckpt_full_format,ckpt_migrate"
-    )
-    merged.update(run_workers(2, world2, shared_dir))
-    merged.update(run_workers(1, "ckpt_chain_d,ckpt_memory_fs,ckpt_export,ckpt_export_memory", shared_dir))
-    merged.update(run_workers(2, "ckpt_chain_e", shared_dir))
-    return merged
+def results(killed, tmp_path_factory) -> LaunchResults:
+    """Every case but the kill, in one 2-rank launch; each saves under its own directory."""
+    groups = "ckpt_resume,ckpt_resume_last,ckpt_bad_input,ckpt_after_kill"
+    return run_workers(2, groups, tmp_path_factory.mktemp("flow"), extra_env=inputs_env(kill=killed.directory))
 
 
 # ---------------------------------------------------------------------- Lightning's flow and exact resume
@@ -76,37 +89,25 @@ def test_fit_ckpt_path_last(results):
     assert not [name for name in result["dir"] if name.startswith(".")]
 
 
-# ---------------------------------------------------------------------- resharding
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", ["b", "c", "d", "e"])
-def test_resharding_chain_keeps_model_and_optimizer_exact(results, stage):
-    """2d on 4 -> fsdp on 2 -> replicate on 2 -> fsdp on 1 -> 2d on 2: full params and Adam state bit-identical."""
-    result = results[f"chain_{stage}"]
-    assert result["max_diff_to_previous"] == 0.0
-    assert result["keys"] > 40  # model params + exp_avg, exp_avg_sq, step per param + param-group values
-    assert result["global_step"] == 4
-    assert result["lr"] == results["chain_a"]["lr"]  # scheduler state came along
-
-
-@pytest.mark.slow
-def test_data_position_maps_to_a_new_data_parallel_size(results):
-    """3 steps on 4 data-parallel ranks, then the rest of the epoch on 2: every sample exactly once."""
-    before, after = results["position_save"]["seen"], results["position_load"]["seen"]
-    assert len(before) == 3 * 4 * 4
-    assert not set(before) & set(after)
-    assert sorted(before + after) == list(range(128))
-    assert results["position_load"]["global_step"] == 3 + (128 - 48) // (2 * 4)
-
-
 # ---------------------------------------------------------------------- strict loading and bad input
 @pytest.mark.slow
 def test_strict_loading_false_loads_matching_keys_and_reports_the_rest(results):
-    rank0 = results["bad_input"]["per_rank"][0]
-    assert rank0["lenient_max_diff"] == 0.0
-    assert rank0["lenient_extra_is_fresh"] is True
-    assert "not in the checkpoint (left as they were): ['extra.bias', 'extra.weight']" in rank0["lenient_warning"]
-    assert "not in the model (ignored): ['extra.bias', 'extra.weight']" in rank0["lenient_unexpected_warning"]
-    assert "not in the checkpoint (left as they were): ['extra.bias', 'extra.weight']" in rank0["lenient_full_warning"]
+    result = results["strict_loading_false_extra_layer"]
+    assert result["lenient_max_diff"] == 0.0
+    assert result["lenient_extra_is_fresh"] is True
+    assert "not in the checkpoint (left as they were): ['extra.bias', 'extra.weight']" in result["lenient_warning"]
+
+
+@pytest.mark.slow
+def test_strict_loading_false_reports_keys_the_model_lacks(results):
+    warning = results["strict_loading_false_unexpected_keys"]
+    assert "not in the model (ignored): ['extra.bias', 'extra.weight']" in warning
+
+
+@pytest.mark.slow
+def test_strict_loading_false_from_a_full_format_file(results):
+    warning = results["strict_loading_false_full_file"]
+    assert "not in the checkpoint (left as they were): ['extra.bias', 'extra.weight']" in warning
 
 
 @pytest.mark.slow
@@ -125,28 +126,17 @@ def test_strict_loading_false_loads_matching_keys_and_reports_the_rest(results):
     ],
 )
 def test_bad_checkpoint_fails_on_every_rank_naming_path_and_problem(results, case, expected):
-    for rank_result in results["bad_input"]["per_rank"]:
-        message = rank_result[case]
+    for message in results[f"bad_input_{case}"]:  # per rank
         assert message is not None and message.startswith("CheckpointLoadError")
         for fragment in expected:
             assert fragment.lower() in message.lower()
 
 
 # ---------------------------------------------------------------------- kill during save
-@pytest.fixture(scope="module")
-def after_kill(tmp_path_factory):
-    """A 2-rank training saving every step; rank 0 is SIGKILLed inside its third save (all shards written, no
-    metadata yet). A fresh launch then loads what is left."""
-    shared = tmp_path_factory.mktemp("kill")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(WORKERS / "run.py"), "ckpt_kill", str(shared / "killed.json")]
-    killed = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=ROOT)
-    assert killed.returncode != 0 and "SIGKILL" in killed.stdout + killed.stderr
-    return run_workers(2, "ckpt_after_kill", shared)["after_kill"]
-
-
 @pytest.mark.slow
-def test_kill_during_save_leaves_earlier_checkpoints_loadable(after_kill):
+def test_kill_during_save_leaves_earlier_checkpoints_loadable(killed, results):
+    assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
+    after_kill = results["after_kill_resume"]
     visible = [name for name in after_kill["names"] if not name.startswith(".")]
     assert visible == ["last.ckpt", "step=1.ckpt"]  # step=2.ckpt never appeared under its name
     # Resuming from the checkpoint and from "last" (ModelCheckpoint's lookup) both continue after step 1.
@@ -154,75 +144,12 @@ def test_kill_during_save_leaves_earlier_checkpoints_loadable(after_kill):
 
 
 @pytest.mark.slow
-def test_kill_during_save_partial_checkpoint_is_hidden_and_refused(after_kill):
+def test_kill_during_save_partial_checkpoint_is_hidden_and_refused(killed, results):
+    assert killed.returncode != 0 and "SIGKILL" in killed.output, killed.output[-3000:]
+    after_kill = results["after_kill_partial"]
     assert len(after_kill["partial"]) == 1
     assert ".metadata" in after_kill["partial_content"] and "meta.pt" not in after_kill["partial_content"]
     assert "incomplete checkpoint" in after_kill["refused"] and after_kill["partial"][0] in after_kill["refused"]
-
-
-# ---------------------------------------------------------------------- formats, paths, tools, migration
-@pytest.mark.slow
-def test_full_format_is_one_file_every_reader_accepts(results):
-    result = results["full_format"]
-    assert result["is_file"]
-    assert result["plain_load_diff"] == 0.0  # torch.load(weights_only=True)
-    assert result["load_from_checkpoint_diff"] == 0.0  # LightningModule.load_from_checkpoint
-    assert result["dpar_resume_diff"] == 0.0  # fit(ckpt_path=file) under another dpar strategy
-    assert result["optimizer_keys"] == [0, 1, 2]  # keyed by position like a plain optimizer
-
-
-@pytest.mark.slow
-def test_fsspec_urls(results):
-    assert results["full_format"]["file_url_diff"] == 0.0  # file:// on 2 ranks
-    memory = results["memory_fs"]  # memory:// through ModelCheckpoint (save_top_k=1 removed older dirs)
-    assert memory["listing"] == ["step=6.ckpt"]
-    assert memory["files"] == [".metadata", "__0_0.distcp", "meta.pt"]
-    assert memory["load_diff"] == 0.0
-
-
-@pytest.mark.slow
-def test_consolidate_2d_checkpoint_to_lightning_ckpt_and_safetensors(results):
-    """The 4-rank TP+FSDP checkpoint, consolidated in one process."""
-    export = results["export"]
-    assert export["codes"] == [0, 0, 1]  # lightning, safetensors, and a truncated checkpoint refused
-    assert export["ckpt_model_diff"] == 0.0
-    assert export["ckpt_optimizer_diff"] == 0.0
-    assert export["ckpt_param_ids"] == list(range(12))
-    assert export["safetensors_files"] >= 2 and export["safetensors_index"]
-    assert export["safetensors_diff"] == 0.0
-
-
-@pytest.mark.slow
-def test_consolidated_ckpt_resumes_on_a_plain_single_device_trainer(results):
-    export = results["export"]
-    assert export["plain_resume_first_step"] == 4
-    assert export["plain_resume_final_step"] == 6
-
-
-@pytest.mark.slow
-def test_load_from_checkpoint_helper_reads_a_sharded_directory(results):
-    assert results["export"]["helper_diff"] == 0.0
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("source", ["model_parallel", "fsdp_strategy_sharded"])
-def test_resume_from_lightning_strategies_checkpoints(results, source):
-    result = results[f"migrate_{source}"]
-    assert result["layout"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
-    assert result["model_diff"] == 0.0
-    assert result["optimizer_diff"] == 0.0
-    assert result["first_step"] == 4
-
-
-@pytest.mark.slow
-def test_safetensors_export_streams(results):
-    """Peak RSS growth of `consolidate` on a 128 MiB model of 4 MiB tensors, each in a fresh process: the
-    safetensors export holds a few tensors at a time; the single .ckpt holds the whole model."""
-    memory = results["export_memory"]
-    growth = memory["peak_growth_mib"]
-    assert isinstance(growth["safetensors"], float), growth["safetensors"]
-    assert growth["safetensors"] < memory["model_mib"] / 3
-    assert growth["lightning"] > memory["model_mib"] * 0.9  # the contrast: the measurement sees a whole model
 
 
 def test_async_save_is_settable_between_saves_and_needs_the_sharded_format():

@@ -26,14 +26,16 @@ import torch.distributed.checkpoint as dcp
 from lightning_dpar.checkpoint.discovery import resolve_last
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.storage import Location
-from tests.conftest import ROOT, WORKERS, run_workers, subprocess_env
+from tests.conftest import ROOT, WORKERS, LaunchResults, run_workers, subprocess_env
+from tests.workers.checkpoint_common import inputs_env
 
 KILLS = [("top1_last", 11), ("top1_link", 12), ("all_link", 13), ("top2_last", 14)]
 
 
-def _launch(group: str, out_dir: Path, env: dict[str, str], timeout: float) -> subprocess.Popen:
+def _launch(group: str, out_dir: Path, env: dict[str, str], timeout: float, name: str = "") -> subprocess.Popen:
+    """Launch `group` on 2 ranks, saving under `out_dir` (records in `out_dir/<group><name>.records`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(WORKERS / "run.py"), group, str(out_dir / f"{group}.json")]
+    cmd += [str(WORKERS / "run.py"), group, str(out_dir / f"{group}{name}.records")]
     return subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -68,16 +70,25 @@ def _kill(pid: int, kill) -> None:
 
 # ---------------------------------------------------------------------- kills at random moments
 @pytest.fixture(scope="module")
-def after_kills(tmp_path_factory):
+def killed(tmp_path_factory) -> tuple[Path, dict[str, tuple[int, str]]]:
+    """One killed launch per configuration, each saving under `<directory>/<config>`; how each ended."""
     shared = tmp_path_factory.mktemp("kills")
-    killed = {}
+    ended = {}
     for config, seed in KILLS:
         env = {"DPAR_KILL_CONFIG": config, "DPAR_KILL_SEED": str(seed)}
-        proc = _launch("faults_kill_random", shared, env, timeout=300)
+        proc = _launch("faults_kill_random", shared, env, timeout=300, name=f"_{config}")
         output = _finish(proc, timeout=300)
-        killed[config] = (proc.returncode, output)
-    results = run_workers(2, "faults_resume_after_kills,faults_last_without_complete", shared)
-    return killed, results
+        ended[config] = (proc.returncode, output)
+    return shared, ended
+
+
+@pytest.fixture(scope="module")
+def after_kills(killed, tmp_path_factory) -> tuple[dict[str, tuple[int, str]], LaunchResults]:
+    """A fresh launch resuming each killed directory, and the "last" rule on a directory of interrupted saves."""
+    shared, ended = killed
+    inputs = inputs_env(**{config: shared / config for config, _ in KILLS})
+    groups = "faults_resume_after_kills,faults_last_without_complete"
+    return ended, run_workers(2, groups, tmp_path_factory.mktemp("after_kills"), extra_env=inputs)
 
 
 @pytest.mark.slow
@@ -141,14 +152,16 @@ def _mount_tmpfs(path: Path, size: str, read_only: bool = False) -> None:
 def disk_results(tmp_path_factory):
     shared = tmp_path_factory.mktemp("disks")
     small, read_only = shared / "small", shared / "read_only"
-    _mount_tmpfs(small, "1m")
+    mounts = [small / "sync", small / "async", read_only]  # a small disk per case: each fills its own
+    _mount_tmpfs(small / "sync", "1m")
+    _mount_tmpfs(small / "async", "1m")
     _mount_tmpfs(read_only, "1m", read_only=True)
     env = {"DPAR_SMALL_DISK": str(small), "DPAR_READ_ONLY_DISK": str(read_only)}
     try:
         return run_workers(2, "faults_disk_full,faults_read_only", shared, extra_env=env)
     finally:
-        subprocess.run(["umount", str(small)], check=False)
-        subprocess.run(["umount", str(read_only)], check=False)
+        for mount in mounts:
+            subprocess.run(["umount", str(mount)], check=False)
 
 
 @pytest.mark.slow

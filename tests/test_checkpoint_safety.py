@@ -513,7 +513,7 @@ FIT_CASES = {
 @pytest.mark.parametrize("case", list(FIT_CASES))
 def test_fit_ckpt_path_runs_no_code_and_names_the_file(trainer_results, case):
     file_name, refers_to = FIT_CASES[case]
-    result = trainer_results["safety_fit"][case]
+    result = trainer_results[f"safety_{case}"]
     assert result["payload_works"], "the payload must work for the test to mean anything"
     file = os.path.join(result["path"], file_name or result.get("data_file", ""))
     for message, ran_after in zip(result["errors"], result["ran"]):  # per rank
@@ -526,7 +526,7 @@ def test_fit_ckpt_path_runs_no_code_and_names_the_file(trainer_results, case):
 @pytest.mark.slow
 def test_index_of_fsdp_shards_and_adam_state_refers_only_to_the_allowlist(trainer_results):
     """The index a 2-rank `dpar_fsdp` Trainer wrote (DTensor shards, Adam state, LR scheduler leaves)."""
-    named = {tuple(pair) for pair in trainer_results["safety_fit"]["index_globals"]}
+    named = {tuple(pair) for pair in trainer_results["safety_index_globals"]}
     assert named <= ADMITTED
     assert ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata") in named  # sharded tensors were seen
 
@@ -535,7 +535,7 @@ def test_index_of_fsdp_shards_and_adam_state_refers_only_to_the_allowlist(traine
 def test_fit_ckpt_path_with_a_hostile_distcp_tensor_runs_no_code(trainer_results):
     """DCP reads tensor items itself (`weights_only`): nothing runs, and the refusal names the file. Until the load
     path wraps its `dcp.load` in `translate_dcp_errors`, it arrives as DCP's `CheckpointException`."""
-    result = trainer_results["safety_fit"]["distcp_tensor"]
+    result = trainer_results["safety_distcp_tensor"]
     assert result["payload_works"]
     file = os.path.join(result["path"], result["data_file"])
     for message, ran_after in zip(result["errors"], result["ran"]):
@@ -547,7 +547,7 @@ def test_fit_ckpt_path_with_a_hostile_distcp_tensor_runs_no_code(trainer_results
 def test_translate_dcp_errors_on_a_collective_read(trainer_results):
     """Around a 2-rank `dcp.load`: every rank gets one `UnsafeCheckpointError` naming the checkpoint, the failing
     rank(s) and the file, instead of DCP's `CheckpointException` (a BaseException)."""
-    result = trainer_results["safety_fit"]["translated"]
+    result = trainer_results["safety_translated"]
     file = os.path.join(result["path"], result["data_file"])
     for message, ran_after in zip(result["errors"], result["ran"]):
         assert not ran_after
@@ -566,7 +566,7 @@ def test_translate_dcp_errors_on_a_collective_read(trainer_results):
     ],
 )
 def test_fit_ckpt_path_on_a_damaged_checkpoint_names_the_previous_one(trainer_results, case, expected):
-    result = trainer_results["safety_fit"][case]
+    result = trainer_results[f"safety_{case}"]
     for message in result["errors"]:
         assert re.match(r"(Checkpoint|Corrupt)\w*Error: ", message), message  # a CheckpointLoadError
         for fragment in expected:

@@ -5,12 +5,14 @@ during a save, a full or read-only disk. The killed and frozen launches are driv
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,7 +22,16 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_dpar import FullyShardStrategy
 from lightning_dpar.checkpoint import writer as checkpoint_writer
-from tests.workers.checkpoint import ResumeModule, error_of, train_loader, workdir
+from tests.workers.cases import Case, one_case
+from tests.workers.checkpoint_common import (
+    ResumeModule,
+    case_dir,
+    error_of,
+    gather,
+    saved_by,
+    train_loader,
+    workdir,
+)
 from tests.workers.common import full_params, trainer_for
 
 STEPS = 12
@@ -59,11 +70,11 @@ class KillAtRandomMoment(Callback):
             timer.start()
 
 
-def group_kill_random(results):
-    """One killed run (configuration and seed from the environment); never returns normally."""
+def kill_random_case() -> None:
+    """One killed run (configuration and seed from the environment) saving under `case_dir(config)`; never returns
+    normally."""
     config, seed = os.environ["DPAR_KILL_CONFIG"], int(os.environ["DPAR_KILL_SEED"])
-    root = workdir() / config
-    callbacks = [StepMonitor(), _checkpoint_callback(root, config), KillAtRandomMoment(seed)]
+    callbacks = [StepMonitor(), _checkpoint_callback(case_dir(config), config), KillAtRandomMoment(seed)]
     trainer = trainer_for(
         FullyShardStrategy(async_save=True), max_steps=STEPS, callbacks=callbacks, enable_checkpointing=True
     )
@@ -71,42 +82,51 @@ def group_kill_random(results):
     time.sleep(5)  # a kill scheduled after the last save still lands
 
 
-def group_resume_after_kills(results):
-    """For each killed directory: resume with `ckpt_path="last"` and finish; compare with an uninterrupted run."""
+@functools.cache
+def _uninterrupted_params() -> dict:
+    """The full parameters (on rank 0) of the run the kills interrupted, uninterrupted."""
     reference = trainer_for(FullyShardStrategy(), max_steps=STEPS)
     reference.fit(ResumeModule(), train_loader())
-    expected = full_params(reference)
+    return full_params(reference)
+
+
+def resume_after_kill_case(config: str) -> dict:
+    """Resume the directory a killed run left with `ckpt_path="last"` and finish; compare with the uninterrupted run."""
+    expected = _uninterrupted_params()
+    root = saved_by(config)
+    names_after_kill = sorted(os.listdir(root))
+    module = ResumeModule()
+    callbacks = [StepMonitor(), _checkpoint_callback(root, config)]
+    trainer = trainer_for(
+        FullyShardStrategy(async_save=True), max_steps=STEPS, callbacks=callbacks, enable_checkpointing=True
+    )
+    trainer.fit(module, train_loader(), ckpt_path="last")
+    params = full_params(trainer)
+    if dist.get_rank() != 0:
+        return None
+    return {
+        "names_after_kill": names_after_kill,
+        "first_step": min(step for step, _ in module.losses) if module.losses else None,
+        "max_diff": max((params[k] - expected[k]).abs().max().item() for k in expected),
+        "names_at_end": sorted(os.listdir(root)),
+    }
+
+
+def group_resume_after_kills() -> Iterator[Case]:
     for config in KILL_CONFIGS:
-        root = workdir() / config
-        if not root.exists():
-            continue
-        names_after_kill = sorted(os.listdir(root))
-        module = ResumeModule()
-        callbacks = [StepMonitor(), _checkpoint_callback(root, config)]
-        trainer = trainer_for(
-            FullyShardStrategy(async_save=True), max_steps=STEPS, callbacks=callbacks, enable_checkpointing=True
-        )
-        trainer.fit(module, train_loader(), ckpt_path="last")
-        params = full_params(trainer)
-        if dist.get_rank() == 0:
-            results[f"kill_{config}"] = {
-                "names_after_kill": names_after_kill,
-                "first_step": min(step for step, _ in module.losses) if module.losses else None,
-                "max_diff": max((params[k] - expected[k]).abs().max().item() for k in expected),
-                "names_at_end": sorted(os.listdir(root)),
-            }
+        yield Case(f"kill_{config}", lambda config=config: resume_after_kill_case(config))
 
 
-def group_last_without_complete_checkpoint(results):
+def last_without_complete_case() -> str | None:
     """A directory holding only interrupted saves: `ckpt_path="last"` refuses instead of starting over."""
-    root = workdir() / "only_incomplete"
+    root = case_dir("only_incomplete")
     if dist.get_rank() == 0:
         (root / ".dpar-partial-0123456789-abcd1234").mkdir(parents=True)
         os.symlink("step=7.ckpt", root / "last.ckpt")  # a `save_last="link"` link whose save never completed
     dist.barrier()
     callback = ModelCheckpoint(dirpath=root, save_last="link")
     trainer = trainer_for(FullyShardStrategy(), max_steps=2, callbacks=[callback], enable_checkpointing=True)
-    results["last_without_complete"] = error_of(lambda: trainer.fit(ResumeModule(), train_loader(), ckpt_path="last"))
+    return error_of(lambda: trainer.fit(ResumeModule(), train_loader(), ckpt_path="last"))
 
 
 # ---------------------------------------------------------------------- a rank that freezes
@@ -127,11 +147,11 @@ class FreezeRankOne(Callback):
         checkpoint_writer._finish = finish
 
 
-def group_freeze(results):
+def freeze_case() -> None:
     """Rank 0 records when and how it failed; the test measures it against the freeze and the timeout."""
     timeout_s = float(os.environ["DPAR_FREEZE_TIMEOUT"])
     async_save = os.environ["DPAR_FREEZE_ASYNC"] == "1"
-    root = workdir() / "frozen"
+    root = case_dir("freeze")
     (workdir() / f"pid{dist.get_rank() if dist.is_initialized() else os.environ['RANK']}").write_text(str(os.getpid()))
     callback = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=-1)
     strategy = FullyShardStrategy(async_save=async_save, timeout=timedelta(seconds=timeout_s))
@@ -146,60 +166,45 @@ def group_freeze(results):
 
 
 # ---------------------------------------------------------------------- a full or read-only disk
-def group_disk_full(results):
-    """Saving every step onto a small tmpfs (its path in the environment) until it is full, sync and async."""
-    for mode in ("sync", "async"):
-        root = Path(os.environ["DPAR_SMALL_DISK"]) / mode
-        callback = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=-1)
-        strategy = FullyShardStrategy(async_save=mode == "async")
-        trainer = trainer_for(strategy, max_steps=40, callbacks=[callback], enable_checkpointing=True)
-        error = error_of(lambda trainer=trainer: trainer.fit(ResumeModule(hidden=64), train_loader()))
-        names = sorted(os.listdir(root))
-        complete = [n for n in names if not n.startswith(".")]
-        newest = str(root / max(complete, key=_step))  # the newest checkpoint still under a final name loads
-        validated = error_of(
-            lambda newest=newest: trainer_for(FullyShardStrategy()).validate(
-                ResumeModule(hidden=64), train_loader(), ckpt_path=newest, verbose=False
-            )
+def disk_full_case(mode: str) -> dict:
+    """Saving every step (`mode`: sync or async) onto a small tmpfs of its own (`DPAR_SMALL_DISK/<mode>`, mounted by
+    the test) until it is full."""
+    root = Path(os.environ["DPAR_SMALL_DISK"]) / mode
+    callback = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    strategy = FullyShardStrategy(async_save=mode == "async")
+    trainer = trainer_for(strategy, max_steps=40, callbacks=[callback], enable_checkpointing=True)
+    error = error_of(lambda: trainer.fit(ResumeModule(hidden=64), train_loader()))
+    names = sorted(os.listdir(root))
+    complete = [n for n in names if not n.startswith(".")]
+    newest = str(root / max(complete, key=_step))  # the newest checkpoint still under a final name loads
+    validated = error_of(
+        lambda: trainer_for(FullyShardStrategy()).validate(
+            ResumeModule(hidden=64), train_loader(), ckpt_path=newest, verbose=False
         )
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        if dist.get_rank() == 0:
-            results[f"disk_full_{mode}"] = {"errors": errors, "names": names, "validated": validated}
-        dist.barrier()
-        if dist.get_rank() == 0:
-            for name in complete:
-                _remove_tree(root / name)
-        dist.barrier()
+    )
+    return {"errors": gather(error), "names": names, "validated": validated}
 
 
-def group_read_only(results):
+def read_only_case() -> list[str | None]:
     root = Path(os.environ["DPAR_READ_ONLY_DISK"]) / "checkpoints"
     trainer = trainer_for(FullyShardStrategy(), max_steps=1)
     trainer.fit(ResumeModule(), train_loader())
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error_of(lambda: trainer.save_checkpoint(root / "step=1.ckpt")))
-    if dist.get_rank() == 0:
-        results["read_only"] = errors
+    return gather(error_of(lambda: trainer.save_checkpoint(root / "step=1.ckpt")))
 
 
 def _step(name: str) -> int:
     return int(name.split("=")[1].split(".")[0])
 
 
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
 GROUPS = {
-    "faults_kill_random": group_kill_random,
+    "faults_kill_random": one_case("kill_random", kill_random_case),
     "faults_resume_after_kills": group_resume_after_kills,
-    "faults_last_without_complete": group_last_without_complete_checkpoint,
-    "faults_freeze": group_freeze,
-    "faults_disk_full": group_disk_full,
-    "faults_read_only": group_read_only,
+    "faults_last_without_complete": one_case("last_without_complete", last_without_complete_case),
+    "faults_freeze": one_case("freeze", freeze_case),
+    "faults_disk_full": lambda: [
+        Case(f"disk_full_{mode}", lambda mode=mode: disk_full_case(mode)) for mode in ("sync", "async")
+    ],
+    "faults_read_only": one_case("read_only", read_only_case),
 }
 
 torch.set_num_threads(1)

@@ -7,11 +7,14 @@ Every case runs `fit(ckpt_path=...)` on every rank and records the error each ra
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import io
 import os
 import pickle
 import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -25,7 +28,8 @@ from lightning_dpar.checkpoint.full import read_full
 from lightning_dpar.checkpoint.safe_io import SafeLoadPlanner, safe_storage_reader, translate_dcp_errors
 from lightning_dpar.checkpoint.storage import Location
 from tests import malicious
-from tests.workers.checkpoint import ResumeModule, gather, train_loader, val_loader, workdir
+from tests.workers.cases import Case, one_case
+from tests.workers.checkpoint_common import ResumeModule, case_dir, gather, train_loader
 from tests.workers.common import full_params, trainer_for
 
 
@@ -57,101 +61,121 @@ def _control(marker, run) -> bool:
     return works
 
 
-def group_fit(results):
-    root = workdir() / "safety"
-    marker = root / "PAYLOAD_RAN"
+@functools.cache
+def _good() -> tuple[L.Trainer, Path]:
+    """A 2-step `dpar_fsdp` training and the sharded checkpoint it saved (`good.ckpt`)."""
     trainer = trainer_for(FullyShardStrategy(), max_steps=2)
     trainer.fit(ResumeModule(), train_loader())
-    good = root / "good.ckpt"
+    good = case_dir("safety_good") / "good.ckpt"
     trainer.save_checkpoint(good)
-    full_trainer = trainer_for(FullyShardStrategy(checkpoint_format="full"))
-    full_trainer.validate(ResumeModule(), val_loader(), ckpt_path=str(good), verbose=False)
-    full_trainer.save_checkpoint(root / "good_full.ckpt")
-    hostile = root / "hostile"
-    index_payloads = malicious.index_payloads(marker, root)
-    paths, controls = {}, {}
+    return trainer, good
+
+
+def _hostile(case: str, good: Path, marker: Path, work: Path) -> tuple[Path, bool, str | None]:
+    """Rank 0 writes the hostile checkpoint `case` (a copy of `good` with one file replaced or poisoned); returns
+    its path, whether its payload runs when unpickled without our reader, and the data file of a poisoned item."""
+    path = work / f"{case}.ckpt"
+    runs_command = malicious.saved(malicious.RunsCommand(malicious.shell(marker)))
+    data_file = None
+    if case == "full_file":
+        path.write_bytes(malicious.saved(malicious.Evaluates(malicious.shell(marker))))
+        return path, _control(marker, lambda: torch.load(path, weights_only=False)), None
+    shutil.copytree(good, path, dirs_exist_ok=True)
+    if case.startswith("index_"):
+        kind = {"index_dotted": "dotted_filesystem_os_system", "index_function": "function_of_dcp_module"}[case]
+        payload = malicious.index_payloads(marker, work)[kind]
+        (path / ".metadata").write_bytes(payload)
+        return path, _control(marker, lambda: pickle.loads(payload)), None
+    if case == "meta_pt":
+        (path / "meta.pt").write_bytes(runs_command)
+    else:
+        _, data_file = malicious.poison_item(path, runs_command, tensor=case == "distcp_tensor")
+    return path, _control(marker, lambda: torch.load(io.BytesIO(runs_command), weights_only=False)), data_file
+
+
+def hostile_case(case: str) -> dict:
+    """`fit(ckpt_path=...)` on every rank from the hostile checkpoint `case`: each rank's error, and whether the
+    payload ran (its marker file appeared)."""
+    _, good = _good()
+    work = case_dir(f"safety_{case}")
+    marker = work / "PAYLOAD_RAN"
+    made = None
     if dist.get_rank() == 0:
-        for case in ("index_dotted", "index_function", "meta_pt", "distcp_leaf", "distcp_tensor"):
-            paths[case] = hostile / f"{case}.ckpt"
-            shutil.copytree(good, paths[case])
-        index_dotted = index_payloads["dotted_filesystem_os_system"]
-        index_function = index_payloads["function_of_dcp_module"]
-        (paths["index_dotted"] / ".metadata").write_bytes(index_dotted)
-        (paths["index_function"] / ".metadata").write_bytes(index_function)
-        runs_command = malicious.saved(malicious.RunsCommand(malicious.shell(marker)))
-        (paths["meta_pt"] / "meta.pt").write_bytes(runs_command)
-        _, leaf_file = malicious.poison_item(paths["distcp_leaf"], runs_command)
-        _, tensor_file = malicious.poison_item(paths["distcp_tensor"], runs_command, tensor=True)
-        paths["full_file"] = hostile / "full_file.ckpt"
-        paths["full_file"].write_bytes(malicious.saved(malicious.Evaluates(malicious.shell(marker))))
-        index_globals = sorted(malicious.globals_named((good / ".metadata").read_bytes()))
-        controls = {
-            "index_dotted": _control(marker, lambda: pickle.loads(index_dotted)),
-            "index_function": _control(marker, lambda: pickle.loads(index_function)),
-            **{
-                case: _control(marker, lambda: torch.load(io.BytesIO(runs_command), weights_only=False))
-                for case in ("meta_pt", "distcp_leaf", "distcp_tensor")
-            },
-            "full_file": _control(marker, lambda: torch.load(paths["full_file"], weights_only=False)),
-        }
-    paths = gather(paths)[0]
-    cases = {}
-    for case, path in paths.items():
-        dist.barrier()
-        error = fit_from(path)
-        dist.barrier()
-        cases[case] = {"path": str(path), "error": error, "ran": marker.exists()}
-    # The helper the load paths wrap `dcp.load` in, on the collective read of the poisoned tensor.
-    location = Location.parse(paths["distcp_tensor"])
+        work.mkdir(parents=True, exist_ok=True)
+        made = _hostile(case, good, marker, work)
+    path, payload_works, data_file = gather(made)[0]
+    error = fit_from(path)
+    dist.barrier()
+    per_rank = gather((error, marker.exists()))
+    result = {
+        "path": Path(path).as_posix(),
+        "payload_works": payload_works,
+        "errors": [error for error, _ in per_rank],
+        "ran": [ran for _, ran in per_rank],
+    }
+    return result if data_file is None else {**result, "data_file": data_file}
+
+
+def index_globals_case() -> list:
+    """Every global the index of the 2-rank FSDP checkpoint (DTensor shards, Adam state, LR scheduler) refers to."""
+    _, good = _good()
+    return sorted(malicious.globals_named((good / ".metadata").read_bytes()))
+
+
+def translated_case() -> dict:
+    """The helper the load paths wrap `dcp.load` in, on the collective read of a poisoned tensor item."""
+    trainer, good = _good()
+    work = case_dir("safety_translated")
+    marker = work / "PAYLOAD_RAN"
+    made = None
+    if dist.get_rank() == 0:
+        work.mkdir(parents=True, exist_ok=True)
+        made = _hostile("distcp_tensor", good, marker, work)
+    path, _, data_file = gather(made)[0]
+    location = Location.parse(path)
     state = {"state_dict": get_model_state_dict(trainer.strategy.model)}
 
     def read_tensor_item() -> None:
         with translate_dcp_errors(location):
             dcp.load(state, storage_reader=safe_storage_reader(location), planner=SafeLoadPlanner())
 
-    translated = error_of_any(read_tensor_item)
-    translated_ran = marker.exists()
-    # Damaged checkpoints, each in a directory with a complete earlier one.
-    damaged = {}
-    for case in ("truncated_meta", "missing_shard"):
-        directory = root / case
-        previous, victim = directory / "previous.ckpt", directory / "victim.ckpt"
-        if dist.get_rank() == 0:
-            shutil.copytree(good, previous)
-            os.utime(previous / "meta.pt", (1, 1))
-            shutil.copytree(good, victim)
-            if case == "truncated_meta":
-                data = (victim / "meta.pt").read_bytes()
-                (victim / "meta.pt").write_bytes(data[: len(data) // 2])
-            else:
-                (victim / "__1_0.distcp").unlink()
-        dist.barrier()
-        damaged[case] = {"previous": str(previous), "error": fit_from(victim)}
-    per_rank = gather({"cases": cases, "damaged": damaged, "translated": (translated, translated_ran)})
+    per_rank = gather((error_of_any(read_tensor_item), marker.exists()))
+    return {
+        "data_file": data_file,
+        "path": Path(path).as_posix(),
+        "errors": [error for error, _ in per_rank],
+        "ran": [ran for _, ran in per_rank],
+    }
+
+
+def damaged_case(case: str) -> dict:
+    """A damaged checkpoint (`case`) in a directory with a complete earlier one: each rank's error."""
+    _, good = _good()
+    directory = case_dir(f"safety_{case}")
+    previous, victim = directory / "previous.ckpt", directory / "victim.ckpt"
     if dist.get_rank() == 0:
-        out = {}
-        for case in paths:
-            out[case] = {
-                "path": paths[case].as_posix(),
-                "payload_works": controls[case],
-                "errors": [r["cases"][case]["error"] for r in per_rank],
-                "ran": [r["cases"][case]["ran"] for r in per_rank],
-            }
-        out["index_globals"] = index_globals
-        out["distcp_leaf"]["data_file"] = leaf_file
-        out["distcp_tensor"]["data_file"] = tensor_file
-        out["translated"] = {
-            "data_file": tensor_file,
-            "path": paths["distcp_tensor"].as_posix(),
-            "errors": [r["translated"][0] for r in per_rank],
-            "ran": [r["translated"][1] for r in per_rank],
-        }
-        for case in damaged:
-            out[case] = {
-                "previous": damaged[case]["previous"],
-                "errors": [r["damaged"][case]["error"] for r in per_rank],
-            }
-        results["safety_fit"] = out
+        shutil.copytree(good, previous, dirs_exist_ok=True)
+        os.utime(previous / "meta.pt", (1, 1))
+        shutil.copytree(good, victim, dirs_exist_ok=True)
+        if case == "truncated_meta":
+            data = (victim / "meta.pt").read_bytes()
+            (victim / "meta.pt").write_bytes(data[: len(data) // 2])
+        else:
+            (victim / "__1_0.distcp").unlink()
+    dist.barrier()
+    return {"previous": str(previous), "errors": gather(fit_from(victim))}
+
+
+HOSTILE = ("index_dotted", "index_function", "meta_pt", "distcp_leaf", "distcp_tensor", "full_file")
+
+
+def group_fit() -> Iterator[Case]:
+    for case in HOSTILE:
+        yield Case(f"safety_{case}", lambda case=case: hostile_case(case))
+    yield Case("safety_index_globals", index_globals_case)
+    yield Case("safety_translated", translated_case)
+    for case in ("truncated_meta", "missing_shard"):
+        yield Case(f"safety_{case}", lambda case=case: damaged_case(case))
 
 
 # ---------------------------------------------------------------------- memory-mapped full-format loads
@@ -200,8 +224,8 @@ class MeasuredLoad(FullyShardStrategy):
         return loaded
 
 
-def group_mmap(results):
-    root = workdir() / "mmap"
+def mmap_case() -> dict:
+    root = case_dir("safety_mmap")
     data = DataLoader(TensorDataset(torch.randn(8, 1024)), batch_size=2)
     trainer = trainer_for(FullyShardStrategy(checkpoint_format="full"), max_steps=1)
     trainer.fit(Wide(), data)
@@ -215,14 +239,15 @@ def group_mmap(results):
     unmapped = _peak_growth(lambda: torch.load(file, map_location="cpu", weights_only=True))
     read = _peak_growth(lambda: read_full(Location.parse(file)))
     per_rank = gather({"load": strategy.load_growth_mib, "unmapped": unmapped, "read": read})
-    if dist.get_rank() == 0:
-        results["safety_mmap"] = {
-            "file_mib": file.stat().st_size / 2**20,
-            "load_growth_mib": [r["load"] for r in per_rank],
-            "unmapped_growth_mib": [r["unmapped"] for r in per_rank],
-            "read_growth_mib": [r["read"] for r in per_rank],
-            "max_diff": max((loaded[k] - reference[k]).abs().max().item() for k in reference),
-        }
+    if dist.get_rank() != 0:
+        return None
+    return {
+        "file_mib": file.stat().st_size / 2**20,
+        "load_growth_mib": [r["load"] for r in per_rank],
+        "unmapped_growth_mib": [r["unmapped"] for r in per_rank],
+        "read_growth_mib": [r["read"] for r in per_rank],
+        "max_diff": max((loaded[k] - reference[k]).abs().max().item() for k in reference),
+    }
 
 
-GROUPS = {"safety_fit": group_fit, "safety_mmap": group_mmap}
+GROUPS = {"safety_fit": group_fit, "safety_mmap": one_case("safety_mmap", mmap_case)}

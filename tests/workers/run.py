@@ -37,6 +37,8 @@ MODULES = [
         "callbacks",
         "cli",
         "checkpoint",
+        "checkpoint_reshard",
+        "checkpoint_formats",
         "checkpoint_faults",
         "checkpoint_safety",
         "pretrained",
