@@ -100,7 +100,6 @@ class CaseRecord:
 
     value: Any = None
     errors: dict[int, str] = field(default_factory=dict)
-    spread: bool = False  # a legacy group's case: its value is several results under their own keys
 
 
 class LaunchResults(Mapping):
@@ -121,38 +120,22 @@ class LaunchResults(Mapping):
         return self
 
     def __getitem__(self, name: str) -> Any:
-        record = self._results().get(name)
+        record = self.records.get(name)
         if record is None:
-            failed_groups = {case: r for case, r in self.records.items() if r.spread and r.errors}
-            if not failed_groups:
-                pytest.fail(f"no case recorded a result named {name!r}.\n" + "\n\n".join(self.launches), pytrace=False)
-            # The result would have come from a group that failed as a whole.
-            record = CaseRecord(
-                errors={r: f"[{case}] {e}" for case, g in failed_groups.items() for r, e in g.errors.items()}
-            )
+            pytest.fail(f"no case recorded a result named {name!r}.\n" + "\n\n".join(self.launches), pytrace=False)
         if record.errors:
             details = "\n".join(f"--- rank {rank} ---\n{error}" for rank, error in sorted(record.errors.items()))
             pytest.fail(f"case {name!r} failed on ranks {sorted(record.errors)}:\n{details}", pytrace=False)
         return record.value
 
-    def _results(self) -> dict[str, CaseRecord]:
-        """Records by result name: a spread case's value contributes one result per key."""
-        flat: dict[str, CaseRecord] = {}
-        for case, record in self.records.items():
-            if record.spread and not record.errors:
-                flat.update({key: CaseRecord(value=value) for key, value in (record.value or {}).items()})
-            else:
-                flat[case] = record
-        return flat
-
     def __contains__(self, name: object) -> bool:
-        return name in self._results()
+        return name in self.records
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._results())
+        return iter(self.records)
 
     def __len__(self) -> int:
-        return len(self._results())
+        return len(self.records)
 
 
 #: Relaunches for the cases after one that stopped a launch (each relaunch costs a process start).
@@ -208,7 +191,7 @@ def _read_records(out: Path, nproc: int, results: LaunchResults, log_tail: str) 
         for event in events:
             if event["event"] == "start":
                 open_case = event["case"]
-                results.records.setdefault(open_case, CaseRecord(spread=event["spread"]))
+                results.records.setdefault(open_case, CaseRecord())
             elif event["event"] == "end":
                 record = results.records[event["case"]]
                 if rank == 0:

@@ -7,7 +7,7 @@ rank is its error, recorded with that rank's traceback. pytest (`tests/conftest.
 test its own case's result, or fails that test alone with the case's tracebacks.
 
 The record: every rank appends JSON lines to `OUT/rank<r>.jsonl`, flushed line by line so a dying process leaves
-what it did: `{"event": "start", "case": name, "spread": bool}` before a case, `{"event": "end", "case": name,
+what it did: `{"event": "start", "case": name}` before a case, `{"event": "end", "case": name,
 "value": ..., "error": traceback or null, "seconds": ...}` after it, `{"event": "stopped", "reason": ...}` when the
 launch stops early, and `{"event": "finished"}` after the last case.
 
@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,16 +53,11 @@ SKIP_ENV = "DPAR_TEST_SKIP_CASES"
 
 @dataclass(frozen=True)
 class Case:
-    """One test case of a launch: `fn` runs on every rank; its rank-0 return value is the result named `name`.
-
-    `spread=True`: the value is a dict of several results, each recorded under its own key (for groups that do
-    not yet return one result per case; a failure then fails every test reading any of the group's keys).
-    """
+    """One test case of a launch: `fn` runs on every rank; its rank-0 return value is the result named `name`."""
 
     name: str
     fn: Callable[[], Any]
     timeout_s: float = 300.0
-    spread: bool = False
 
 
 Group = Callable[[], Iterable[Case]]
@@ -71,20 +66,6 @@ Group = Callable[[], Iterable[Case]]
 def one_case(name: str, fn: Callable[[], Any], timeout_s: float = 300.0) -> Group:
     """A group of one case, named like the group."""
     return lambda: [Case(name, fn, timeout_s=timeout_s)]
-
-
-def legacy_group(name: str, fn: Callable[[dict], None], timeout_s: float = 600.0) -> Group:
-    """A group written as `fn(results)` (filling `results` on rank 0), run as one spread case named `name`."""
-
-    def cases() -> Iterator[Case]:
-        def run() -> dict:
-            results: dict = {}
-            fn(results)
-            return results
-
-        yield Case(name, run, timeout_s=timeout_s, spread=True)
-
-    return cases
 
 
 class CaseRunner:
@@ -115,7 +96,7 @@ class CaseRunner:
     def run(self, case: Case) -> None:
         sequence = self._sequence
         self._sequence += 1
-        self._record({"event": "start", "case": case.name, "spread": case.spread})
+        self._record({"event": "start", "case": case.name})
         with self._lock:
             self._current = (sequence, case, time.monotonic())
         started = time.monotonic()

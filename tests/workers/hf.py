@@ -6,12 +6,14 @@ ends with the same parameters as single-process training of the same model."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import lightning as L
 import torch
 from torch.utils.data import Dataset
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
+from tests.workers.cases import Case
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
 
 VOCAB, SEQ, SEED = 64, 8, 1234
@@ -116,50 +118,54 @@ def _diff(got, want) -> float:
     return max((got[k] - want[k]).abs().max().item() for k in want)
 
 
-def _parity(results, name, strategy, dp, empty_init=False, model=LlamaModule):
+def parity_case(strategy, dp: int, empty_init: bool = False, model=LlamaModule) -> dict | None:
+    """Train under `strategy`; on rank 0, the largest difference to single-process training of the same model."""
     data = TokenIds()
     trainer = trainer_for(strategy)
-    if empty_init:
-        with trainer.init_module(empty_init=True):
-            module = LlamaModule(build_seed=None)
-        assert all(p.is_meta for p in module.parameters())
-        L.seed_everything(SEED)  # the materialisation draws from the seeded global generator (and shuffles with it)
-    else:
-        module = model()
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
+    try:
+        if empty_init:
+            with trainer.init_module(empty_init=True):
+                module = LlamaModule(build_seed=None)
+            assert all(p.is_meta for p in module.parameters())
+            L.seed_everything(SEED)  # the materialisation draws from the seeded global generator (and shuffles with it)
+        else:
+            module = model()
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
+    finally:
+        os.environ.pop("PL_GLOBAL_SEED", None)  # other cases shuffle with Lightning's default seed 0
     local_numel = max(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in module.parameters())
     got = full_params(trainer)
-    if trainer.global_rank == 0:
-        want_module = initialised_like_materialisation(SEED) if empty_init else model()
-        shuffle_seed = SEED if empty_init else 0
-        results[name] = {"max_abs_diff": _diff(got, reference(want_module, data, dp, shuffle_seed))}
-        if empty_init:
-            results[name]["largest_local_numel"] = local_numel
-            results[name]["largest_numel"] = max(p.numel() for p in want_module.parameters())
+    if trainer.global_rank != 0:
+        return None
+    want_module = initialised_like_materialisation(SEED) if empty_init else model()
+    shuffle_seed = SEED if empty_init else 0
+    result = {"max_abs_diff": _diff(got, reference(want_module, data, dp, shuffle_seed))}
+    if empty_init:
+        result["largest_local_numel"] = local_numel
+        result["largest_numel"] = max(p.numel() for p in want_module.parameters())
+    return result
 
 
-def group_hf_llama(results):
+def group_hf_llama() -> Iterator[Case]:
     world = world_size()
-    _parity(results, "llama_fsdp", FullyShardStrategy(), world)
-    _parity(results, "llama_replicate", ReplicateStrategy(), world)
-    _parity(
-        results, "llama_2d_auto_plan", FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan="auto"), world // 2
+    yield Case("llama_fsdp", lambda: parity_case(FullyShardStrategy(), world))
+    yield Case("llama_replicate", lambda: parity_case(ReplicateStrategy(), world))
+    yield Case(
+        "llama_2d_auto_plan",
+        lambda: parity_case(FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan="auto"), world // 2),
     )
-    _parity(results, "llama_2d_default_plan", FSDPTensorParallelStrategy(tensor_parallel_size=2), world // 2)
-    _parity(
-        results, "qwen3_2d_auto_plan", FSDPTensorParallelStrategy(tensor_parallel_size=2), world // 2, model=Qwen3Module
+    yield Case(
+        "llama_2d_default_plan", lambda: parity_case(FSDPTensorParallelStrategy(tensor_parallel_size=2), world // 2)
     )
-    try:
-        _parity(results, "llama_meta_init_fsdp", FullyShardStrategy(), world, empty_init=True)
-        _parity(
-            results,
-            "llama_meta_init_2d",
-            FSDPTensorParallelStrategy(tensor_parallel_size=2),
-            world // 2,
-            empty_init=True,
-        )
-    finally:
-        os.environ.pop("PL_GLOBAL_SEED", None)  # later cases shuffle with Lightning's default seed 0 again
+    yield Case(
+        "qwen3_2d_auto_plan",
+        lambda: parity_case(FSDPTensorParallelStrategy(tensor_parallel_size=2), world // 2, model=Qwen3Module),
+    )
+    yield Case("llama_meta_init_fsdp", lambda: parity_case(FullyShardStrategy(), world, empty_init=True))
+    yield Case(
+        "llama_meta_init_2d",
+        lambda: parity_case(FSDPTensorParallelStrategy(tensor_parallel_size=2), world // 2, empty_init=True),
+    )
 
 
 GROUPS = {"hf_llama": group_hf_llama}

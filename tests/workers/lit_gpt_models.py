@@ -5,11 +5,15 @@ splits by the global head counts, so only the MLP is tensor-parallel here."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import lightning as L
 import torch
 import torch.nn.functional as F
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
+from tests.workers.cases import Case
 from tests.workers.common import BATCH, full_params, trainer_for, world_size
 from tests.workers.hf import SEED, VOCAB, TokenIds, global_batches
 
@@ -62,41 +66,40 @@ def _reference(data, dp: int, seed: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _parity(results, name, strategy, dp, empty_init):
+def parity_case(strategy, dp: int, empty_init: bool) -> dict | None:
+    """Train under `strategy`; on rank 0, the largest difference to single-process training of a normal CPU build."""
     data = TokenIds()
     trainer = trainer_for(strategy)
-    if empty_init:
-        with trainer.init_module(empty_init=True):
-            module = LitGPTModule()
-        L.seed_everything(SEED)
-    else:
-        torch.manual_seed(SEED)
-        module = LitGPTModule()
-        L.seed_everything(SEED)  # the same shuffling as the meta-init cases
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
-    got = full_params(trainer)
-    if trainer.global_rank == 0:
-        want = _reference(data, dp, SEED)
-        assert set(got) == set(want), (sorted(got), sorted(want))
-        results[name] = {"max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want)}
-
-
-def group_litgpt(results):
-    import os
-
-    world = world_size()
     try:
-        _parity(results, "litgpt_replicate", ReplicateStrategy(), world, empty_init=False)
-        _parity(results, "litgpt_meta_init_fsdp", FullyShardStrategy(), world, empty_init=True)
-        _parity(
-            results,
-            "litgpt_meta_init_2d_mlp_tp",
-            FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=MLP_TP_PLAN),
-            world // 2,
-            empty_init=True,
-        )
+        if empty_init:
+            with trainer.init_module(empty_init=True):
+                module = LitGPTModule()
+            L.seed_everything(SEED)
+        else:
+            torch.manual_seed(SEED)
+            module = LitGPTModule()
+            L.seed_everything(SEED)  # the same shuffling as the meta-init cases
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
     finally:
-        os.environ.pop("PL_GLOBAL_SEED", None)
+        os.environ.pop("PL_GLOBAL_SEED", None)  # other cases shuffle with Lightning's default seed 0
+    got = full_params(trainer)
+    if trainer.global_rank != 0:
+        return None
+    want = _reference(data, dp, SEED)
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    return {"max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want)}
+
+
+def group_litgpt() -> Iterator[Case]:
+    world = world_size()
+    yield Case("litgpt_replicate", lambda: parity_case(ReplicateStrategy(), world, empty_init=False))
+    yield Case("litgpt_meta_init_fsdp", lambda: parity_case(FullyShardStrategy(), world, empty_init=True))
+    yield Case(
+        "litgpt_meta_init_2d_mlp_tp",
+        lambda: parity_case(
+            FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=MLP_TP_PLAN), world // 2, empty_init=True
+        ),
+    )
 
 
 GROUPS = {"litgpt": group_litgpt}

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 
 import lightning as L
 import torch
@@ -18,6 +19,7 @@ from torch.utils.data import Dataset
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
 from tests.models import IN_DIM, Block, RegressionData, global_batches, loader
+from tests.workers.cases import Case, one_case
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
 
 
@@ -106,65 +108,60 @@ def _reference(make_module, data, dp: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _parity(results, name, make_module, strategy, dp, data):
+def parity_case(make_module, strategy, dp: int, data: Dataset) -> dict | None:
+    """Train under `strategy`; on rank 0, the largest difference to single-process training on the same batches."""
     module = make_module()
     trainer = trainer_for(strategy)
     trainer.fit(module, loader(data, BATCH))
     got = full_params(trainer)
-    if trainer.global_rank == 0:
-        want = _reference(make_module, data, dp)
-        assert set(got) == set(want), (sorted(got), sorted(want))
-        results[name] = {"max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want)}
+    if trainer.global_rank != 0:
+        return None
+    want = _reference(make_module, data, dp)
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    return {"max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want)}
 
 
-def group_ordinary(results):
+def group_ordinary() -> Iterator[Case]:
     world = world_size()
     tp = 2 if world % 2 == 0 else 1
-    data = RegressionData()
-    _parity(results, "top_level_blocks_replicate", TopLevelBlocks, ReplicateStrategy(), world, data)
-    _parity(results, "top_level_blocks_fsdp", TopLevelBlocks, FullyShardStrategy(), world, data)
-    _parity(
-        results,
-        "top_level_blocks_2d",
-        TopLevelBlocks,
-        FSDPTensorParallelStrategy(tensor_parallel_size=tp),
-        world // tp,
-        data,
-    )
-    _parity(results, "direct_parameters_replicate", DirectParameters, ReplicateStrategy(), world, data)
-    _parity(results, "direct_parameters_fsdp", DirectParameters, FullyShardStrategy(), world, data)
-    _parity(
-        results,
-        "direct_parameters_2d",
-        DirectParameters,
-        FSDPTensorParallelStrategy(tensor_parallel_size=tp),
-        world // tp,
-        data,
-    )
-    _parity(
-        results,
+    for name, make_module in (("top_level_blocks", TopLevelBlocks), ("direct_parameters", DirectParameters)):
+        yield Case(
+            f"{name}_replicate",
+            lambda make_module=make_module: parity_case(make_module, ReplicateStrategy(), world, RegressionData()),
+        )
+        yield Case(
+            f"{name}_fsdp",
+            lambda make_module=make_module: parity_case(make_module, FullyShardStrategy(), world, RegressionData()),
+        )
+        yield Case(
+            f"{name}_2d",
+            lambda make_module=make_module: parity_case(
+                make_module, FSDPTensorParallelStrategy(tensor_parallel_size=tp), world // tp, RegressionData()
+            ),
+        )
+    yield Case(
         "direct_parameters_replicate_tp",
-        DirectParameters,
-        ReplicateStrategy(tensor_parallel_size=tp, tp_plan=DirectParameters.tp_plan),
-        world // tp,
-        data,
+        lambda: parity_case(
+            DirectParameters,
+            ReplicateStrategy(tensor_parallel_size=tp, tp_plan=DirectParameters.tp_plan),
+            world // tp,
+            RegressionData(),
+        ),
     )
-    tokens = TokenData()
-    _parity(
-        results,
+    yield Case(
         "embedding_rowwise_2d",
-        EmbeddingModel,
-        FSDPTensorParallelStrategy(tensor_parallel_size=tp),
-        world // tp,
-        tokens,
+        lambda: parity_case(
+            EmbeddingModel, FSDPTensorParallelStrategy(tensor_parallel_size=tp), world // tp, TokenData()
+        ),
     )
-    _parity(
-        results,
+    yield Case(
         "embedding_rowwise_replicate_tp",
-        EmbeddingModel,
-        ReplicateStrategy(tensor_parallel_size=tp, tp_plan=EmbeddingModel.tp_plan),
-        world // tp,
-        tokens,
+        lambda: parity_case(
+            EmbeddingModel,
+            ReplicateStrategy(tensor_parallel_size=tp, tp_plan=EmbeddingModel.tp_plan),
+            world // tp,
+            TokenData(),
+        ),
     )
 
 
@@ -183,16 +180,16 @@ class BypassesItsUnit(TopLevelBlocks):
         return self.heads["out"](x)[:, :5]
 
 
-def _error(results, name, strategy, module):
+def error_case(strategy, make_module) -> list | None:
+    """Fit and expect a refusal; on rank 0, every rank's error message (None where a rank raised nothing)."""
     message = None
     try:
-        trainer_for(strategy).fit(module, loader(RegressionData(), BATCH))
+        trainer_for(strategy).fit(make_module(), loader(RegressionData(), BATCH))
     except Exception as err:
         message = f"{type(err).__name__}: {err}"
     messages = [None] * world_size()
     dist.all_gather_object(messages, message)
-    if dist.get_rank() == 0:
-        results[name] = messages
+    return messages if dist.get_rank() == 0 else None
 
 
 class OddWidths(TopLevelBlocks):
@@ -203,9 +200,9 @@ class OddWidths(TopLevelBlocks):
         self.layers = nn.ModuleList(Block(16, 9) for _ in range(2))
 
 
-def group_ordinary_errors(results):
-    _error(results, "bypassed_unit_replicate", ReplicateStrategy(), BypassesItsUnit())
-    _error(results, "tp_does_not_divide", FSDPTensorParallelStrategy(tensor_parallel_size=2), OddWidths())
+def group_ordinary_errors() -> Iterator[Case]:
+    yield Case("bypassed_unit_replicate", lambda: error_case(ReplicateStrategy(), BypassesItsUnit))
+    yield Case("tp_does_not_divide", lambda: error_case(FSDPTensorParallelStrategy(tensor_parallel_size=2), OddWidths))
 
 
 class _Records(logging.Handler):
@@ -217,7 +214,7 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def group_resume_message(results):
+def resume_message_case() -> dict | None:
     """A mid-epoch resume says in one line whether it is exact, and Lightning's "not resumable" warning is gone."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -236,15 +233,16 @@ def group_resume_message(results):
             trainer.fit(TopLevelBlocks(), loader(data, BATCH), ckpt_path=os.path.join(directory, "epoch=0-step=3.ckpt"))
     finally:
         logging.getLogger("lightning.pytorch").removeHandler(records)
-    if trainer.global_rank == 0:
-        results["resume_message"] = {
-            "lightning_warning": [str(w.message) for w in caught if "not resumable" in str(w.message)],
-            "resuming_lines": [m for m in records.messages if m.startswith("Resuming")],
-        }
+    if trainer.global_rank != 0:
+        return None
+    return {
+        "lightning_warning": [str(w.message) for w in caught if "not resumable" in str(w.message)],
+        "resuming_lines": [m for m in records.messages if m.startswith("Resuming")],
+    }
 
 
 GROUPS = {
     "ordinary": group_ordinary,
     "ordinary_errors": group_ordinary_errors,
-    "resume_message": group_resume_message,
+    "resume_message": one_case("resume_message", resume_message_case),
 }

@@ -12,6 +12,7 @@ import io
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, PretrainedWeights, ReplicateStrategy
 from lightning_dpar.pretrained import PretrainedLoadError, load_pretrained
 from tests.models import Net, RegressionData
+from tests.workers.cases import Case, one_case
 from tests.workers.common import full_params, trainer_for, world_size
 
 BATCH = 2
@@ -125,35 +127,43 @@ def strategy_for(name: str, pretrained) -> L.pytorch.strategies.Strategy:
     raise ValueError(name)
 
 
-def run_parity(results: dict, name: str, attr: str, tag: str = "") -> L.Trainer:
+def fine_tune(name: str, attr: str) -> tuple[L.Trainer, CaptureStart, TokenData]:
+    """Fine-tune the tiny Llama (held as `self.<attr>`) from its pretrained weights under strategy `name`."""
     path = tiny_dir()
-    dp = world_size() // 2 if name == "2d" else world_size()
     module = CausalLM(path, attr=attr, tp_plan=LLAMA_TP_PLAN if name == "2d" else None)
     data = TokenData(getattr(module, attr).config.vocab_size)
     capture = CaptureStart()
     trainer = trainer_for(strategy_for(name, path), max_steps=STEPS, callbacks=[capture])
     trainer.fit(module, DataLoader(data, batch_size=BATCH))
+    return trainer, capture, data
+
+
+def parity_case(name: str, attr: str) -> dict | None:
+    """The loaded weights against `from_pretrained`, and the fine-tuned ones against single-process training."""
+    trainer, capture, data = fine_tune(name, attr)
     trained = full_params(trainer)
-    if trainer.global_rank == 0:
-        prefix = f"{attr}."
-        results[f"pretrained_{name}{tag}_{world_size()}"] = {
-            "loaded_max_abs_diff": max_diff(capture.params, pretrained_model(path).state_dict(), prefix),
-            "trained_max_abs_diff": max_diff(trained, reference_train(path, data, dp), prefix),
-            "random_init_diff": max_diff(
-                CausalLM(path, attr=attr).state_dict(), pretrained_model(path).state_dict(), prefix
-            ),
-        }
-    return trainer
+    if trainer.global_rank != 0:
+        return None
+    path, prefix = tiny_dir(), f"{attr}."
+    dp = world_size() // 2 if name == "2d" else world_size()
+    return {
+        "loaded_max_abs_diff": max_diff(capture.params, pretrained_model(path).state_dict(), prefix),
+        "trained_max_abs_diff": max_diff(trained, reference_train(path, data, dp), prefix),
+        "random_init_diff": max_diff(
+            CausalLM(path, attr=attr).state_dict(), pretrained_model(path).state_dict(), prefix
+        ),
+    }
 
 
-def group_pretrained_parity(results: dict) -> None:
-    run_parity(results, "fsdp", attr="net")
-    run_parity(results, "replicate", attr="model")
-    if world_size() == 4:
-        run_parity(results, "2d", attr="model")
+def group_pretrained_parity() -> Iterator[Case]:
+    world = world_size()
+    yield Case(f"pretrained_fsdp_{world}", lambda: parity_case("fsdp", attr="net"))
+    yield Case(f"pretrained_replicate_{world}", lambda: parity_case("replicate", attr="model"))
+    if world == 4:
+        yield Case(f"pretrained_2d_{world}", lambda: parity_case("2d", attr="model"))
 
 
-def group_pretrained_errors(results: dict) -> None:
+def errors_case() -> dict | None:
     """A model with a key the checkpoint lacks: strict names it on every rank; non-strict loads the rest."""
     path = tiny_dir()
     data = TokenData(64)
@@ -173,12 +183,13 @@ def group_pretrained_errors(results: dict) -> None:
         FullyShardStrategy(pretrained=PretrainedWeights(path, strict=False)), max_steps=1, callbacks=[capture]
     )
     trainer.fit(module, DataLoader(data, batch_size=BATCH))
-    if trainer.global_rank == 0:
-        results["pretrained_errors"] = {
-            "strict_messages": gathered,
-            "lenient_loaded_diff": max_diff(capture.params, pretrained_model(path).state_dict(), "model."),
-            "lenient_extra_kept": (capture.params["extra_head.weight"] - extra_before).abs().max().item(),
-        }
+    if trainer.global_rank != 0:
+        return None
+    return {
+        "strict_messages": gathered,
+        "lenient_loaded_diff": max_diff(capture.params, pretrained_model(path).state_dict(), "model."),
+        "lenient_extra_kept": (capture.params["extra_head.weight"] - extra_before).abs().max().item(),
+    }
 
 
 class MetaBuilt(L.LightningModule):
@@ -197,7 +208,7 @@ class MetaBuilt(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def group_pretrained_meta(results: dict) -> None:
+def meta_case() -> dict | None:
     """`empty_init=True`: the strategy materialises the shards (`reset_parameters`), then the pretrained weights
     (one `model.safetensors`) overwrite what the checkpoint has; the head it lacks keeps its initialisation."""
     path = str(workdir() / "net_weights")
@@ -211,38 +222,37 @@ def group_pretrained_meta(results: dict) -> None:
     trainer.fit(module, DataLoader(RegressionData(), batch_size=BATCH))
     ckpt = workdir() / "not_hf.ckpt"
     trainer.save_checkpoint(ckpt)  # no PreTrainedModel inside: `--format hf` must refuse it
-    if trainer.global_rank == 0:
-        from safetensors.torch import load_file
+    if trainer.global_rank != 0:
+        return None
+    from safetensors.torch import load_file
 
-        from lightning_dpar.consolidate import main as consolidate
+    from lightning_dpar.consolidate import main as consolidate
 
-        head = capture.params["head.weight"]
-        stderr = io.StringIO()
-        with contextlib.redirect_stderr(stderr):
-            code = consolidate([str(ckpt), str(workdir() / "not_hf"), "--format", "hf"])
-        results["pretrained_meta"] = {
-            "built_on_meta": built_on_meta,
-            "loaded_max_abs_diff": max_diff(capture.params, load_file(f"{path}/model.safetensors"), "model."),
-            "head_finite_nonzero": bool(torch.isfinite(head).all() and head.abs().sum() > 0),
-            "hf_export_code": code,
-            "hf_export_error": stderr.getvalue(),
-            "hf_export_wrote": (workdir() / "not_hf").exists(),
-        }
-    dist.barrier()
+    head = capture.params["head.weight"]
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = consolidate([str(ckpt), str(workdir() / "not_hf"), "--format", "hf"])
+    return {
+        "built_on_meta": built_on_meta,
+        "loaded_max_abs_diff": max_diff(capture.params, load_file(f"{path}/model.safetensors"), "model."),
+        "head_finite_nonzero": bool(torch.isfinite(head).all() and head.abs().sum() > 0),
+        "hf_export_code": code,
+        "hf_export_error": stderr.getvalue(),
+        "hf_export_wrote": (workdir() / "not_hf").exists(),
+    }
 
 
-def group_pretrained_export(results: dict) -> None:
+def export_case() -> dict | None:
     """Fine-tune from pretrained weights under FSDP (the model held as `self.net`), save a sharded checkpoint, and
     export it with `consolidate --format hf` and `--format safetensors --strip-prefix net.`."""
     from lightning_dpar.consolidate import main as consolidate
 
-    trainer = run_parity(results, "fsdp", attr="net", tag="_export")
+    trainer, _, _ = fine_tune("fsdp", attr="net")
     ckpt = workdir() / "export.ckpt"
     trainer.save_checkpoint(ckpt)
     trained = full_params(trainer)
     if trainer.global_rank != 0:
-        dist.barrier()
-        return
+        return None
     out, plain = workdir() / "export_hf", workdir() / "export_st"
     codes = [
         consolidate([str(ckpt), str(out), "--format", "hf", "--max-shard-size", "20KB"]),
@@ -252,7 +262,7 @@ def group_pretrained_export(results: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
-    results["pretrained_export"] = {
+    return {
         "codes": codes,
         "files": sorted(os.listdir(out)),
         "missing": sorted(info["missing_keys"]),
@@ -261,7 +271,6 @@ def group_pretrained_export(results: dict) -> None:
         "strip_prefix_keys": sorted(load_file(plain / "model.safetensors")),
         "model_keys": sorted(model.state_dict()),
     }
-    dist.barrier()
 
 
 def vm_kib(field: str) -> int:
@@ -290,21 +299,20 @@ class MeasureLoad(Callback):
         trainer.should_stop = True
 
 
-def group_pretrained_memory(results: dict) -> None:
+def memory_case() -> list | None:
     path = str(workdir() / "big_llama")
     measure = MeasureLoad(path)
     trainer = trainer_for(FullyShardStrategy(), max_steps=1, callbacks=[measure])
     trainer.fit(CausalLM(path), DataLoader(TokenData(64), batch_size=BATCH))
     reports = [None] * world_size()
     dist.all_gather_object(reports, measure.report)
-    if trainer.global_rank == 0:
-        results["pretrained_memory"] = reports
+    return reports if trainer.global_rank == 0 else None
 
 
 GROUPS = {
     "pretrained_parity": group_pretrained_parity,
-    "pretrained_errors": group_pretrained_errors,
-    "pretrained_meta": group_pretrained_meta,
-    "pretrained_export": group_pretrained_export,
-    "pretrained_memory": group_pretrained_memory,
+    "pretrained_errors": one_case("pretrained_errors", errors_case),
+    "pretrained_meta": one_case("pretrained_meta", meta_case),
+    "pretrained_export": one_case("pretrained_export", export_case),
+    "pretrained_memory": one_case("pretrained_memory", memory_case),
 }

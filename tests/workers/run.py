@@ -6,14 +6,12 @@ Lightning dominate the cost of a case. Every rank records each case's result or 
 are kept in step. pytest launches this through `tests/conftest.py::run_workers`.
 
 A group is a function returning the `Case`s to run, each case's work inside its function, so that cases already
-recorded by an earlier launch (`DPAR_TEST_SKIP_CASES`) are skipped whole. A group written as `fn(results)` (filling
-`results` on rank 0) runs as one case whose results spread into their own keys (`cases.legacy_group`).
+recorded by an earlier launch (`DPAR_TEST_SKIP_CASES`) are skipped whole.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 import sys
 from collections.abc import Iterator
@@ -22,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[0] = str(ROOT)  # the repository, not this directory: no worker module shadows an installed module
 
-from tests.workers.cases import Case, CaseRunner, Group, legacy_group  # noqa: E402
+from tests.workers.cases import Case, CaseRunner, Group  # noqa: E402
 
 #: One worker module per test file: `tests/workers/<name>.py` holds the cases of `tests/test_<name>.py`.
 MODULES = [
@@ -49,11 +47,7 @@ MODULES = [
 ]
 
 
-def _as_group(name: str, fn) -> Group:
-    return legacy_group(name, fn) if inspect.signature(fn).parameters else fn
-
-
-GROUPS: dict[str, Group] = {name: _as_group(name, fn) for module in MODULES for name, fn in module.GROUPS.items()}
+GROUPS: dict[str, Group] = {name: group for module in MODULES for name, group in module.GROUPS.items()}
 
 
 def cases_of(groups: list[str]) -> Iterator[Case]:
