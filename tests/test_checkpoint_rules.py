@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_dpar.checkpoint import layout, writer
+from lightning_dpar.checkpoint import layout, staging, writer
 from lightning_dpar.checkpoint.errors import CheckpointSaveError
 from lightning_dpar.checkpoint.storage import Location
 
@@ -136,8 +136,38 @@ def test_staging_buffers_are_kept_across_saves_and_released_on_close():
     checkpoint_writer = writer.CheckpointWriter(async_save=True)
     stager = checkpoint_writer._staging_buffers()
     assert checkpoint_writer._staging_buffers() is stager
-    state = {"w": torch.ones(4)}
-    staged = stager.stage(state)
-    assert torch.equal(staged["w"], state["w"]) and staged["w"].data_ptr() != state["w"].data_ptr()
     checkpoint_writer.close()
     assert checkpoint_writer._stager is None
+
+
+def test_staging_copies_every_tensor_into_buffers_reused_across_saves():
+    weight, step = torch.arange(6.0).reshape(2, 3), torch.tensor(3.0)
+    state = {
+        "model": {"w": weight, "w_t": weight.t()},
+        "opt": {"state": {"w": {"step": step}}, "groups": [{"lr": 0.1}]},
+    }
+    stager = staging.ReusedBufferStager()
+    first = stager.stage(state)
+    assert torch.equal(first["model"]["w"], weight) and first["model"]["w"].data_ptr() != weight.data_ptr()
+    assert torch.equal(first["model"]["w_t"], weight.t()) and first["opt"]["groups"] == [{"lr": 0.1}]
+    weight.add_(1)  # training goes on: the staged copy must not change ...
+    assert torch.equal(first["model"]["w"], torch.arange(6.0).reshape(2, 3))
+    second = stager.stage(state)  # ... and the next save copies the new values into the same memory
+    assert (
+        torch.equal(second["model"]["w"], weight) and second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()
+    )
+    state["model"]["w"] = torch.zeros(3, 3)  # another shape at that position: a new buffer
+    assert stager.stage(state)["model"]["w"].shape == (3, 3)
+
+
+def test_staging_keeps_dtensor_layout(fake_world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    local = torch.arange(4.0).reshape(2, 2)
+    dtensor = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    staged = staging.ReusedBufferStager().stage({"w": dtensor})["w"]
+    assert isinstance(staged, DTensor) and staged.placements == (Shard(0),) and staged.shape == (4, 2)
+    assert torch.equal(staged.to_local(), local) and staged.to_local().data_ptr() != local.data_ptr()

@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.errors import CheckpointSaveError
@@ -52,6 +51,7 @@ from lightning_dpar.checkpoint.layout import (
     partial_name,
     partial_names_for,
 )
+from lightning_dpar.checkpoint.staging import ReusedBufferStager
 from lightning_dpar.checkpoint.storage import Location
 
 __all__ = ["CheckpointWriter", "SaveTiming", "publish", "remove_leftovers"]
@@ -88,7 +88,7 @@ class CheckpointWriter:
         self.timeout = timeout
         self._group: dist.ProcessGroup | None = None
         self._in_flight: _InFlight | None = None
-        self._stager: DefaultStager | None = None
+        self._stager: ReusedBufferStager | None = None
         self._lock = threading.Lock()  # guards `_in_flight.published` / `.removals` against the background thread
         self.timings: deque[SaveTiming] = deque(maxlen=100)  # recent saves, for benchmarks and logs
 
@@ -174,17 +174,13 @@ class CheckpointWriter:
             log.error(str(error))
         self._release_staging_buffers()
 
-    def _staging_buffers(self) -> DefaultStager:
+    def _staging_buffers(self) -> ReusedBufferStager:
         """The stager of every async save of this strategy: it keeps the CPU copies of the shards between saves
-        (pinned on GPU machines), so a save copies into memory that is already allocated and faulted in instead of
-        allocating the rank's shard again. The copy itself stays synchronous: training may change the parameters as
-        soon as `save` returns. Safe to reuse because a save first waits for the previous upload to finish."""
+        (pinned on GPU machines), so a save copies into memory that is already allocated instead of allocating the
+        rank's shard again (`checkpoint.staging`). The copy itself stays synchronous: training may change the
+        parameters as soon as `save` returns. Safe to reuse because a save first waits for the previous upload."""
         if self._stager is None:
-            pinned = torch.cuda.is_available()
-            options = StagingOptions(
-                use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
-            )
-            self._stager = DefaultStager(options)
+            self._stager = ReusedBufferStager(pin_memory=torch.cuda.is_available())
         return self._stager
 
     def _release_staging_buffers(self) -> None:
