@@ -139,20 +139,23 @@ class FullFormat:
     def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
         return full_optimizer_state(model, optimizer)
 
-    def save(self, checkpoint: dict[str, Any], record: dict[str, Any], location: Location, writer: Any) -> None:
-        """Rank 0 writes; every rank raises the same `CheckpointSaveError` if that fails. Never in the background."""
+    def save(self, checkpoint: dict[str, Any], record: dict[str, Any], path: str, writer: Any) -> None:
+        """Rank 0 writes to its `path`; every rank raises the same `CheckpointSaveError` if that fails. Never in the
+        background."""
         problem = None
         if not dist.is_initialized() or dist.get_rank() == 0:
+            location = Location.parse(path)
             try:
                 save_full({**checkpoint, DPAR_KEY: record}, location)
             except OSError as error:
-                problem = f"rank 0 could not write it: {type(error).__name__}: {error}"
+                problem = (
+                    f"Saving checkpoint {location.url!r} failed: rank 0 could not write it: {type(error).__name__}:"
+                    f" {error}. Nothing was published under that name and the previous checkpoint is untouched; fix"
+                    " the cause (free space, permissions) and save again."
+                )
         problem = first_problem(problem)
         if problem is not None:
-            raise CheckpointSaveError(
-                f"Saving checkpoint {location.url!r} failed: {problem}. Nothing was published under that name and the"
-                " previous checkpoint is untouched; fix the cause (free space, permissions) and save again."
-            )
+            raise CheckpointSaveError(problem)
 
     @staticmethod
     def open(location: Location, rank: int, world_size: int) -> FullSource:

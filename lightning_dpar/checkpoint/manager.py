@@ -48,9 +48,7 @@ class _Format(Protocol):
 
     def model_state(self, model: nn.Module) -> dict[str, Any]: ...
     def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]: ...
-    def save(
-        self, checkpoint: dict[str, Any], record: dict[str, Any], location: Location, writer: CheckpointWriter
-    ) -> None: ...
+    def save(self, checkpoint: dict[str, Any], record: dict[str, Any], path: str, writer: CheckpointWriter) -> None: ...
     @staticmethod
     def open(location: Location, rank: int, world_size: int) -> _Source: ...
 
@@ -97,10 +95,10 @@ class CheckpointManager:
         return self.format.optimizer_state(model, optimizer)
 
     def save(self, checkpoint: dict[str, Any], path: Any, record: dict[str, Any]) -> None:
-        """Write Lightning's `checkpoint` plus our `record` to `path` (rank 0's path, on every rank); collective."""
-        location = Location.parse(_from_rank_zero(str(path)))
+        """Write Lightning's `checkpoint` plus our `record` to rank 0's `path` (callbacks may format per-rank paths);
+        collective."""
         self.writer.wait()  # a full save after an async one: one save at a time
-        self.format.save(checkpoint, record, location, self.writer)
+        self.format.save(checkpoint, record, str(path), self.writer)
 
     def remove(self, path: Any, is_global_zero: bool) -> None:
         """A checkpoint `ModelCheckpoint` no longer keeps; removed only once no save it depends on is in flight."""

@@ -148,10 +148,10 @@ class ShardedFormat:
     def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
         return sharded_optimizer_state(model, optimizer)
 
-    def save(self, checkpoint: dict[str, Any], record: dict[str, Any], location: Location, writer: Any) -> None:
+    def save(self, checkpoint: dict[str, Any], record: dict[str, Any], path: str, writer: Any) -> None:
         tensor_state, metadata = split_checkpoint(checkpoint)
         metadata[DPAR_KEY] = record
-        writer.save(tensor_state, metadata, location)
+        writer.save(tensor_state, metadata, path)
 
     @staticmethod
     def open(location: Location, rank: int, world_size: int) -> ShardedSource:

@@ -23,11 +23,12 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -90,14 +91,15 @@ class CheckpointWriter:
         self._in_flight: _InFlight | None = None
         self._stager: ReusedBufferStager | None = None
         self._lock = threading.Lock()  # guards `_in_flight.published` / `.removals` against the background thread
+        self._jobs: queue.SimpleQueue | None = None  # the background thread's work, one save's finishing at a time
         self.timings: deque[SaveTiming] = deque(maxlen=100)  # recent saves, for benchmarks and logs
 
     # ------------------------------------------------------------------ public
-    def save(self, tensor_state: dict[str, Any], metadata: dict[str, Any], location: Location) -> None:
-        """Write `tensor_state` (DCP, every rank its shards) and `metadata` (rank 0) to `location`; collective."""
+    def save(self, tensor_state: dict[str, Any], metadata: dict[str, Any], path: str) -> None:
+        """Write `tensor_state` (DCP, every rank its shards) and `metadata` (rank 0) to rank 0's `path`; collective."""
         start = time.perf_counter()
         self.wait()
-        partial = _prepare_partial_directory(location)
+        location, partial = _prepare_partial_directory(path)
         timing = SaveTiming(blocked_s=0.0)
         self.timings.append(timing)
         if not self.async_save:
@@ -128,8 +130,7 @@ class CheckpointWriter:
             except BaseException as error:
                 in_flight.done.set_exception(error)
 
-        # A daemon thread: a save stuck on a dead peer must never keep the interpreter from exiting.
-        threading.Thread(target=finish_in_background, name="dpar-checkpoint", daemon=True).start()
+        self._in_background(finish_in_background)
 
     def remove(self, location: Location, is_global_zero: bool) -> None:
         """Remove a superseded checkpoint (rank 0 deletes). While a background save is in flight the removal waits
@@ -173,6 +174,7 @@ class CheckpointWriter:
         except CheckpointSaveError as error:
             log.error(str(error))
         self._release_staging_buffers()
+        self._stop_background_thread()
 
     def _staging_buffers(self) -> ReusedBufferStager:
         """The stager of every async save of this strategy: it keeps the CPU copies of the shards between saves
@@ -189,6 +191,19 @@ class CheckpointWriter:
             self._stager = None
 
     # ------------------------------------------------------------------ internals
+    def _in_background(self, job: Callable[[], None]) -> None:
+        """Run `job` on the writer's background thread, started once. A daemon thread: a save stuck on a dead peer
+        must never keep the interpreter from exiting."""
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=_run_jobs, args=(self._jobs,), name="dpar-checkpoint", daemon=True).start()
+        self._jobs.put(job)
+
+    def _stop_background_thread(self) -> None:
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._jobs = None
+
     def _removals_after_publish(self, in_flight: _InFlight) -> None:
         with self._lock:
             in_flight.published = True
@@ -206,6 +221,11 @@ class CheckpointWriter:
             kwargs = {"timeout": self.timeout} if self.timeout is not None else {}
             self._group = dist.new_group(backend="gloo", **kwargs)
         return self._group
+
+
+def _run_jobs(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        job()
 
 
 def _rank(group: dist.ProcessGroup | None) -> int:
@@ -261,27 +281,30 @@ def _discard(partial: Location) -> None:
             log.warning(f"Could not remove the incomplete checkpoint {partial.url!r}: {error}")
 
 
-def _prepare_partial_directory(location: Location) -> Location:
-    """Rank 0 sweeps leftovers of killed saves and creates the hidden directory this save writes into, then tells
-    every rank its name (the broadcast also makes the others wait until it exists); collective."""
-    name, error = None, None
+def _prepare_partial_directory(path: str) -> tuple[Location, Location]:
+    """Rank 0 sweeps leftovers of killed saves to its `path` and creates the hidden directory this save writes into,
+    then tells every rank both (one broadcast, which also makes the others wait until the directory exists; callbacks
+    may format per-rank paths, e.g. with a timestamp, so rank 0's path is the one); collective."""
+    url, name, error = path, None, None
     if _rank(None) == 0:
-        name = partial_name(location.name, uuid.uuid4().hex[:8])
+        location = Location.parse(path)
+        url, name = location.url, partial_name(location.name, uuid.uuid4().hex[:8])
         try:
             remove_leftovers(location)
             location.sibling(name).makedirs()
         except OSError as exc:  # sent to every rank, so none waits in a collective rank 0 never joins
             error = f"rank 0 could not create {location.sibling(name).url!r}: {type(exc).__name__}: {exc}"
     if dist.is_initialized():
-        holder = [(name, error)]
+        holder = [(url, name, error)]
         dist.broadcast_object_list(holder, src=0)
-        name, error = holder[0]
+        url, name, error = holder[0]
     if error is not None:
         raise CheckpointSaveError(
-            f"Saving checkpoint {location.url!r} failed: {error}. Check that the directory is writable and has space."
+            f"Saving checkpoint {url!r} failed: {error}. Check that the directory is writable and has space."
         )
     assert name is not None
-    return location.sibling(name)
+    location = Location.parse(url)
+    return location, location.sibling(name)
 
 
 def _finish(partial: Location, final: Location, metadata: dict[str, Any], group: dist.ProcessGroup | None) -> None:

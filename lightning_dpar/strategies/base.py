@@ -441,7 +441,9 @@ class DparStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None) -> None:
-        if not dist.is_initialized():
+        if not dist.is_initialized() or name == "Trainer.save_checkpoint":
+            # Lightning's barrier after each save: a synchronous save already ends in a collective on which every
+            # rank learns its outcome, and an async one must not wait for anything; it would only add a round trip.
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
