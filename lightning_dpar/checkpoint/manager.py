@@ -84,9 +84,6 @@ class CheckpointManager:
             )
         self.writer.async_save = enabled
 
-    def set_timeout(self, timeout: timedelta | None) -> None:
-        self.writer.timeout = timeout
-
     # ------------------------------------------------------------------ saving
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         return self.format.model_state(model)

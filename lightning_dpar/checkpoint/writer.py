@@ -153,9 +153,6 @@ class CheckpointWriter:
         if in_flight is not None:
             in_flight.done.result(timeout=timeout_s)
 
-    def is_pending(self) -> bool:
-        return self._in_flight is not None
-
     def close(self) -> None:
         """Teardown, also after an error: wait for the in-flight save at most the collective timeout plus a margin
         (a rank that stopped responding makes the background collectives fail within the timeout), and log rather
