@@ -85,8 +85,10 @@ class _Layout:
 class GradientClipper:
     """Mesh-aware gradient norm and clipping, with the grouping of the parameters cached between steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, across: Sequence[dist.ProcessGroup] = ()) -> None:
         self._layout: _Layout | None = None
+        #: Groups whose ranks hold different parameters altogether (pipeline stages): the norm adds up over them.
+        self.across = tuple(across)
 
     def _grouped_local_grads(self, parameters: Iterable[Tensor]) -> list[tuple[list[Tensor], _Group]]:
         params = [p for p in parameters if p.grad is not None]
@@ -103,10 +105,10 @@ class GradientClipper:
         return self._total_norm(self._grouped_local_grads(parameters), float(norm_type))
 
     def _total_norm(self, grouped: list[tuple[list[Tensor], _Group]], norm_type: float) -> Tensor:
-        if not grouped:
+        if not grouped and not self.across:
             return torch.tensor(0.0)
         is_inf = math.isinf(norm_type)
-        device = grouped[0][0][0].device
+        device = grouped[0][0][0].device if grouped else torch.device("cpu")
         total = torch.zeros((), device=device, dtype=torch.float32)
         for grads, group in grouped:
             # Per-tensor norms in fp32 (bf16 gradients too), in one fused kernel per group.
@@ -115,6 +117,8 @@ class GradientClipper:
             for process_group in group.reduce_over:
                 dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=process_group)
             total = torch.maximum(total, part) if is_inf else total + part
+        for process_group in self.across:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=process_group)
         return total if is_inf else total.pow(1.0 / norm_type)
 
     @torch.no_grad()

@@ -18,6 +18,7 @@ from lightning_dpar._private_api import flatten_mesh
 
 __all__ = [
     "DATA_PARALLEL",
+    "PIPELINE",
     "REPLICATE",
     "SHARD",
     "TENSOR_PARALLEL",
@@ -35,6 +36,8 @@ SizeArg = Union[int, Literal["auto"]]
 #: Mesh dim names. `data_parallel` is the flattened replicate x shard dim, named as Lightning's
 #: `ModelParallelStrategy` names it so LightningModules written for it run unchanged.
 REPLICATE, SHARD, TENSOR_PARALLEL, DATA_PARALLEL = "replicate", "shard", "tensor_parallel", "data_parallel"
+#: The outermost dim, present only when `pipeline_parallel_size > 1`: ranks holding different stages of the model.
+PIPELINE = "pipeline"
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -45,12 +48,13 @@ def _positive_int(name: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the three mesh dims; `replicate * shard * tensor_parallel == world_size` always holds."""
+    """Sizes of the mesh dims; `pipeline * replicate * shard * tensor_parallel == world_size` always holds."""
 
     world_size: int
     replicate: int
     shard: int
     tensor_parallel: int
+    pipeline: int = 1
 
     @property
     def data_parallel(self) -> int:
@@ -66,41 +70,55 @@ class ParallelDims:
         data_parallel_size: SizeArg = "auto",
         replicate_size: SizeArg = 1,
         num_nodes: int = 1,
+        pipeline_parallel_size: int = 1,
     ) -> ParallelDims:
         """Resolve `"auto"` sizes and check that they tile the world exactly.
 
         `tensor_parallel_size="auto"` means one node (TP wants the fastest links); `replicate_size="auto"` means one
         replica per node (HSDP: shard within a node, replicate across nodes); `data_parallel_size="auto"` takes
-        what is left.
+        what is left once the pipeline stages are set apart.
         """
         world_size = _positive_int("world_size", world_size)
+        pipeline = _positive_int("pipeline_parallel_size", pipeline_parallel_size)
+        if world_size % pipeline:
+            raise ValueError(
+                f"`pipeline_parallel_size={pipeline}` does not divide the world size {world_size}. Choose a pipeline"
+                f" size among {_divisors(world_size)} or change the number of devices."
+            )
+        full_world, world_size = world_size, world_size // pipeline  # the ranks of one pipeline stage
         tp = (
             devices_per_node
             if tensor_parallel_size == "auto"
             else _positive_int("tensor_parallel_size", tensor_parallel_size)
         )
         replicate = num_nodes if replicate_size == "auto" else _positive_int("replicate_size", replicate_size)
+        stage_ranks = f" (world size {full_world} / pipeline_parallel_size {pipeline})" if pipeline > 1 else ""
         if world_size % tp:
             raise ValueError(
-                f"`tensor_parallel_size={tp}` does not divide the world size {world_size}. Choose a tensor-parallel"
-                f" size among {_divisors(world_size)} or change the number of devices."
+                f"`tensor_parallel_size={tp}` does not divide the {'ranks per stage' if pipeline > 1 else 'world size'}"
+                f" {world_size}{stage_ranks}. Choose a tensor-parallel size among {_divisors(world_size)} or change"
+                " the number of devices."
             )
         dp = world_size // tp
         if data_parallel_size != "auto" and _positive_int("data_parallel_size", data_parallel_size) != dp:
             raise ValueError(
-                f"`data_parallel_size={data_parallel_size}` x `tensor_parallel_size={tp}` must equal the world size"
-                f" {world_size}. Set `data_parallel_size={dp}` or 'auto'."
+                f"`data_parallel_size={data_parallel_size}` x `tensor_parallel_size={tp}` must equal the"
+                f" {'ranks per stage' if pipeline > 1 else 'world size'} {world_size}{stage_ranks}. Set"
+                f" `data_parallel_size={dp}` or 'auto'."
             )
         if dp % replicate:
             raise ValueError(
                 f"`replicate_size={replicate}` must divide the data-parallel size {dp} (world size {world_size} /"
                 f" tensor_parallel_size {tp}). Valid replicate sizes: {_divisors(dp)}."
             )
-        return cls(world_size=world_size, replicate=replicate, shard=dp // replicate, tensor_parallel=tp)
+        return cls(
+            world_size=full_world, replicate=replicate, shard=dp // replicate, tensor_parallel=tp, pipeline=pipeline
+        )
 
     def describe(self) -> str:
+        pipeline = f"pipeline {self.pipeline} x " if self.pipeline > 1 else ""
         return (
-            f"world={self.world_size} = replicate {self.replicate} x shard {self.shard}"
+            f"world={self.world_size} = {pipeline}replicate {self.replicate} x shard {self.shard}"
             f" x tensor_parallel {self.tensor_parallel}"
         )
 
@@ -110,18 +128,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def build_device_mesh(dims: ParallelDims, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-    """The world mesh `(replicate, shard, tensor_parallel)`, with the flattened `data_parallel` dim registered on it,
-    and that 1-D `data_parallel` mesh itself.
+    """The world mesh `(replicate, shard, tensor_parallel)`, preceded by `pipeline` when pipelining, with the
+    flattened `data_parallel` dim registered on it, and that 1-D `data_parallel` mesh itself (this rank's stage).
 
-    Rank layout is row-major, so tensor-parallel peers are adjacent ranks (same node) and replicas are the
-    farthest apart (across nodes), as HSDP and TP want. The data-parallel mesh is returned rather than looked up
-    later because torch deprecates slicing a flattened dim from the world mesh (it warns on every lookup).
+    Rank layout is row-major, so tensor-parallel peers are adjacent ranks (same node), replicas are farther apart,
+    and pipeline stages the farthest (across nodes: a stage boundary sends one activation per microbatch, the least
+    traffic of all dims). The data-parallel mesh is returned rather than looked up later because torch deprecates
+    slicing a flattened dim from the world mesh (it warns on every lookup).
     """
-    mesh = init_device_mesh(
-        device_type,
-        (dims.replicate, dims.shard, dims.tensor_parallel),
-        mesh_dim_names=(REPLICATE, SHARD, TENSOR_PARALLEL),
-    )
+    sizes = (dims.replicate, dims.shard, dims.tensor_parallel)
+    names = (REPLICATE, SHARD, TENSOR_PARALLEL)
+    if dims.pipeline > 1:
+        sizes, names = (dims.pipeline, *sizes), (PIPELINE, *names)
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
     return mesh, flatten_mesh(mesh[REPLICATE, SHARD], DATA_PARALLEL)
 
 

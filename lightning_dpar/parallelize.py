@@ -1,6 +1,7 @@
 """Applying a parallelism plan: one small function per concern, and `apply_plan`, which applies them in the fixed
-order tensor parallel -> activation checkpointing -> compile -> data-parallel wrapper (`fully_shard` or
-`replicate`) -> meta-device materialisation. Training and the `plan` dry run both go through `apply_plan`.
+order pipeline split -> tensor parallel -> activation checkpointing -> compile -> data-parallel wrapper
+(`fully_shard` or `replicate`) -> meta-device materialisation. Training and the `plan` dry run both go through
+`apply_plan`.
 
 Wrappers are applied to the LightningModule's children: Lightning calls `training_step` directly (not `forward`), so
 forward hooks on the LightningModule would never fire. A child that is only a container (`nn.ModuleList`,
@@ -12,7 +13,7 @@ LightningModule itself get a `fully_shard` unit on it whose forward methods are 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,9 +33,11 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, is_composable_replicated
 from lightning_dpar.materialize import materialize_meta_tensors
+from lightning_dpar.pipeline.stage import PipelinedModel, split_into_stages
 from lightning_dpar.plan import ModulePlan
 
 __all__ = [
+    "AppliedPlan",
     "DataParallelWrapper",
     "apply_activation_checkpointing",
     "apply_compile",
@@ -50,8 +53,18 @@ __all__ = [
     "materialize_meta_tensors",
 ]
 
-#: Applies the data-parallel wrapper for a plan; returns the modules whose gradient sync `no_sync` controls.
-DataParallelWrapper = Callable[[nn.Module, ModulePlan], list[nn.Module]]
+#: Applies the data-parallel wrapper for a plan, given the pipeline stages' root modules (none without pipelining);
+#: returns the modules whose gradient sync `no_sync` controls.
+DataParallelWrapper = Callable[[nn.Module, ModulePlan, Sequence[nn.Module]], list[nn.Module]]
+
+
+@dataclass(frozen=True)
+class AppliedPlan:
+    """What applying a plan produced: the modules whose gradient sync the strategy controls, and with pipeline
+    parallelism this rank's stages."""
+
+    grad_sync_modules: list[nn.Module]
+    pipeline: PipelinedModel | None = None
 
 
 def apply_plan(
@@ -62,22 +75,30 @@ def apply_plan(
     wrap_data_parallel: DataParallelWrapper,
     compile_options: Mapping[str, Any] | None = None,
     materialize_on: torch.device | None = None,
-) -> list[nn.Module]:
-    """Apply `plan` to `root` in the fixed order; return the modules whose gradient sync `wrap_data_parallel` set up.
+) -> AppliedPlan:
+    """Apply `plan` to `root` in the fixed order.
 
     `materialize_on=None` leaves meta-device tensors on the meta device (the `plan` dry run); otherwise each rank
-    allocates and initialises only its own shards there (see `lightning_dpar.materialize`).
+    allocates and initialises only its own shards there (see `lightning_dpar.materialize`). With pipeline
+    parallelism the other stages' units are dropped first, so no rank ever allocates them.
     """
+    pipelined = None
+    if plan.pipeline is not None:
+        device = materialize_on if materialize_on is not None else torch.device("meta")
+        pipelined = split_into_stages(root, plan.pipeline, plan.pipeline_rank, device)
     if plan.tensor_parallel:
         assert tensor_parallel_mesh is not None, "a tensor-parallel plan needs the tensor-parallel mesh"
         apply_tensor_parallel(root, tensor_parallel_mesh, plan.tensor_parallel)
     apply_activation_checkpointing(root, plan.activation_checkpointing)
     if compile_options is not None:
         apply_compile(root, plan.compile_units, compile_options)
-    wrapped = wrap_data_parallel(root, plan)
+    stage_roots = list(pipelined.stages.values()) if pipelined is not None else []
+    wrapped = wrap_data_parallel(root, plan, stage_roots)
+    if pipelined is not None:
+        pipelined.install_unit_hooks()
     if materialize_on is not None:
         materialize_meta_tensors(root, materialize_on)
-    return wrapped
+    return AppliedPlan(wrapped, pipelined)
 
 
 def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:
@@ -142,11 +163,19 @@ def apply_fully_shard(
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
     ignored_params: set[nn.Parameter] | None = None,
+    stage_roots: Sequence[nn.Module] = (),
+    final_unit: str | None = None,
 ) -> list[FSDPModule]:
     """`fully_shard` each unit (innermost first), then each top-level child; returns the top-level units.
 
-    `mp_policy(is_top_level)` gives each unit's mixed-precision policy.
+    `mp_policy(is_top_level)` gives each unit's mixed-precision policy. With pipeline parallelism the units are the
+    stages' units, each stage's root module (`stage_roots`) is the FSDP root over them instead, and `final_unit` is
+    the unit computing the model's output.
     """
+    if stage_roots:
+        return _fully_shard_stages(
+            root, mesh, units, mp_policy, reshard_after_forward, cpu_offload, stage_roots, final_unit
+        )
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     common: dict[str, Any] = {"mesh": mesh, "offload_policy": offload}
     if ignored_params:
@@ -173,6 +202,38 @@ def apply_fully_shard(
     if direct_parameters(root):
         return [shard_direct_parameters(root, mp_policy(True), common)]
     return top_level  # type: ignore[return-value]
+
+
+def _fully_shard_stages(
+    root: nn.Module,
+    mesh: DeviceMesh,
+    units: Sequence[str],
+    mp_policy: Callable[[bool], MixedPrecisionPolicy],
+    reshard_after_forward: bool | int,
+    cpu_offload: bool,
+    stage_roots: Sequence[nn.Module],
+    final_unit: str | None,
+) -> list[FSDPModule]:
+    """`fully_shard` each unit of this rank's pipeline stages, then each stage's root module over them.
+
+    The model's final unit (the head) returns fp32 under bf16-mixed, as the top-level unit does unpipelined, so
+    the loss is computed in fp32. Each stage root holds no parameters of its own; it is the FSDP root torch's
+    pipeline schedules drive (gradients are reduced once per step, after the last microbatch's backward). Batch
+    inputs are not cast by it: units cast their own.
+    """
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    for fqn in sorted(units, key=_depth, reverse=True):
+        fully_shard(
+            root.get_submodule(fqn),
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy(fqn == final_unit),
+            offload_policy=offload,
+        )
+    for stage_root in stage_roots:
+        policy = replace(mp_policy(False), cast_forward_inputs=False)
+        fully_shard(stage_root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, offload_policy=offload)
+    return list(stage_roots)  # type: ignore[arg-type]
 
 
 #: The LightningModule methods Lightning calls instead of `forward`.

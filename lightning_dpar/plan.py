@@ -10,7 +10,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import torch.nn as nn
 from torch.distributed.tensor import Replicate
@@ -20,6 +20,9 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+
+if TYPE_CHECKING:
+    from lightning_dpar.pipeline.split import PipelineSplit
 
 __all__ = [
     "ModulePlan",
@@ -281,6 +284,8 @@ class ModulePlan:
     """What will be applied to which module, in application order (TP, activation checkpointing, compile, FSDP).
 
     `adopted` marks a model the user parallelised in `configure_model`: no TP or activation checkpointing is added.
+    With pipeline parallelism, `pipeline` is the split into stages and the other entries name only the modules of
+    `pipeline_rank`'s stages (the split is applied first).
     """
 
     tensor_parallel: dict[str, ParallelStyle]
@@ -288,6 +293,8 @@ class ModulePlan:
     shard_units: list[str]
     compile_units: list[str] = field(default_factory=list)
     adopted: bool = False
+    pipeline: PipelineSplit | None = None
+    pipeline_rank: int = 0
 
 
 def resolve_blocks(root: nn.Module, spec: Sequence[ModuleSelector] | None, what: str) -> list[str]:

@@ -271,7 +271,7 @@ def _plan_on_fake_world(
     with torch.device("meta"):
         module.configure_model()
     module = strategy.precision_plugin.convert_module(module)
-    plan_ = strategy.module_plan(module, dims)
+    plan_ = strategy.module_plan(module, dims, rank)
     layout = MeshLayout(dims, mesh, data_parallel_mesh, torch.device("meta"))
     parallelize.apply_plan(  # the training code path, minus materialisation
         module,

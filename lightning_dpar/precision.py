@@ -12,6 +12,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
@@ -89,6 +90,10 @@ class DparPrecision(Precision):
         return apply_to_collection(
             data, torch.Tensor, lambda t: t.to(self.true_dtype) if torch.is_floating_point(t) else t
         )
+
+    def reduce_norms_across(self, group: dist.ProcessGroup) -> None:
+        """Gradient norms also sum over `group` (the pipeline stages), whose ranks hold different parameters."""
+        self._clipper.across = (group,)
 
     def clip_grad_by_norm(self, optimizer: Optimizable, clip_val: int | float) -> None:
         self._clipper.clip_grad_norm_(self.main_params(optimizer), float(clip_val))

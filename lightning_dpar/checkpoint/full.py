@@ -8,7 +8,7 @@ state is stored the way a plain `torch.optim` optimizer stores it: keyed by para
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -112,12 +112,24 @@ def read_full(location: Location) -> dict[str, Any]:
 
 
 def load_full(
-    checkpoint: dict[str, Any], model: nn.Module, optimizers: Sequence[Optimizer], strict: bool
+    checkpoint: dict[str, Any],
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool,
+    elsewhere: Callable[[str], bool] = lambda key: False,
 ) -> LoadReport:
     """Every rank holds the file's content (`read_full`) and keeps its own shards of model and optimizer state.
-    Takes the model and optimizer states out of `checkpoint`, leaving Lightning's part of it."""
+    Takes the model and optimizer states out of `checkpoint`, leaving Lightning's part of it. Keys for which
+    `elsewhere` holds belong to parameters other ranks hold entirely (other pipeline stages): they are skipped."""
     options = StateDictOptions(full_state_dict=True, strict=strict)
-    model_state = checkpoint.pop("state_dict")
+    whole_state = checkpoint.pop("state_dict")
+    model_state = {k: v for k, v in whole_state.items() if not elsewhere(k)}
+    if optimizers and len(model_state) != len(whole_state):
+        raise CheckpointLoadError(
+            "A full-format checkpoint keys its optimizer state by the position of each parameter in the unsplit"
+            " model, which a pipeline stage cannot map to its own parameters. Resume pipelined runs from sharded"
+            " checkpoints (`checkpoint_format='sharded'`, the default); `validate`/`test`/`predict` can load this file."
+        )
     # Computed here: with `strict=False`, `set_model_state_dict` fills what is missing and reports nothing.
     model_keys = set(model.state_dict())
     report = LoadReport(missing=sorted(model_keys - set(model_state)), unexpected=sorted(set(model_state) - model_keys))
@@ -173,5 +185,7 @@ class FullSource:
         self.record: dict[str, Any] = checkpoint.pop(DPAR_KEY, {})
         self.rest = checkpoint
 
-    def load(self, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> LoadReport:
-        return load_full(self.checkpoint, model, optimizers, strict)
+    def load(
+        self, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool, elsewhere: Callable[[str], bool]
+    ) -> LoadReport:
+        return load_full(self.checkpoint, model, optimizers, strict, elsewhere)

@@ -7,7 +7,7 @@ The strategy's checkpoint hooks each delegate here in a line or two; nothing abo
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal, Protocol
 
@@ -38,7 +38,9 @@ class _Source(Protocol):
     record: dict[str, Any]
     rest: dict[str, Any]
 
-    def load(self, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> LoadReport: ...
+    def load(
+        self, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool, elsewhere: Callable[[str], bool]
+    ) -> LoadReport: ...
 
 
 class _Format(Protocol):
@@ -69,6 +71,9 @@ class CheckpointManager:
         self.writer = CheckpointWriter(timeout=timeout)
         self.resume = ResumeState()
         self.async_save = async_save
+        #: Units (FQN prefixes) whose parameters other ranks hold entirely: other pipeline stages. A checkpoint's
+        #: keys under them are neither loaded here nor unexpected.
+        self.keys_held_elsewhere: Sequence[str] = ()
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -125,7 +130,7 @@ class CheckpointManager:
         if problem is not None:  # the rank that found it keeps its type (`UnsafeCheckpointError`, ...)
             raise own_error if own_error is not None and str(own_error) == problem else CheckpointLoadError(problem)
         assert source is not None
-        report = source.load(model, optimizers, strict)
+        report = source.load(model, optimizers, strict, self._held_elsewhere)
         if report.missing or report.unexpected:
             rank_zero_warn(
                 f"Loaded {location.url!r} with `strict_loading=False`. Keys of the model not in the checkpoint (left"
@@ -134,6 +139,9 @@ class CheckpointManager:
             )
         self.resume.pending = source.record if fitting else {}  # RNG and data position apply to `fit` only
         return source.rest
+
+    def _held_elsewhere(self, key: str) -> bool:
+        return any(key.startswith(f"{unit}.") for unit in self.keys_held_elsewhere)
 
 
 def _from_rank_zero(text: str) -> str:

@@ -6,7 +6,7 @@ No rank ever gathers the full model or optimizer: the state dicts below hold DTe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -79,15 +79,22 @@ def _format_keys(keys: Sequence[str], limit: int = 20) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def load_sharded(info: CheckpointInfo, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> LoadReport:
-    """Load model (and, if given, optimizer) shards from `info` into `model`/`optimizers` in place.
+def load_sharded(
+    info: CheckpointInfo,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool,
+    elsewhere: Callable[[str], bool] = lambda key: False,
+) -> LoadReport:
+    """Load model (and, if given, optimizer) shards from `info` into `model`/`optimizers` in place. Keys for which
+    `elsewhere` holds belong to parameters other ranks hold entirely (other pipeline stages): they are skipped.
 
     Every check happens before the collective `dcp.load` and from the same index on every rank, so a bad
     checkpoint fails identically everywhere and never hangs.
     """
     url = info.location.url
     model_state = sharded_model_state(model)
-    stored = info.keys_under(info.model_key)
+    stored = {key for key in info.keys_under(info.model_key) if not elsewhere(key)}
     report = LoadReport(missing=sorted(set(model_state) - stored), unexpected=sorted(stored - set(model_state)))
     if not (set(model_state) & stored):
         raise CheckpointLoadError(
@@ -171,5 +178,7 @@ class ShardedSource:
         self.record: dict[str, Any] = info.dpar_record
         self.rest: dict[str, Any] = {k: v for k, v in info.metadata.items() if k != DPAR_KEY}
 
-    def load(self, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> LoadReport:
-        return load_sharded(self.info, model, optimizers, strict)
+    def load(
+        self, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool, elsewhere: Callable[[str], bool]
+    ) -> LoadReport:
+        return load_sharded(self.info, model, optimizers, strict, elsewhere)

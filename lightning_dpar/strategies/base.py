@@ -46,7 +46,10 @@ from lightning_dpar.compilation import CompileSpec, compile_options, compile_uni
 from lightning_dpar.hf_plan import transformers_tp_plan
 from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
 from lightning_dpar.materialize import check_initialisable
-from lightning_dpar.mesh import TENSOR_PARALLEL, MeshLayout, ParallelDims, SizeArg, build_device_mesh
+from lightning_dpar.mesh import PIPELINE, TENSOR_PARALLEL, MeshLayout, ParallelDims, SizeArg, build_device_mesh
+from lightning_dpar.pipeline.config import PipelineConfig
+from lightning_dpar.pipeline.runtime import PipelineRuntime
+from lightning_dpar.pipeline.split import local_plan, resolve_split
 from lightning_dpar.plan import (
     AUTO,
     ModulePlan,
@@ -54,6 +57,7 @@ from lightning_dpar.plan import (
     PlanStyle,
     TPPlanSpec,
     parse_tp_plan,
+    repeated_blocks,
     resolve_activation_checkpointing,
     resolve_tp_plan,
 )
@@ -126,6 +130,8 @@ class DparStrategy(ParallelStrategy):
         checkpoint_format: CheckpointFormatName = "sharded",
         async_save: bool = False,
         pretrained: PretrainedSpec | None = None,
+        pipeline_parallel_size: int = 1,
+        pipeline: PipelineConfig | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -141,6 +147,15 @@ class DparStrategy(ParallelStrategy):
         )
         if start_method not in ("popen", "fork", "spawn"):
             raise ValueError(f"`start_method={start_method!r}` is invalid; use 'popen', 'fork' or 'spawn'.")
+        if pipeline_parallel_size != 1 and checkpoint_format == "full":
+            raise ValueError(
+                "`checkpoint_format='full'` gathers the whole model on rank 0, which holds only the first pipeline"
+                f" stage with `pipeline_parallel_size={pipeline_parallel_size}`. Use `checkpoint_format='sharded'` and"
+                " export one file with `python -m lightning_dpar consolidate`."
+            )
+        self._pipeline_parallel_size = pipeline_parallel_size
+        self._pipeline_config = pipeline if pipeline is not None else PipelineConfig.of("1F1B", None, 1, "auto")
+        self._pipeline: PipelineRuntime | None = None
         self._tensor_parallel_size = tensor_parallel_size
         self._data_parallel_size = data_parallel_size
         self._replicate_size = replicate_size
@@ -220,6 +235,7 @@ class DparStrategy(ParallelStrategy):
             data_parallel_size=self._data_parallel_size,
             replicate_size=self._replicate_size,
             num_nodes=num_nodes,
+            pipeline_parallel_size=self._pipeline_parallel_size,
         )
 
     def _configure_launcher(self) -> None:
@@ -237,6 +253,8 @@ class DparStrategy(ParallelStrategy):
         self.set_world_ranks()
         # Validate the layout before any collective: a bad size fails identically on every rank, never hangs.
         self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
+        if self.dims.pipeline > 1:
+            self._pipeline_config.check(self.dims.pipeline)
         self._check_plan_before_collectives()
         if not dist.is_initialized():
             reset_seed()
@@ -294,16 +312,19 @@ class DparStrategy(ParallelStrategy):
         with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
-    def module_plan(self, module: nn.Module, dims: ParallelDims | None = None) -> ModulePlan:
-        """What will be applied to which submodule on a world of `dims` (default: this run's).
+    def module_plan(self, module: nn.Module, dims: ParallelDims | None = None, rank: int | None = None) -> ModulePlan:
+        """What will be applied to which submodule on a world of `dims` (default: this run's), as seen by global rank
+        `rank` (default: this one; it matters only with pipeline parallelism, where each rank holds other stages).
 
         Pure (no process group): it runs on every rank before any collective, and in the `plan` dry run, so a plan
         that does not fit the model (a pattern matching nothing, a tensor-parallel size that does not divide a
-        sharded dimension or head count) fails the same way everywhere.
+        sharded dimension or head count, a split leaving a stage empty) fails the same way everywhere.
         """
         dims = dims if dims is not None else self.dims
         assert dims is not None, "the mesh sizes are resolved in `setup_environment`"
         parallelize.check_not_wrapped_by_other_parallelism(module, type(self).__name__)
+        if dims.pipeline > 1:
+            return self._pipeline_plan(module, dims, self.global_rank if rank is None else rank)
         if parallelize.is_parallelized(module):
             self._check_adoptable(module)
             shard_units = self._shard_units(module)
@@ -321,6 +342,37 @@ class DparStrategy(ParallelStrategy):
             shard_units=shard_units,
             compile_units=compile_units(module, shard_units),
         )
+
+    def _pipeline_plan(self, module: nn.Module, dims: ParallelDims, rank: int) -> ModulePlan:
+        """The split into stages, and the plan (resolved on the whole model) restricted to `rank`'s stages."""
+        if parallelize.is_parallelized(module):
+            raise TypeError(
+                f"{type(module).__name__} was already parallelised (in `configure_model` or before `fit`); with"
+                " `pipeline_parallel_size > 1` the strategy splits the model into stages first and parallelises each"
+                " stage itself. Remove the manual `fully_shard` / `parallelize_module` calls and give a `tp_plan`."
+            )
+        config = self._pipeline_config
+        config.check(dims.pipeline)
+        split = resolve_split(
+            module,
+            self._shard_units(module) or repeated_blocks(module),
+            config.split,
+            dims.pipeline,
+            config.stages_per_rank,
+            config.schedule.placement,
+        )
+        tp_plan = self._tp_plan_for(module, dims)
+        shard_units = self._shard_units(module)
+        check_initialisable(module)
+        whole = ModulePlan(
+            tensor_parallel=resolve_tp_plan(module, tp_plan, dims.tensor_parallel) if tp_plan else {},
+            activation_checkpointing=resolve_activation_checkpointing(
+                module, self._activation_checkpointing, shard_units
+            ),
+            shard_units=shard_units,
+            compile_units=compile_units(module, shard_units),
+        )
+        return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
 
     def _tp_plan_for(self, module: nn.Module, dims: ParallelDims) -> dict[str, PlanStyle] | None:
         """The plan's source, first found: the strategy's `tp_plan` argument, the LightningModule's `tp_plan`
@@ -373,10 +425,10 @@ class DparStrategy(ParallelStrategy):
         assert self.dims is not None and self._data_parallel_mesh is not None
         return MeshLayout(self.dims, self.device_mesh, self._data_parallel_mesh, self.root_device)
 
-    def _parallelize(self, module: nn.Module) -> None:
+    def _parallelize(self, module: pl.LightningModule) -> None:
         """The training code path: `apply_plan` with this strategy's plan and wrapper, materialising the shards."""
         plan = self.module_plan(module)
-        self._grad_sync_modules = parallelize.apply_plan(
+        applied = parallelize.apply_plan(
             module,
             plan,
             tensor_parallel_mesh=self.device_mesh[TENSOR_PARALLEL],
@@ -384,6 +436,12 @@ class DparStrategy(ParallelStrategy):
             compile_options=self._compile_options,
             materialize_on=self.root_device,
         )
+        self._grad_sync_modules = applied.grad_sync_modules
+        if applied.pipeline is not None:
+            group = self.device_mesh.get_group(PIPELINE)
+            self._pipeline = PipelineRuntime(applied.pipeline, module, self._pipeline_config, group, self.root_device)
+            self.precision_plugin.reduce_norms_across(group)  # the gradient norm spans every stage
+            self.checkpoints.keys_held_elsewhere = applied.pipeline.remote_units
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -414,6 +472,49 @@ class DparStrategy(ParallelStrategy):
         mapping = load_pretrained(module, self._pretrained)
         if mapping.missing or mapping.unexpected:
             rank_zero_warn(f"Loaded {self._pretrained.path!r} with `strict=False`: {describe_pretrained(mapping)}.")
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With pipeline parallelism: one schedule step over the batch's microbatches, forward and backward (see
+        `lightning_dpar.pipeline.runtime`); returns the loss on every rank."""
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        trainer = _attached_trainer(self.lightning_module)
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        batch, *step_args = args
+        with self.precision_plugin.train_step_context():
+            return self._pipeline.train_step(batch, tuple(step_args), accumulate)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """With pipeline parallelism the schedule already ran every microbatch's backward inside `training_step`;
+        its gradients are added here, between the hooks around backward."""
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._pipeline.add_step_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():
+            return self._pipeline.eval_step("validation_step", args[0], tuple(args[1:]))
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        with self.precision_plugin.test_step_context():
+            return self._pipeline.eval_step("test_step", args[0], tuple(args[1:]))
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        with self.precision_plugin.predict_step_context():
+            return self._pipeline.eval_step("predict_step", args[0], tuple(args[1:]))
 
     def model_to_device(self) -> None:
         assert self.model is not None

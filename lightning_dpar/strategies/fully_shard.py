@@ -11,6 +11,8 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType
 from lightning_dpar.mesh import MeshLayout, SizeArg, fsdp_mesh
+from lightning_dpar.pipeline.config import PipelineConfig
+from lightning_dpar.pipeline.split import SplitSpec
 from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, resolve_blocks
 from lightning_dpar.strategies.base import DparStrategy
 
@@ -32,6 +34,14 @@ class FullyShardStrategy(DparStrategy):
         replicate_size: HSDP: number of replica groups (`"auto"`: one per node); each group shards the model.
         cpu_offload: keep sharded params, gradients and optimizer state in CPU memory.
         activation_checkpointing: `True` (each sharded block) or a list of class names / module-name globs.
+        pipeline_parallel_size: pipeline stages' ranks: the model is split between its repeated blocks, and each
+            group of `world / pipeline_parallel_size` ranks holds one stage (or `pipeline_stages_per_rank`). See
+            `docs/pipeline.md`.
+        pipeline_schedule: `"GPipe"`, `"1F1B"`, `"Interleaved1F1B"`, `"LoopedBFS"`, `"InterleavedZeroBubble"` or
+            `"ZBVZeroBubble"` (see `lightning_dpar.pipeline.schedule`).
+        pipeline_microbatches: microbatches per batch (default: one per stage); the batch size must divide by it.
+        pipeline_stages_per_rank: stages each pipeline rank holds (2 or more for the interleaved and V schedules).
+        pipeline_split: `"auto"` (blocks spread evenly) or the names of the units starting stages 1, 2, ...
         **kwargs: see `DparStrategy`.
     """
 
@@ -44,10 +54,23 @@ class FullyShardStrategy(DparStrategy):
         replicate_size: SizeArg = 1,
         cpu_offload: bool = False,
         activation_checkpointing: bool | Sequence[ModuleSelector] = False,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1F1B",
+        pipeline_microbatches: int | None = None,
+        pipeline_stages_per_rank: int = 1,
+        pipeline_split: SplitSpec = "auto",
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("tensor_parallel_size", 1)
-        super().__init__(replicate_size=replicate_size, activation_checkpointing=activation_checkpointing, **kwargs)
+        super().__init__(
+            replicate_size=replicate_size,
+            activation_checkpointing=activation_checkpointing,
+            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline=PipelineConfig.of(
+                pipeline_schedule, pipeline_microbatches, pipeline_stages_per_rank, pipeline_split
+            ),
+            **kwargs,
+        )
         if isinstance(reshard_after_forward, bool) or (
             isinstance(reshard_after_forward, int) and reshard_after_forward > 1
         ):
@@ -72,7 +95,7 @@ class FullyShardStrategy(DparStrategy):
         mesh = fsdp_mesh(layout.mesh, layout.dims)
         mp_policy = self.precision_plugin.mixed_precision_policy
 
-        def wrap(module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
+        def wrap(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
             return parallelize.apply_fully_shard(
                 module,
                 mesh,
@@ -80,6 +103,8 @@ class FullyShardStrategy(DparStrategy):
                 mp_policy,
                 reshard_after_forward=self._reshard_after_forward,
                 cpu_offload=self._cpu_offload,
+                stage_roots=stage_roots,
+                final_unit=plan.pipeline.stages[-1][-1] if plan.pipeline is not None else None,
             )
 
         return wrap
@@ -138,16 +163,24 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
     def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
         fully_shard_units = super().data_parallel_wrapper(layout)
 
-        def wrap(module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
+        def wrap(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
             if plan.adopted and parallelize.has_fully_shard(module):
                 return _outermost_fsdp_modules(module)
-            return fully_shard_units(module, plan)
+            return fully_shard_units(module, plan, stage_roots)
 
         return wrap
 
     @classmethod
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register("dpar_2d", cls, description="2D: FSDP2 + tensor parallelism", override=True)
+        strategy_registry.register(
+            "dpar_3d",
+            cls,
+            description="3D: pipeline 2 x FSDP2 x tensor parallel 2",
+            override=True,
+            pipeline_parallel_size=2,
+            tensor_parallel_size=2,
+        )
         cls.register_class_names(strategy_registry)
 
 

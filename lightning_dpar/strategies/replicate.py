@@ -122,7 +122,7 @@ class ReplicateStrategy(DparStrategy):
 
         if layout.dims.tensor_parallel == 1:
 
-            def wrap_ddp(module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
+            def wrap_ddp(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
                 return parallelize.apply_ddp_replicate(
                     module,
                     layout.data_parallel_mesh.get_group(),
@@ -140,7 +140,9 @@ class ReplicateStrategy(DparStrategy):
             policy = base_policy(top_level)
             return policy if reduce_dtype is None else replace(policy, reduce_dtype=reduce_dtype)
 
-        def wrap_fsdp_replicas(module: nn.Module, plan: ModulePlan) -> list[nn.Module]:
+        def wrap_fsdp_replicas(
+            module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]
+        ) -> list[nn.Module]:
             return parallelize.apply_fully_shard(
                 module,
                 layout.mesh[REPLICATE, SHARD],

@@ -1,0 +1,51 @@
+"""The pipeline-parallel settings a user gives a strategy, validated when the strategy is built."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_dpar.pipeline.schedule import ScheduleSpec, schedule_spec
+from lightning_dpar.pipeline.split import SplitSpec
+
+__all__ = ["PipelineConfig"]
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How to pipeline: the schedule, microbatches per step, stages per rank, and where to split.
+
+    `microbatches=None` means one per stage (the fewest every schedule accepts). The size of the pipeline mesh dim
+    lives in `ParallelDims.pipeline`.
+    """
+
+    schedule: ScheduleSpec
+    microbatches: int | None
+    stages_per_rank: int
+    split: SplitSpec
+
+    @classmethod
+    def of(
+        cls, schedule: str, microbatches: int | None, stages_per_rank: int, split: SplitSpec | None
+    ) -> PipelineConfig:
+        spec = schedule_spec(schedule)
+        split = "auto" if split is None else split
+        if isinstance(split, str) and split != "auto":
+            raise ValueError(f"`pipeline_split={split!r}` is invalid: use 'auto' or a list of module names.")
+        if not isinstance(split, str):
+            if not isinstance(split, Sequence) or not all(isinstance(point, str) for point in split):
+                raise ValueError(
+                    f"`pipeline_split={split!r}` is invalid: use 'auto' or a list of module names (the first unit of"
+                    " each stage after the first)."
+                )
+            split = tuple(split)
+        config = cls(spec, microbatches, stages_per_rank, split)
+        spec.check(config.microbatches or 1, stages_per_rank, num_ranks=1)  # types and placement, before any world
+        return config
+
+    def num_microbatches(self, num_ranks: int) -> int:
+        return self.microbatches if self.microbatches is not None else num_ranks * self.stages_per_rank
+
+    def check(self, num_ranks: int) -> None:
+        """Raise if the schedule cannot run on `num_ranks` pipeline ranks (before any collective)."""
+        self.schedule.check(self.num_microbatches(num_ranks), self.stages_per_rank, num_ranks)

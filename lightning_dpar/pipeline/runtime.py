@@ -1,0 +1,303 @@
+"""Running Lightning's steps through the pipeline: a training step is one schedule step over microbatches, an
+evaluation step is one forward pass through the stages; logged values and the loss are the last stage's, on every
+rank.
+
+Training. The first step with a new batch shape runs one forward pass of the first microbatch through the stages
+without gradients (RNG state restored, logs discarded) to learn what crosses each boundary; torch's `PipelineStage`s
+and the schedule are then built with those shapes and reused for every batch of that shape. Each microbatch's loss is
+scaled by `1 / (microbatches x accumulate_grad_batches)` before its backward, so gradients equal the unpipelined
+run's and gradient accumulation works as usual. Lightning zeroes gradients between `training_step` and `backward`
+(on the first batch of an accumulation window), so the step's gradients are set aside when the schedule ends and
+added in the strategy's `backward` (`add_step_gradients`), where Lightning expects them to appear.
+
+Logging. `self.log` inside the step runs on the last stage, once per microbatch. Those calls are recorded, averaged
+over the step's microbatches, sent to every pipeline rank and logged there, so every rank (rank 0 writes the loggers)
+logs the true values, reduced over data-parallel peers as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+from lightning_dpar.pipeline.config import PipelineConfig
+from lightning_dpar.pipeline.schedule import build_schedule
+from lightning_dpar.pipeline.stage import PipelinedModel
+from lightning_dpar.pipeline.values import tensor_specs
+
+__all__ = ["LogRecorder", "PipelineRuntime"]
+
+
+class LogRecorder:
+    """Collects `LightningModule.log` calls made while stages run, to log them once per step on every rank."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any, dict[str, Any]]] = []
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise TypeError("Under pipeline parallelism, pass `LightningModule.log` options by keyword.")
+        if isinstance(value, torch.Tensor):
+            value = value.detach().float().cpu()
+        elif not isinstance(value, (int, float)):
+            raise TypeError(
+                f"Under pipeline parallelism `self.log({name!r}, ...)` takes a number or a tensor; got"
+                f" {type(value).__name__}. Log a torchmetrics metric's computed value (`metric.compute()`) instead."
+            )
+        self.calls.append((name, value, kwargs))
+
+    def averaged(self) -> list[tuple[str, Any, dict[str, Any]]]:
+        """One entry per logged name (first-call order): the mean over the calls, with the first call's options."""
+        values: dict[str, list[Any]] = {}
+        options: dict[str, dict[str, Any]] = {}
+        for name, value, kwargs in self.calls:
+            values.setdefault(name, []).append(value)
+            options.setdefault(name, kwargs)
+        out = []
+        for name, logged in values.items():
+            mean = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in logged]).mean()
+            out.append((name, mean, options[name]))
+        return out
+
+
+@contextmanager
+def recording_logs(module: LightningModule, recorder: LogRecorder) -> Iterator[None]:
+    """Route `module.log` (and `log_dict`, which calls it) to `recorder` while the stages run."""
+    module.log = recorder.log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    apply_to_collection(value, torch.Tensor, found.append)
+    return found
+
+
+def _batch_key(value: Any) -> tuple:
+    """The shapes and dtypes of a batch's tensors: what decides the shapes crossing each stage boundary."""
+    return tuple((tuple(t.shape), t.dtype) for t in _tensors_in(value))
+
+
+class PipelineRuntime:
+    """Drives this rank's stages for the strategy's training and evaluation steps."""
+
+    def __init__(
+        self,
+        model: PipelinedModel,
+        module: LightningModule,
+        config: PipelineConfig,
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.model, self.module, self.config, self.group, self.device = model, module, config, group, device
+        self.num_ranks = dist.get_world_size(group)
+        self.num_microbatches = config.num_microbatches(self.num_ranks)
+        self._schedules: dict[Any, Any] = {}
+        self._microbatch_losses: list[torch.Tensor] = []
+        self._loss_scale = 1.0
+        self._step_gradients: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    # ------------------------------------------------------------------ point to point
+    def _global_rank(self, stage: int) -> int:
+        return dist.get_global_rank(self.group, self.model.split.stage_to_rank[stage])
+
+    def _object_device(self) -> torch.device | None:
+        return self.device if self.device.type == "cuda" else None
+
+    def _send(self, payload: Any, values: tuple[torch.Tensor, ...], stage: int) -> None:
+        dst = self._global_rank(stage)
+        dist.send_object_list([payload], dst=dst, group=self.group, device=self._object_device())
+        for tensor in values:
+            dist.send(tensor.detach().contiguous(), dst=dst, group=self.group)
+
+    def _recv(self, stage: int) -> tuple[Any, list[torch.Tensor]]:
+        src = self._global_rank(stage)
+        payload: list[Any] = [None]
+        dist.recv_object_list(payload, src=src, group=self.group, device=self._object_device())
+        spec, _ = payload[0]
+        received = []
+        for leaf in tensor_specs(spec):
+            buffer = torch.empty(leaf.shape, dtype=leaf.dtype, device=self.device)
+            dist.recv(buffer, src=src, group=self.group)
+            received.append(buffer)
+        return payload[0], received
+
+    def forward_only(self, step_kwargs: dict[str, Any], run_last_stage: bool) -> Any:
+        """One forward pass of `step_kwargs` through all stages, stage after stage (no schedule); returns the last
+        stage's step output on the rank holding it. Each stage records its units' output specs and sends them on
+        with its boundary output, so every later stage can stand in for the units it does not hold."""
+        model = self.model
+        carried: tuple[Any, list[torch.Tensor]] | None = None
+        result = None
+        for stage in model.local_stages:
+            received: list[torch.Tensor] = []
+            if stage > 0:
+                if model.split.stage_to_rank[stage - 1] == model.pipeline_rank:
+                    assert carried is not None
+                    payload, received = carried
+                else:
+                    payload, received = self._recv(stage - 1)
+                spec, table = payload
+                model.input_specs[stage] = spec
+                model.unit_outputs.update(table)
+            if model.is_last(stage):
+                if run_last_stage:
+                    result = model.stages[stage](*received, **step_kwargs)  # through the stage's FSDP root
+                break
+            sent = model.stages[stage](*received, **step_kwargs)
+            payload = (model.output_specs[stage], dict(model.unit_outputs))
+            if model.split.stage_to_rank[stage + 1] == model.pipeline_rank:
+                carried = (payload, list(sent))
+            else:
+                self._send(payload, sent, stage + 1)
+        return result
+
+    # ------------------------------------------------------------------ training
+    def _split_batch(self, batch: Any) -> list[Any]:
+        sizes = {t.shape[0] for t in _tensors_in(batch) if t.dim()}
+        m = self.num_microbatches
+        bad = sorted(size for size in sizes if size % m)
+        if not sizes or bad:
+            raise ValueError(
+                f"Pipeline parallelism splits each batch into `pipeline_microbatches={m}` equal microbatches along"
+                f" dim 0, but the batch's tensors have {sorted(sizes) or 'no'} rows. Use a batch size that is a"
+                f" multiple of {m} (and `drop_last=True` for a smaller last batch), or change"
+                " `pipeline_microbatches`."
+            )
+        _, kwarg_chunks = split_args_kwargs_into_chunks((), {"batch": batch}, m)
+        return [chunk["batch"] for chunk in kwarg_chunks]
+
+    def _loss(self, output: Any, microbatch_index: torch.Tensor) -> torch.Tensor:
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(
+                "Under pipeline parallelism `training_step` must return the loss (a scalar tensor, or a dict with"
+                f" 'loss'); it returned {type(output).__name__}. Skipping a step by returning None is not possible:"
+                " every stage has already run its part."
+            )
+        self._microbatch_losses.append(loss.detach().reshape(()))
+        return loss.reshape(()) * self._loss_scale
+
+    def _schedule_for(self, batch: Any, step_args: tuple[Any, ...]) -> Any:
+        key = _batch_key(batch)
+        self.model.step = self.module.training_step
+        if self.model.select_shapes(key) or key not in self._schedules:
+            first = self._split_batch(batch)[0]
+            with torch.no_grad(), torch.random.fork_rng(devices=self._rng_devices()), self._discarding_logs():
+                self.forward_only({"batch": first, "step_args": step_args}, run_last_stage=False)
+            self._schedules[key] = self._build_schedule()
+        return self._schedules[key]
+
+    def _rng_devices(self) -> list[int]:
+        return [self.device.index or 0] if self.device.type == "cuda" else []
+
+    @contextmanager
+    def _discarding_logs(self) -> Iterator[None]:
+        with recording_logs(self.module, LogRecorder()):
+            yield
+
+    def _build_schedule(self) -> Any:
+        model = self.model
+        stages = []
+        for stage in model.local_stages:
+            inputs = (
+                tuple(s.example(requires_grad=True) for s in tensor_specs(model.input_specs[stage])) if stage else ()
+            )
+            if model.is_last(stage):
+                outputs: tuple[torch.Tensor, ...] = (torch.empty((), device="meta", requires_grad=True),)
+            else:
+                outputs = tuple(s.example(requires_grad=True) for s in tensor_specs(model.output_specs[stage]))
+            stages.append(
+                PipelineStage(
+                    model.stages[stage],
+                    stage,
+                    model.num_stages,
+                    self.device,
+                    input_args=inputs,
+                    output_args=outputs,
+                    group=self.group,
+                )
+            )
+        return build_schedule(self.config.schedule, stages, self.num_microbatches, self._loss)
+
+    def train_step(self, batch: Any, step_args: tuple[Any, ...], accumulate_grad_batches: int) -> torch.Tensor:
+        """Run the schedule on `batch` (forward and backward of every microbatch; `step_args` are the step method's
+        other arguments, e.g. `batch_idx`); return the step's loss, the mean over microbatches, on every rank."""
+        if not self.module.automatic_optimization:
+            raise RuntimeError(
+                "Pipeline parallelism runs `training_step` once per microbatch inside its schedule, which also runs"
+                " the backward passes, so `manual_backward` cannot be used: set `automatic_optimization = True`."
+            )
+        schedule = self._schedule_for(batch, step_args)
+        self._loss_scale = 1.0 / (self.num_microbatches * accumulate_grad_batches)
+        self._microbatch_losses = []
+        recorder = LogRecorder()
+        microbatch_ids = torch.arange(self.num_microbatches, device=self.device)
+        params = [p for stage in self.model.stages.values() for p in stage.parameters()]
+        earlier = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        with recording_logs(self.module, recorder):
+            schedule.step(batch=batch, step_args=step_args, target=microbatch_ids, return_outputs=False)
+        self._step_gradients = [(p, p.grad) for p in params]
+        for param, grad in zip(params, earlier):
+            param.grad = grad
+        loss = torch.stack(self._microbatch_losses).mean().cpu() if self._microbatch_losses else None
+        loss, logged = self._from_last_stage((loss, recorder.averaged()))
+        self._replay(logged)
+        return loss.to(self.device)
+
+    def add_step_gradients(self) -> None:
+        """Add the last `train_step`'s gradients to the parameters' (called where Lightning runs backward)."""
+        for param, grad in self._step_gradients:
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+        self._step_gradients = []
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_step(self, step_name: str, batch: Any, step_args: tuple[Any, ...]) -> Any:
+        """Run `step_name` (validation/test/predict) forward-only through the stages on the whole batch; return its
+        output, sent from the last stage to every pipeline rank, and log what it logged on every rank."""
+        self.model.step = getattr(self.module, step_name)
+        self.model.select_shapes((step_name, _batch_key(batch)))
+        recorder = LogRecorder()
+        with recording_logs(self.module, recorder):
+            output = self.forward_only({"batch": batch, "step_args": step_args}, run_last_stage=True)
+        output, logged = self._from_last_stage((_to_cpu(output), recorder.averaged()))
+        self._replay(logged)
+        return _to_device(output, self.device)
+
+    # ------------------------------------------------------------------ results on every rank
+    def _from_last_stage(self, value: Any) -> Any:
+        payload = [value]
+        dist.broadcast_object_list(
+            payload, src=self._global_rank(self.model.num_stages - 1), group=self.group, device=self._object_device()
+        )
+        return payload[0]
+
+    def _replay(self, logged: list[tuple[str, Any, dict[str, Any]]]) -> None:
+        for name, value, options in logged:
+            LightningModule.log(self.module, name, value.to(self.device), **options)
+
+
+def _to_cpu(value: Any) -> Any:
+    return apply_to_collection(value, torch.Tensor, lambda t: t.detach().cpu())
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    return apply_to_collection(value, torch.Tensor, lambda t: t.to(device))

@@ -1,0 +1,134 @@
+"""Pipeline schedules by name, and the microbatch counts each one accepts, checked before any process group exists.
+
+The schedules are torch's (`torch.distributed.pipelining`); this module only names them, says which stage placement
+each needs (one stage per rank, several in a loop, or two in a V) and what it requires of the microbatch count, so
+a bad combination fails on every rank with one message instead of inside the first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from lightning_dpar.pipeline.split import StagePlacement
+
+__all__ = ["SCHEDULES", "ScheduleSpec", "build_schedule", "schedule_spec"]
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A schedule's name, torch class, whether it drives several stages per rank, and their placement."""
+
+    name: str
+    schedule_class: type
+    multi_stage: bool
+    placement: StagePlacement
+    needs_microbatches_per_stage: bool = False
+    needs_whole_rounds: bool = False
+    description: str = ""
+
+    def check(self, num_microbatches: int, stages_per_rank: int, num_ranks: int) -> None:
+        """Raise if this schedule cannot run `num_microbatches` over `num_ranks * stages_per_rank` stages."""
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"`pipeline_microbatches={num_microbatches!r}` is invalid: expected a positive integer.")
+        if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+            raise ValueError(f"`pipeline_stages_per_rank={stages_per_rank!r}` is invalid: expected a positive integer.")
+        if not self.multi_stage and stages_per_rank != 1:
+            looped = [spec.name for spec in SCHEDULES.values() if spec.multi_stage]
+            raise ValueError(
+                f"Schedule {self.name!r} runs one stage per rank, but `pipeline_stages_per_rank={stages_per_rank}`."
+                f" Set it to 1, or use a schedule that runs several: {looped}."
+            )
+        if self.placement == "v" and stages_per_rank != 2:
+            raise ValueError(
+                f"Schedule {self.name!r} places exactly 2 stages per rank in a V; got"
+                f" `pipeline_stages_per_rank={stages_per_rank}`. Set it to 2."
+            )
+        num_stages = num_ranks * stages_per_rank
+        if self.needs_microbatches_per_stage and num_microbatches < num_stages:
+            raise ValueError(
+                f"Schedule {self.name!r} needs at least as many microbatches as stages: got"
+                f" `pipeline_microbatches={num_microbatches}` for {num_stages} stages. Use"
+                f" `pipeline_microbatches>={num_stages}`, or 'GPipe', which takes any number."
+            )
+        rounds = max(1, num_microbatches // num_ranks)
+        if self.needs_whole_rounds and num_microbatches % rounds:
+            raise ValueError(
+                f"Schedule {self.name!r} runs microbatches in rounds of the pipeline size {num_ranks}:"
+                f" `pipeline_microbatches={num_microbatches}` is not a multiple of its {rounds} rounds. Use a multiple"
+                f" of {num_ranks}, or fewer microbatches than {num_ranks}."
+            )
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    spec.name.lower(): spec
+    for spec in (
+        ScheduleSpec("GPipe", ScheduleGPipe, False, "loop", description="all forwards, then all backwards"),
+        ScheduleSpec(
+            "1F1B",
+            Schedule1F1B,
+            False,
+            "loop",
+            needs_microbatches_per_stage=True,
+            description="one forward, one backward: at most p microbatches' activations alive",
+        ),
+        ScheduleSpec(
+            "Interleaved1F1B",
+            ScheduleInterleaved1F1B,
+            True,
+            "loop",
+            needs_whole_rounds=True,
+            description="1F1B over several stages per rank: a smaller bubble for more communication",
+        ),
+        ScheduleSpec("LoopedBFS", ScheduleLoopedBFS, True, "loop", description="breadth-first over looped stages"),
+        ScheduleSpec(
+            "InterleavedZeroBubble",
+            ScheduleInterleavedZeroBubble,
+            True,
+            "loop",
+            needs_whole_rounds=True,
+            description="interleaved 1F1B with weight gradients deferred into the bubble",
+        ),
+        ScheduleSpec(
+            "ZBVZeroBubble",
+            ScheduleZBVZeroBubble,
+            True,
+            "v",
+            needs_microbatches_per_stage=True,
+            description="zero bubble with 2 stages per rank in a V",
+        ),
+    )
+}
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The schedule called `name` (case-insensitive)."""
+    if not isinstance(name, str) or name.lower() not in SCHEDULES:
+        names = [spec.name for spec in SCHEDULES.values()]
+        raise ValueError(f"`pipeline_schedule={name!r}` is not a pipeline schedule. Choose one of {names}.")
+    return SCHEDULES[name.lower()]
+
+
+def build_schedule(
+    spec: ScheduleSpec,
+    stages: Sequence[PipelineStage],
+    num_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> object:
+    """A torch schedule over this rank's stages. Gradients are not rescaled by the schedule (`scale_grads=False`):
+    `loss_fn` scales each microbatch's loss itself, which stays right under gradient accumulation."""
+    if spec.multi_stage:
+        return spec.schedule_class(list(stages), num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    (stage,) = stages
+    return spec.schedule_class(stage, num_microbatches, loss_fn=loss_fn, scale_grads=False)
