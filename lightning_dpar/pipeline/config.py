@@ -40,10 +40,11 @@ class PipelineConfig:
                 )
             split = tuple(split)
         config = cls(spec, microbatches, stages_per_rank, split)
-        spec.check(config.microbatches or 1, stages_per_rank, num_ranks=1)  # types and placement, before any world
+        config.check(num_ranks=1)  # argument types and stage placement, before the world size is known
         return config
 
     def num_microbatches(self, num_ranks: int) -> int:
+        """The microbatches per batch; by default one per stage, which every schedule accepts."""
         return self.microbatches if self.microbatches is not None else num_ranks * self.stages_per_rank
 
     def check(self, num_ranks: int) -> None:

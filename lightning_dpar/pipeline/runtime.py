@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
@@ -107,6 +108,10 @@ class PipelineRuntime:
         self._microbatch_losses: list[torch.Tensor] = []
         self._loss_scale = 1.0
         self._step_gradients: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        # Taken now, before any forward: FSDP registers unsharded parameters on its modules while they compute and
+        # keeps them there between steps when not resharding after forward; these are the sharded ones the
+        # optimizer holds, which gradients end on.
+        self._parameters = [p for stage in model.stages.values() for p in stage.parameters()]
 
     # ------------------------------------------------------------------ point to point
     def _global_rank(self, stage: int) -> int:
@@ -196,8 +201,16 @@ class PipelineRuntime:
             first = self._split_batch(batch)[0]
             with torch.no_grad(), torch.random.fork_rng(devices=self._rng_devices()), self._discarding_logs():
                 self.forward_only({"batch": first, "step_args": step_args}, run_last_stage=False)
+            self._reshard()
             self._schedules[key] = self._build_schedule()
         return self._schedules[key]
+
+    def _reshard(self) -> None:
+        """Free the parameters a forward-only pass gathered (units that do not reshard after forward keep them)."""
+        for stage in self.model.stages.values():
+            for module in stage.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     def _rng_devices(self) -> list[int]:
         return [self.device.index or 0] if self.device.type == "cuda" else []
@@ -244,7 +257,7 @@ class PipelineRuntime:
         self._microbatch_losses = []
         recorder = LogRecorder()
         microbatch_ids = torch.arange(self.num_microbatches, device=self.device)
-        params = [p for stage in self.model.stages.values() for p in stage.parameters()]
+        params = self._parameters
         earlier = [p.grad for p in params]
         for param in params:
             param.grad = None
@@ -278,6 +291,7 @@ class PipelineRuntime:
         recorder = LogRecorder()
         with recording_logs(self.module, recorder):
             output = self.forward_only({"batch": batch, "step_args": step_args}, run_last_stage=True)
+        self._reshard()
         output, logged = self._from_last_stage((_to_cpu(output), recorder.averaged()))
         self._replay(logged)
         return _to_device(output, self.device)

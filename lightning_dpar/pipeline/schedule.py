@@ -36,6 +36,9 @@ class ScheduleSpec:
     placement: StagePlacement
     needs_microbatches_per_stage: bool = False
     needs_whole_rounds: bool = False
+    #: Zero-bubble schedules compute weight gradients apart from input gradients, from the parameters registered on
+    #: each module: FSDP must keep them unsharded from forward to backward (`reshard_after_forward=False`).
+    defers_weight_gradients: bool = False
     description: str = ""
 
     def check(self, num_microbatches: int, stages_per_rank: int, num_ranks: int) -> None:
@@ -98,6 +101,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             True,
             "loop",
             needs_whole_rounds=True,
+            defers_weight_gradients=True,
             description="interleaved 1F1B with weight gradients deferred into the bubble",
         ),
         ScheduleSpec(
@@ -106,6 +110,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
             True,
             "v",
             needs_microbatches_per_stage=True,
+            defers_weight_gradients=True,
             description="zero bubble with 2 stages per rank in a V",
         ),
     )

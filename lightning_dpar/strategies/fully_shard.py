@@ -95,13 +95,17 @@ class FullyShardStrategy(DparStrategy):
         mesh = fsdp_mesh(layout.mesh, layout.dims)
         mp_policy = self.precision_plugin.mixed_precision_policy
 
+        reshard_after_forward = self._reshard_after_forward
+        if layout.dims.pipeline > 1 and self._pipeline_config.schedule.defers_weight_gradients:
+            reshard_after_forward = False  # the schedule's weight-gradient step needs the unsharded parameters
+
         def wrap(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
             return parallelize.apply_fully_shard(
                 module,
                 mesh,
                 plan.shard_units,
                 mp_policy,
-                reshard_after_forward=self._reshard_after_forward,
+                reshard_after_forward=reshard_after_forward,
                 cpu_offload=self._cpu_offload,
                 stage_roots=stage_roots,
                 final_unit=plan.pipeline.stages[-1][-1] if plan.pipeline is not None else None,
