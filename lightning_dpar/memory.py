@@ -106,8 +106,13 @@ class MemoryEstimate:
 
 
 def estimate_memory(module: nn.Module, optimizers: Iterable[Optimizer]) -> MemoryEstimate:
-    """Persistent bytes on this rank for `module`'s parameters, their gradients and `optimizers`' state."""
+    """Persistent bytes on this rank for `module`'s parameters, their gradients and `optimizers`' state of them.
+
+    Optimizer state is counted only for `module`'s own parameters, so the estimate of one part of a model (a pipeline
+    stage, when a rank holds several) is that part's share of an optimizer built over the whole.
+    """
     params = list(module.parameters())
+    held = {id(p) for p in params}
     param_bytes = sum(local_numel(p) * p.element_size() for p in params)
     grad_bytes = sum(local_numel(p) * p.element_size() for p in params if p.requires_grad)
     optimizer_bytes, unknown = 0, set()
@@ -115,7 +120,7 @@ def estimate_memory(module: nn.Module, optimizers: Iterable[Optimizer]) -> Memor
         if entry.states is None:
             unknown.add(entry.optimizer)
             continue
-        optimizer_bytes += sum(local_numel(p) * p.element_size() * entry.states for p in entry.params)
+        optimizer_bytes += sum(local_numel(p) * p.element_size() * entry.states for p in entry.params if id(p) in held)
     return MemoryEstimate(param_bytes, grad_bytes, None if unknown else optimizer_bytes, tuple(sorted(unknown)))
 
 

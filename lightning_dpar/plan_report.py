@@ -11,6 +11,7 @@ with the error training would raise, and a 65B-parameter plan (`examples/plan/gp
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 import sys
 import warnings
@@ -30,12 +31,15 @@ from torch.optim import Optimizer
 from lightning_dpar import memory, parallelize
 from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
 from lightning_dpar.mesh import TENSOR_PARALLEL, MeshLayout, ParallelDims, build_device_mesh, init_fake_process_group
+from lightning_dpar.pipeline.split import PipelineSplit
 from lightning_dpar.plan import ModulePlan
 from lightning_dpar.strategies.base import DparStrategy
 
 __all__ = [
     "ParamRow",
+    "PipelineReport",
     "PlanReport",
+    "StageRow",
     "main",
     "plan",
 ]
@@ -48,6 +52,80 @@ class ParamRow:
     placement: str
     local_shape: tuple[int, ...]
     dtype: str
+
+
+@dataclass
+class StageRow:
+    """One pipeline stage: where it runs, what it holds, and what each of its ranks stores for it."""
+
+    stage: int
+    pipeline_rank: int
+    ranks: range  # the global ranks holding this stage (one pipeline rank's group)
+    units: tuple[str, ...]
+    num_params: int  # the stage's parameters, whole (before tensor-parallel and FSDP sharding)
+    memory: memory.MemoryEstimate  # on one of `ranks`: the one at the shown rank's data/tensor-parallel coordinate
+
+
+@dataclass
+class PipelineReport:
+    """The schedule and the stages, with per-stage memory."""
+
+    schedule: str
+    microbatches: int
+    microbatches_by_default: bool  # one per stage, as `pipeline_microbatches=None` gives
+    stages_per_rank: int
+    split: str
+    stages: list[StageRow]
+    num_ranks: int
+
+    @property
+    def bubble(self) -> float | None:
+        """The idle fraction of an ideal step (equal stage times, no communication), where the schedule has a known
+        closed form: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for Interleaved1F1B (v stages per rank)."""
+        p, m, v = self.num_ranks, self.microbatches, self.stages_per_rank
+        if self.schedule in ("GPipe", "1F1B"):
+            return (p - 1) / (m + p - 1)
+        if self.schedule == "Interleaved1F1B":
+            return (p - 1) / (v * m + p - 1)
+        return None
+
+    def render(self) -> list[str]:
+        default = " (default: one per stage)" if self.microbatches_by_default else ""
+        stages = f"{self.stages_per_rank} stage{'s' if self.stages_per_rank > 1 else ''}"
+        lines = [
+            f"Pipeline: schedule {self.schedule}, {self.microbatches} microbatches per batch{default},"
+            f" {stages} per pipeline rank, split {self.split}",
+            f"  each data-parallel rank's batch size must be a multiple of {self.microbatches}",
+        ]
+        if self.bubble is not None:
+            lines.append(
+                f"  bubble (idle fraction of an ideal step): {self.bubble:.0%}; more microbatches make it smaller"
+            )
+        rows = [
+            (
+                str(row.stage),
+                str(row.pipeline_rank),
+                _ranks(row.ranks),
+                _describe_units(row.units),
+                f"{row.num_params:,}",
+                memory.format_bytes(row.memory.parameters),
+                memory.format_bytes(row.memory.gradients),
+                memory.format_bytes(row.memory.optimizer) if row.memory.optimizer is not None else "unknown",
+                memory.format_bytes(row.memory.total),
+            )
+            for row in self.stages
+        ]
+        header = ("stage", "pipeline rank", "ranks", "units", "parameters", "params/rank", "grads/rank")
+        lines += _table(rows, (*header, "optimizer/rank", "total/rank"))
+        if self.stages_per_rank > 1:
+            for pipeline_rank in range(self.num_ranks):
+                held = [row for row in self.stages if row.pipeline_rank == pipeline_rank]
+                total = sum(row.memory.total for row in held)
+                lines.append(
+                    f"  pipeline rank {pipeline_rank} holds stages {', '.join(str(r.stage) for r in held)}:"
+                    f" {memory.format_bytes(total)} per rank"
+                )
+        return lines
 
 
 @dataclass
@@ -67,6 +145,8 @@ class PlanReport:
     optimizers: list[str]
     largest_unit: tuple[str, int] | None  # (fqn, bytes all-gathered for compute)
     notes: list[str] = field(default_factory=list)
+    pipeline: PipelineReport | None = None
+    model_params: int | None = None  # the whole model's, when this rank holds only some pipeline stages
 
     def render(self, all_params: bool = False) -> str:
         d = self.dims
@@ -77,14 +157,20 @@ class PlanReport:
             "Mesh",
             f"  {d.describe()}; data_parallel = {d.data_parallel} (ranks that see different batches)",
             f"  rank {self.rank} is at " + ", ".join(f"{k}={v}" for k, v in self.coordinate.items()),
-            "",
-            "Modules",
         ]
+        if self.pipeline is not None:
+            lines += ["", *self.pipeline.render()]
+            lines += ["", f"Modules on rank {self.rank} (its pipeline stages only)"]
+        else:
+            lines += ["", "Modules"]
         lines += _table(
             [(name, ", ".join(what), f"x{n}" if n > 1 else "") for name, what, n in _group_modules(self.modules)],
             ("module", "applied", ""),
         ) or ["  (nothing: every parameter stays whole on every rank)"]
-        lines += ["", f"Parameters on rank {self.rank} ({self.total_params:,} in total)"]
+        held = f"{self.total_params:,} in total"
+        if self.model_params is not None:
+            held = f"{self.total_params:,} of the model's {self.model_params:,}"
+        lines += ["", f"Parameters on rank {self.rank} ({held})"]
         rows = [(r.name, _shape(r.global_shape), r.placement, _shape(r.local_shape), r.dtype, "") for r in self.params]
         if not all_params:
             rows = _group_params(self.params)
@@ -120,6 +206,29 @@ def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
         return []
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     return ["  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+def _ranks(ranks: range) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def _describe_units(units: Sequence[str]) -> str:
+    """`model.emb, model.blocks.0, model.blocks.1, model.blocks.2` -> `model.emb, model.blocks.0-2`."""
+    runs: list[tuple[str, int, int] | str] = []
+    for fqn in units:
+        prefix, _, index = fqn.rpartition(".")
+        last = runs[-1] if runs else None
+        if prefix and index.isdigit():
+            if isinstance(last, tuple) and last[0] == prefix and last[2] == int(index) - 1:
+                runs[-1] = (prefix, last[1], int(index))
+            else:
+                runs.append((prefix, int(index), int(index)))
+        else:
+            runs.append(fqn)
+    return ", ".join(
+        run if isinstance(run, str) else f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] > run[1] else "")
+        for run in runs
+    )
 
 
 #: How the report names the LightningModule itself.
@@ -271,23 +380,20 @@ def _plan_on_fake_world(
     with torch.device("meta"):
         module.configure_model()
     module = strategy.precision_plugin.convert_module(module)
-    plan_ = strategy.module_plan(module, dims, rank)
+    # Each pipeline rank drops the other stages' units, so the other stages are planned on copies of the whole model.
+    unsplit = _meta_copy(module) if dims.pipeline > 1 else None
+    model_params = sum(p.numel() for p in module.parameters())
     layout = MeshLayout(dims, mesh, data_parallel_mesh, torch.device("meta"))
-    parallelize.apply_plan(  # the training code path, minus materialisation
-        module,
-        plan_,
-        tensor_parallel_mesh=mesh[TENSOR_PARALLEL],
-        wrap_data_parallel=strategy.data_parallel_wrapper(layout),
-        compile_options=None,  # compile units are reported; compiling is lazy and would do nothing here
-    )
+    applied, plan_, optimizers, optimizer_error = _apply(strategy, module, dims, rank, layout)
     notes = []
     if plan_.adopted:
         notes.append("the model's configure_model applied its own parallelism; it is shown as applied")
-    try:
-        optimizers = _optimizers(module.configure_optimizers())
-    except Exception as err:  # e.g. configure_optimizers reads self.trainer, which a dry run does not have
-        optimizers = []
-        notes.append(f"configure_optimizers could not run without a Trainer ({type(err).__name__}: {err})")
+    if optimizer_error is not None:  # e.g. configure_optimizers reads self.trainer, which a dry run does not have
+        notes.append(f"configure_optimizers could not run without a Trainer ({optimizer_error})")
+    pipeline = None
+    if applied.pipeline is not None:
+        assert unsplit is not None and plan_.pipeline is not None
+        pipeline = _pipeline_report(strategy, unsplit, dims, rank, layout, (module, applied, optimizers))
     if getattr(strategy, "cpu_offload", False):
         notes.append(
             "cpu_offload: parameters, gradients and optimizer state below live in CPU memory; the accelerator holds"
@@ -323,6 +429,82 @@ def _plan_on_fake_world(
         ),
         largest_unit=_largest_fsdp_unit(module, compute_dtype),
         notes=notes,
+        pipeline=pipeline,
+        model_params=model_params if pipeline is not None else None,
+    )
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of a meta-device model sharing its device mesh (a mesh holds process groups, which are not copied)."""
+    mesh = getattr(module, "_device_mesh", None)
+    return copy.deepcopy(module, memo={id(mesh): mesh} if mesh is not None else None)
+
+
+def _apply(
+    strategy: DparStrategy, module: nn.Module, dims: ParallelDims, rank: int, layout: MeshLayout
+) -> tuple[parallelize.AppliedPlan, ModulePlan, list[Optimizer], str | None]:
+    """The training code path on `module` as global rank `rank`, minus materialisation; then its optimizers (and
+    why they could not be built, if so)."""
+    plan_ = strategy.module_plan(module, dims, rank)
+    applied = parallelize.apply_plan(
+        module,
+        plan_,
+        tensor_parallel_mesh=layout.mesh[TENSOR_PARALLEL],
+        wrap_data_parallel=strategy.data_parallel_wrapper(layout),
+        compile_options=None,  # compile units are reported; compiling is lazy and would do nothing here
+    )
+    try:
+        return applied, plan_, _optimizers(module.configure_optimizers()), None  # type: ignore[operator]
+    except Exception as err:
+        return applied, plan_, [], f"{type(err).__name__}: {err}"
+
+
+def _pipeline_report(
+    strategy: DparStrategy,
+    unsplit: nn.Module,
+    dims: ParallelDims,
+    rank: int,
+    layout: MeshLayout,
+    shown: tuple[nn.Module, parallelize.AppliedPlan, list[Optimizer]],
+) -> PipelineReport:
+    """Every stage's units, ranks and per-rank memory. Each pipeline rank is planned, as training would plan it, on a
+    fresh copy of the whole model, at the shown rank's coordinate in the other mesh dims: the same local shapes as
+    that rank's pipeline peers hold (meshes are row-major with the pipeline dim outermost)."""
+    ranks_per_stage = dims.world_size // dims.pipeline
+    shown_pipeline_rank, offset = divmod(rank, ranks_per_stage)
+    config = strategy.pipeline_config
+    rows: list[StageRow] = []
+    split: PipelineSplit | None = None
+    for pipeline_rank in range(dims.pipeline):
+        if pipeline_rank == shown_pipeline_rank:
+            root, applied, optimizers = shown
+        else:
+            root = _meta_copy(unsplit)
+            applied, _, optimizers, _ = _apply(strategy, root, dims, pipeline_rank * ranks_per_stage + offset, layout)
+        assert applied.pipeline is not None
+        split = applied.pipeline.split
+        ranks = range(pipeline_rank * ranks_per_stage, (pipeline_rank + 1) * ranks_per_stage)
+        for stage, stage_module in applied.pipeline.stages.items():
+            units = split.stages[stage]
+            rows.append(
+                StageRow(
+                    stage=stage,
+                    pipeline_rank=pipeline_rank,
+                    ranks=ranks,
+                    units=units,
+                    num_params=sum(p.numel() for unit in units for p in unsplit.get_submodule(unit).parameters()),
+                    memory=memory.estimate_memory(stage_module, optimizers),
+                )
+            )
+    assert split is not None
+    return PipelineReport(
+        schedule=config.schedule.name,
+        microbatches=config.num_microbatches(dims.pipeline),
+        microbatches_by_default=config.microbatches is None,
+        stages_per_rank=config.stages_per_rank,
+        split="'auto'" if config.split == "auto" else f"at {list(config.split)}",
+        stages=sorted(rows, key=lambda row: row.stage),
+        num_ranks=dims.pipeline,
     )
 
 

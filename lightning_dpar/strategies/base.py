@@ -420,6 +420,11 @@ class DparStrategy(ParallelStrategy):
         return self._compile_options
 
     @property
+    def pipeline_config(self) -> PipelineConfig:
+        """The pipeline schedule, microbatches, stages per rank and split (used when `pipeline_parallel_size > 1`)."""
+        return self._pipeline_config
+
+    @property
     def mesh_layout(self) -> MeshLayout:
         """This run's mesh sizes, meshes and device (exists once the processes are initialised)."""
         assert self.dims is not None and self._data_parallel_mesh is not None
