@@ -161,3 +161,146 @@ def test_plan_adopts_a_model_parallel_strategy_configure_model():
     assert "tensor_parallel:S(0)" in rows["model.layers.0.fc1.weight"].placement
     assert rows["model.layers.1.fc1.weight"].placement == "shard:S(0)"  # untouched by TP, sharded by FSDP
     assert "FSDP unit" in report.modules["model"]
+
+
+# ---------------------------------------------------------------- pipeline parallelism
+
+
+def _gpt(n_layer: int):
+    from lightning_dpar.examples import GPT
+
+    return _meta(GPT, 256, 128, n_layer)  # vocab 256, context 128, width 128, 4 heads
+
+
+#: The example GPT's parameter counts at width 128: embeddings 256x128 and 128x128, one block (2 LayerNorms, q/k/v/
+#: proj 128x128, mlp 128x512 and 512x128), final LayerNorm and head 128x256.
+EMBEDDINGS, BLOCK, LN_F_AND_HEAD = 256 * 128 + 128 * 128, 4 * 128 + 4 * 128 * 128 + 2 * 128 * 512, 2 * 128 + 128 * 256
+
+
+def test_pipeline_stages_even_split_with_tensor_parallel():
+    strategy = lightning_dpar.FSDPTensorParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2)
+    report = plan(strategy, _gpt(4), world_size=4)
+    pipeline = report.pipeline
+    assert (pipeline.schedule, pipeline.microbatches, pipeline.stages_per_rank) == ("1F1B", 2, 1)
+    where = [(row.stage, row.pipeline_rank, list(row.ranks)) for row in pipeline.stages]
+    assert where == [(0, 0, [0, 1]), (1, 1, [2, 3])]
+    assert pipeline.stages[0].units == ("model.tok_emb", "model.pos_emb", "model.blocks.0", "model.blocks.1")
+    assert pipeline.stages[1].units == ("model.blocks.2", "model.blocks.3", "model.ln_f", "model.head")
+    assert [row.num_params for row in pipeline.stages] == [EMBEDDINGS + 2 * BLOCK, 2 * BLOCK + LN_F_AND_HEAD]
+    # Per rank, TP 2 halves the blocks' matrices; embeddings, LayerNorms and the head stay whole (FSDP over 1 rank).
+    matrices = 4 * 128 * 128 + 2 * 128 * 512
+    per_rank = [EMBEDDINGS + 2 * (BLOCK - matrices // 2), 2 * (BLOCK - matrices // 2) + LN_F_AND_HEAD]
+    assert [row.memory.parameters for row in pipeline.stages] == [4 * n for n in per_rank]  # fp32
+    assert [row.memory.optimizer for row in pipeline.stages] == [8 * n for n in per_rank]  # AdamW: 2 states
+    assert pipeline.bubble == pytest.approx(1 / 3)  # (p-1)/(m+p-1) with p = m = 2
+    # The rank shown in detail holds stage 0 only: the whole model's count is given beside its own.
+    assert report.total_params == EMBEDDINGS + 2 * BLOCK
+    assert report.model_params == EMBEDDINGS + 4 * BLOCK + LN_F_AND_HEAD
+    assert report.memory == pipeline.stages[0].memory
+
+
+def test_pipeline_uneven_split_puts_the_extra_blocks_in_the_middle_and_loops_stages():
+    strategy = lightning_dpar.FullyShardStrategy(
+        pipeline_parallel_size=2, pipeline_schedule="Interleaved1F1B", pipeline_stages_per_rank=2
+    )
+    report = plan(strategy, _gpt(6), world_size=4)  # 4 stages for 6 blocks: 1, 2, 2, 1
+    stages = report.pipeline.stages
+    assert [row.units for row in stages] == [
+        ("model.tok_emb", "model.pos_emb", "model.blocks.0"),
+        ("model.blocks.1", "model.blocks.2"),
+        ("model.blocks.3", "model.blocks.4"),
+        ("model.blocks.5", "model.ln_f", "model.head"),
+    ]
+    assert [row.pipeline_rank for row in stages] == [0, 1, 0, 1]
+    assert [row.num_params for row in stages] == [EMBEDDINGS + BLOCK, 2 * BLOCK, 2 * BLOCK, BLOCK + LN_F_AND_HEAD]
+    # FSDP over the 2 ranks of each stage halves every parameter (all first dims are even); fp32, AdamW 2 states.
+    for row in stages:
+        assert (row.memory.parameters, row.memory.gradients, row.memory.optimizer) == (
+            2 * row.num_params,
+            2 * row.num_params,
+            4 * row.num_params,
+        )
+    assert report.pipeline.microbatches == 4  # by default one per stage
+    assert report.pipeline.bubble == pytest.approx(1 / (2 * 4 + 1))  # (p-1)/(v*m+p-1), p = v = 2, m = 4
+    out = report.render()
+    assert "model.tok_emb, model.pos_emb, model.blocks.0" in out and "model.blocks.1-2" in out
+    total_rank_1 = 8 * (2 * BLOCK + BLOCK + LN_F_AND_HEAD)
+    assert f"pipeline rank 1 holds stages 1, 3: {format_bytes(total_rank_1)} per rank" in out
+    # Showing a rank of pipeline rank 1 plans that rank directly: the same memory as its two stage rows.
+    shown = plan(strategy, _gpt(6), world_size=4, rank=3)
+    assert shown.memory.total == total_rank_1 == stages[1].memory.total + stages[3].memory.total
+
+
+def test_pipeline_explicit_split_points():
+    strategy = lightning_dpar.FullyShardStrategy(pipeline_parallel_size=2, pipeline_split=["model.blocks.1"])
+    report = plan(strategy, _gpt(4), world_size=2)
+    assert [row.units[-1] for row in report.pipeline.stages] == ["model.blocks.0", "model.head"]
+    assert "split at ['model.blocks.1']" in report.render()
+
+
+def test_pipeline_dry_run_through_the_cli(capsys, tmp_path):
+    assert main(["--trainer.strategy=dpar_3d"]) == 0
+    out = capsys.readouterr().out
+    assert "world=4 = pipeline 2 x replicate 1 x shard 1 x tensor_parallel 2" in out
+    assert "Pipeline: schedule 1F1B, 2 microbatches per batch (default: one per stage), 1 stage per" in out
+    assert "0      0              0-1    model.tok_emb, model.pos_emb, model.blocks.0" in out
+    config = tmp_path / "pp.yaml"
+    config.write_text(
+        "trainer:\n  strategy:\n    class_path: lightning_dpar.FullyShardStrategy\n    init_args:\n"
+        "      pipeline_parallel_size: 2\n      pipeline_schedule: GPipe\n      pipeline_microbatches: 4\n"
+    )
+    assert main(["--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "world=4 = pipeline 2 x replicate 1 x shard 2 x tensor_parallel 1" in out
+    assert "Pipeline: schedule GPipe, 4 microbatches per batch, 1 stage per pipeline rank" in out
+    with pytest.raises(ValueError, match=r"`pipeline_schedule='Nope'` is not a pipeline schedule"):
+        main(["--config", str(config), "--trainer.strategy.init_args.pipeline_schedule=Nope"])
+
+
+LLAMA_405B = str(ROOT / "examples" / "plan" / "llama3_405b.yaml")
+GPT_405B = str(ROOT / "examples" / "plan" / "gpt_405b.yaml")
+
+
+def test_llama3_405b_on_1024_ranks_pipeline_16_tp_8_fsdp_8(monkeypatch):
+    """The worked example of docs/pipeline.md: Llama 3 405B's real shapes, built on meta from its config.json."""
+    pytest.importorskip("transformers")
+    from lightning_dpar.cli import cli_main
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "finetune"))  # the config's `llama_module.LlamaFineTune`
+    peak_rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.perf_counter()
+    cli = cli_main(["--config", LLAMA_405B], run=False, model_on_meta=True)
+    report = plan(cli.trainer.strategy, cli.model, world_size=1024, num_nodes=128)
+    assert time.perf_counter() - start < 120
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak_rss_before < 2**30
+    assert report.model_params == 405_853_388_800  # Llama 3 405B's published count
+    assert report.dims.describe() == "world=1024 = pipeline 16 x replicate 1 x shard 8 x tensor_parallel 8"
+    stages = report.pipeline.stages
+    assert len(stages) == 16 and [list(row.ranks)[::63] for row in stages[:2]] == [[0, 63], [64, 127]]
+    # 126 layers over 16 stages: 8 each in the middle, 7 on the first and last (which hold embeddings and head).
+    layers = [sum(".layers." in unit for unit in row.units) for row in stages]
+    assert layers == [7] + [8] * 14 + [7]
+    assert stages[0].units[0] == "model.model.embed_tokens"
+    assert stages[-1].units[-2:] == ("model.model.norm", "model.lm_head")
+    assert sum(row.num_params for row in stages) == report.model_params
+    # Per rank, every matrix is split 64 ways (TP 8 x FSDP 8) and each RMSNorm weight 8 ways (FSDP only); fp32
+    # master weights under bf16-mixed, AdamW's 2 states.
+    hidden, ffn, kv = 16384, 53248, 8 * 128
+    layer = (2 * hidden * hidden + 2 * kv * hidden + 3 * ffn * hidden) // 64 + 2 * hidden // 8
+    embedding = 128256 * hidden // 64
+    assert stages[1].memory.parameters == 4 * 8 * layer
+    assert stages[0].memory.parameters == 4 * (7 * layer + embedding)
+    assert stages[0].memory.optimizer == 2 * stages[0].memory.parameters
+    assert report.memory == stages[0].memory
+
+
+def test_gpt_405b_config_shows_heavier_first_and_last_stages(capsys):
+    """The example GPT's `tp_plan` leaves embeddings and head to FSDP alone: the dry run shows what that costs."""
+    assert main(["--config", GPT_405B]) == 0
+    out = capsys.readouterr().out
+    assert "(24,784,601,088 of the model's 410,219,610,112)" in out
+    # A middle stage: 8 blocks of 12 x 16384^2 matrices split 64 ways and 4 LayerNorm vectors split 8 ways, fp32.
+    middle = 8 * (12 * 16384 * 16384 // 64 + 4 * 16384 // 8) * 4
+    assert f"model.blocks.7-14                               25,770,328,064  {format_bytes(middle)}" in out
+    assert "0      0              0-63      model.tok_emb, model.pos_emb, model.blocks.0-6" in out
+    assert "2.35 GiB     2.35 GiB    4.71 GiB        9.41 GiB" in out  # stage 0: 1.5x a middle stage
