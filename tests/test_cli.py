@@ -86,6 +86,7 @@ EXPECTED_CONFIGS = {
     "2d": (lightning_dpar.FSDPTensorParallelStrategy, (1, 2, 2)),
     "2d_tp_plan": (lightning_dpar.FSDPTensorParallelStrategy, (1, 2, 2)),
     "2d_compile": (lightning_dpar.FSDPTensorParallelStrategy, (1, 2, 2)),
+    "3d": (lightning_dpar.FSDPTensorParallelStrategy, (1, 1, 2)),  # and pipeline 2
 }
 
 
@@ -205,7 +206,21 @@ def test_example_configs_agree_where_the_math_is_the_same(configs_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["2d", "2d_tp_plan", "hsdp", "fsdp", "replicate"])
+@pytest.mark.parametrize("result", ["config_3d", "strategy_dpar_3d"])
+def test_the_example_gpt_trains_with_pipeline_2_x_tensor_parallel_2(configs_run, result):
+    """`examples/configs/3d.yaml` (4 microbatches) and `--trainer.strategy=dpar_3d` (the README's command)."""
+    run = configs_run[result]
+    assert run["pipeline"] == 2 and run["dims"] == [1, 1, 2]
+    assert run["global_step"] == 4 and math.isfinite(run["train_loss"]) and math.isfinite(run["val_loss"])
+    # Rank 0 holds the first stage: the embeddings and block 0 (TP-sharded), not block 1, the final norm or the head.
+    assert {name.split(".")[1] for name in run["local_shapes"]} == {"tok_emb", "pos_emb", "blocks"}
+    assert {name.split(".")[2] for name in run["local_shapes"] if ".blocks." in name} == {"0"}
+    assert len(run["q_placement"]) == 2 and run["q_placement"][1] == "S(0)"  # FSDP (1 rank) x TP
+    assert run["checkpoint_files"] == [".metadata", *(f"__{r}_0.distcp" for r in range(4)), "meta.pt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["2d", "2d_tp_plan", "hsdp", "fsdp", "replicate", "3d"])
 def test_plan_dry_run_predicts_the_real_runs_local_shapes(configs_run, name):
     """`plan` (one process, meta device, fake process group) gives rank 0 the shards the 4-rank run gave it."""
     from lightning_dpar.plan_report import plan

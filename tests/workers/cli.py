@@ -33,18 +33,20 @@ TINY = [
 
 
 def _placement(module: torch.nn.Module, name: str) -> list[str] | None:
+    if name not in dict(module.named_parameters()):  # another pipeline stage's (only rank 0's result is read)
+        return None
     param = module.get_parameter(name)
     return [str(p) for p in param.placements] if isinstance(param, DTensor) else None
 
 
-def run_config(name: str) -> dict:
-    config = CONFIGS / f"{name}.yaml"
+def run_config(name: str, args: list[str] | None = None) -> dict:
+    """Train `examples/configs/<name>.yaml` (or, given `args`, the CLI's defaults with those arguments)."""
     from lightning_dpar.cli import cli_main  # here: other worker groups need not import LightningCLI
 
     workdir = Path(sys.argv[2]).parent / "cli" / name  # same path on every rank
     workdir.mkdir(parents=True, exist_ok=True)
     os.chdir(workdir)
-    cli = cli_main(["fit", "--config", str(config), *TINY])
+    cli = cli_main(["fit", *(args if args is not None else ["--config", str(CONFIGS / f"{name}.yaml")]), *TINY])
     trainer, module = cli.trainer, cli.model
     dims = trainer.strategy.dims
     last = workdir / "checkpoints" / "gpt" / "last.ckpt"
@@ -52,6 +54,7 @@ def run_config(name: str) -> dict:
     return {
         "strategy": type(trainer.strategy).__name__,
         "dims": [dims.replicate, dims.shard, dims.tensor_parallel],
+        "pipeline": dims.pipeline,
         "global_step": trainer.global_step,
         "train_loss": float(trainer.callback_metrics["train_loss"]),
         "val_loss": float(trainer.callback_metrics["val_loss"]),
@@ -70,6 +73,8 @@ def run_config(name: str) -> dict:
 def example_configs() -> Iterator[Case]:
     for config in sorted(CONFIGS.glob("*.yaml")):
         yield Case(f"config_{config.stem}", lambda name=config.stem: run_config(name))
+    # The README's 3D command: the registered name on the example's defaults.
+    yield Case("strategy_dpar_3d", lambda: run_config("dpar_3d", ["--trainer.strategy=dpar_3d"]))
 
 
 GROUPS = {"example_configs": example_configs}
