@@ -49,6 +49,15 @@ def test_llama_with_gqa_matches_single_process_training(world, case, request):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("world", "case"), [("world2", "llama_pp_zero_bubble"), ("world4", "llama_3d")])
+def test_llama_pipelined_matches_single_process_training(world, case, request):
+    """PP 2 (zero bubble, 2 stages per rank: one decoder layer per stage; with TP 2 on 4 ranks) and PP 2 x FSDP."""
+    results = request.getfixturevalue(world)
+    assert results[case]["max_abs_diff"] < ATOL
+    assert results["llama_pp_1f1b"]["max_abs_diff"] < ATOL
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["llama_meta_init_fsdp", "llama_meta_init_2d"])
 def test_meta_init_never_holds_a_whole_parameter(world4, case):
     result = world4[case]

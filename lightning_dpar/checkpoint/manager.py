@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_dpar.checkpoint.agreement import first_problem
+from lightning_dpar.checkpoint.errors import CheckpointSaveError
 from lightning_dpar.checkpoint.full import FullFormat
 from lightning_dpar.checkpoint.layout import LoadReport
 from lightning_dpar.checkpoint.resume import ResumeState
@@ -74,6 +75,8 @@ class CheckpointManager:
         #: Units (FQN prefixes) whose parameters other ranks hold entirely: other pipeline stages. A checkpoint's
         #: keys under them are neither loaded here nor unexpected.
         self.keys_held_elsewhere: Sequence[str] = ()
+        #: The pipeline stages' process group: each stage's optimizer knows only its own parameters.
+        self.pipeline_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -94,7 +97,10 @@ class CheckpointManager:
         return self.format.model_state(model)
 
     def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-        return self.format.optimizer_state(model, optimizer)
+        state = self.format.optimizer_state(model, optimizer)
+        if self.pipeline_group is not None:
+            state["param_groups"] = _param_groups_of_all_stages(state["param_groups"], self.pipeline_group)
+        return state
 
     def save(self, checkpoint: dict[str, Any], path: Any, record: dict[str, Any]) -> None:
         """Write Lightning's `checkpoint` plus our `record` to rank 0's `path` (callbacks may format per-rank paths);
@@ -142,6 +148,34 @@ class CheckpointManager:
 
     def _held_elsewhere(self, key: str) -> bool:
         return any(key.startswith(f"{unit}.") for unit in self.keys_held_elsewhere)
+
+
+def _param_groups_of_all_stages(groups: list[dict[str, Any]], pipeline_group: dist.ProcessGroup) -> list[dict]:
+    """Every stage's optimizer groups merged into the unpipelined optimizer's: group i holds the parameters of
+    group i of every stage, in stage order (a collective over the stages).
+
+    A checkpoint stores one copy of the groups (every rank writes the same key), so without this the stored groups
+    would name one stage's parameters only, and loading under another layout or consolidating would lose the others.
+    """
+    every_stage: list[Any] = [None] * dist.get_world_size(pipeline_group)
+    dist.all_gather_object(every_stage, groups, group=pipeline_group)
+    counts = {len(stage_groups) for stage_groups in every_stage}
+    if len(counts) != 1:
+        raise CheckpointSaveError(
+            f"The pipeline stages' optimizers have different numbers of parameter groups ({sorted(counts)}); a"
+            " checkpoint needs the same groups on every stage. Build the groups in `configure_optimizers` from"
+            " rules that give every stage each group (an empty group is fine)."
+        )
+    merged = []
+    for index, stage_groups in enumerate(zip(*every_stage)):
+        options = [{k: v for k, v in group.items() if k != "params"} for group in stage_groups]
+        if any(option != options[0] for option in options):
+            raise CheckpointSaveError(
+                f"Parameter group {index} has different options on different pipeline stages ({options}); a"
+                " checkpoint stores one set per group. Give the group the same options on every stage."
+            )
+        merged.append({**options[0], "params": [name for group in stage_groups for name in group["params"]]})
+    return merged
 
 
 def _from_rank_zero(text: str) -> str:

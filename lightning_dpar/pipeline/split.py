@@ -217,11 +217,6 @@ def _auto_stages(units: list[str], blocks: list[str], num_stages: int, model: st
 
 
 def _explicit_stages(root: nn.Module, units: list[str], split_points: list[str], num_stages: int) -> list[list[str]]:
-    if len(split_points) != num_stages - 1:
-        raise ValueError(
-            f"`pipeline_split` names {len(split_points)} split points, but {num_stages} stages need"
-            f" {num_stages - 1} (the first unit of every stage after the first). Units: {_examples(units)}."
-        )
     names = {fqn for fqn, _ in root.named_modules()}
     positions = []
     for point in split_points:
@@ -232,6 +227,11 @@ def _explicit_stages(root: nn.Module, units: list[str], split_points: list[str],
                 f" unit that starts a stage: one of {_examples(units, limit=12)}."
             )
         positions.append(units.index(point))
+    if len(split_points) != num_stages - 1:
+        raise ValueError(
+            f"`pipeline_split` names {len(split_points)} split points, but {num_stages} stages need"
+            f" {num_stages - 1} (the first unit of every stage after the first). Units: {_examples(units)}."
+        )
     bounds = [0, *positions, len(units)]
     for stage, (start, end) in enumerate(pairwise(bounds)):
         if end <= start:

@@ -447,6 +447,7 @@ class DparStrategy(ParallelStrategy):
             self._pipeline = PipelineRuntime(applied.pipeline, module, self._pipeline_config, group, self.root_device)
             self.precision_plugin.reduce_norms_across(group)  # the gradient norm spans every stage
             self.checkpoints.keys_held_elsewhere = applied.pipeline.remote_units
+            self.checkpoints.pipeline_group = group
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None

@@ -6,6 +6,7 @@ import os
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 BATCH = 4
@@ -17,7 +18,14 @@ def world_size() -> int:
 
 
 def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
-    """Full (unsharded) parameters on rank 0; a collective, so every rank must call it."""
+    """Full (unsharded) parameters on rank 0 (of every pipeline stage); a collective, so every rank must call it."""
+    dims = getattr(trainer.strategy, "dims", None)
+    if dims is not None and dims.pipeline > 1:
+        # Each stage gathers its own shards; then the stages exchange their parts.
+        state = get_model_state_dict(trainer.lightning_module, options=StateDictOptions(full_state_dict=True))
+        parts = [None] * world_size()
+        dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in state.items()})
+        return {k: v for part in parts for k, v in part.items()}
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(trainer.lightning_module, options=options)
 

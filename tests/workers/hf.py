@@ -62,6 +62,19 @@ class LlamaModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
+class DeepLlamaModule(LlamaModule):
+    """4 decoder layers: one per stage of a 2-rank pipeline with 2 stages per rank."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = llama_config()
+        config.num_hidden_layers = 4
+        self.net = LlamaForCausalLM(config)
+
+
 class Qwen3Module(LlamaModule):
     """Qwen3: per-head `q_norm` / `k_norm` in its plan as `replicated_with_grad_allreduce`."""
 
@@ -160,6 +173,23 @@ def group_hf_llama() -> Iterator[Case]:
     yield Case(
         "qwen3_2d_auto_plan",
         lambda: parity_case(FSDPTensorParallelStrategy(tensor_parallel_size=2), world // 2, model=Qwen3Module),
+    )
+    # Pipeline: the decoder layers split over 2 stages; embeddings, masks and rotary embeddings as transformers
+    # computes them, the loss from `labels` inside the model's forward on the last stage.
+    yield Case("llama_pp_1f1b", lambda: parity_case(FullyShardStrategy(pipeline_parallel_size=2), world // 2))
+    yield Case(
+        "llama_3d" if world == 4 else "llama_pp_zero_bubble",
+        lambda: parity_case(
+            FSDPTensorParallelStrategy(
+                pipeline_parallel_size=2,
+                tensor_parallel_size=world // 2,
+                pipeline_schedule="ZBVZeroBubble",
+                pipeline_stages_per_rank=2,
+                pipeline_split=["net.model.layers.1", "net.model.layers.2", "net.model.layers.3"],
+            ),
+            1,
+            model=DeepLlamaModule,
+        ),
     )
     yield Case("llama_meta_init_fsdp", lambda: parity_case(FullyShardStrategy(), world, empty_init=True))
     yield Case(

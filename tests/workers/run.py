@@ -43,6 +43,7 @@ MODULES = [
         "ordinary",
         "hf",
         "lit_gpt_models",
+        "pipeline",
     )
 ]
 
