@@ -292,6 +292,11 @@ def test_llama3_405b_on_1024_ranks_pipeline_16_tp_8_fsdp_8(monkeypatch):
     assert stages[0].memory.parameters == 4 * (7 * layer + embedding)
     assert stages[0].memory.optimizer == 2 * stages[0].memory.parameters
     assert report.memory == stages[0].memory
+    # docs/pipeline.md quotes this output (rows it leaves out are marked `...`): every line it shows is real.
+    rendered = report.render().splitlines()
+    quoted = (ROOT / "docs" / "pipeline.md").read_text().split("```text\n")[1].split("```")[0].splitlines()
+    assert len(quoted) > 30
+    assert [line for line in quoted if line.strip() not in ("", "...") and line not in rendered] == []
 
 
 def test_gpt_405b_config_shows_heavier_first_and_last_stages(capsys):
