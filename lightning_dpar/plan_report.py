@@ -440,7 +440,7 @@ def _plan_on_fake_world(
 
 def _meta_copy(module: nn.Module) -> nn.Module:
     """A copy of a meta-device model sharing its device mesh (a mesh holds process groups, which are not copied)."""
-    mesh = getattr(module, "_device_mesh", None)
+    mesh = getattr(module, "device_mesh", None)  # the LightningModule's (attached for `configure_model`)
     return copy.deepcopy(module, memo={id(mesh): mesh} if mesh is not None else None)
 
 
