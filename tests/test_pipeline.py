@@ -31,7 +31,7 @@ class Launch:
 @pytest.fixture(scope="module")
 def pp4(tmp_path_factory) -> Launch:
     directory = tmp_path_factory.mktemp("pp4")
-    groups = "pipeline_parity,pipeline_errors,pipeline_checkpoint_save"
+    groups = "pipeline_parity,pipeline_errors,pipeline_metrics,pipeline_checkpoint_save"
     return Launch(run_workers(4, groups, directory, timeout=600), directory)
 
 
@@ -39,7 +39,7 @@ def pp4(tmp_path_factory) -> Launch:
 def pp2(pp4, tmp_path_factory) -> Launch:
     directory = tmp_path_factory.mktemp("pp2")
     inputs = inputs_env(pp_save=pp4.directory / "pp_save", pp_resume_fsdp=directory / "pp_resume_fsdp")
-    groups = "pipeline_parity,pipeline_features,pipeline_checkpoint_resume"
+    groups = "pipeline_parity,pipeline_features,pipeline_metrics,pipeline_checkpoint_resume"
     return Launch(run_workers(2, groups, directory, timeout=600, extra_env=inputs), directory)
 
 
@@ -90,6 +90,16 @@ def test_evaluation_runs_forward_only_and_every_rank_gets_the_results(pp2):
     assert result["prediction_diff"] < ATOL, result
     # PP 2 on 2 ranks is one data-parallel rank: both stages return every prediction.
     assert result["predicted_samples"] == [result["dataset"]] * 2, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["pp2", "pp4"])
+def test_logged_metric_objects_have_the_last_stages_value_on_every_rank(request, launch):
+    """A torchmetrics metric updated on the last stage is logged on every rank; it reduces over data-parallel peers
+    only (a sum over all ranks would count each sample once per stage)."""
+    result = request.getfixturevalue(launch).results["pp_metrics"]
+    assert result["mse_diff"] < ATOL, result
+    assert result["samples"] == [result["dataset"]] * int(launch[-1]), result
 
 
 @pytest.mark.slow

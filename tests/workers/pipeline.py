@@ -298,6 +298,48 @@ def meta_init_case() -> dict:
     }
 
 
+class MetricModule(SeenModule):
+    """Logs torchmetrics objects: the validation loss as a `MeanSquaredError`, and the number of samples seen as a
+    `SumMetric` (reduced over data-parallel peers only, it counts each sample once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics import MeanSquaredError, SumMetric
+
+        self.val_mse = MeanSquaredError()
+        self.val_samples = SumMetric()
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.val_mse(self(x), y)
+        self.val_samples(torch.ones(len(x)))
+        self.log("val_mse", self.val_mse, on_epoch=True, sync_dist=True)
+        self.log("val_samples", self.val_samples, on_epoch=True, reduce_fx="sum")
+
+
+def metrics_case() -> dict:
+    """Logged metric objects: every rank logs the value over the whole validation set."""
+    module = MetricModule()
+    trainer = trainer_for(pipeline_strategy(), max_steps=2)
+    val_data = IndexedData(n=16, seed=7)
+    trainer.fit(module, DataLoader(IndexedData(), batch_size=BATCH))
+    params = whole_model(trainer)
+    result = trainer.validate(module, DataLoader(val_data, batch_size=BATCH))[0]
+    reference = Net()
+    reference.load_state_dict({k.removeprefix("model."): v for k, v in params.items()})
+    with torch.no_grad():
+        want = F.mse_loss(reference(val_data.x), val_data.y).item()
+    return {
+        "mse_diff": max(abs(v - want) for v in gather_objects(result["val_mse"])),
+        "samples": gather_objects(result["val_samples"]),
+        "dataset": len(val_data),
+    }
+
+
+def group_metrics() -> Iterator[Case]:
+    yield Case("pp_metrics", metrics_case)
+
+
 def group_features() -> Iterator[Case]:
     yield Case("pp_evaluation", evaluation_case)
     yield Case("pp_bf16", bf16_case)
@@ -423,6 +465,7 @@ GROUPS = {
     "pipeline_parity": group_parity,
     "pipeline_features": group_features,
     "pipeline_errors": group_errors,
+    "pipeline_metrics": group_metrics,
     "pipeline_checkpoint_save": lambda: [Case("pp_save", checkpoint_save_case)],
     "pipeline_checkpoint_resume": lambda: [
         Case("pp_resume_fsdp", resume_fsdp_case),
