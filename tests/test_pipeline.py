@@ -103,6 +103,14 @@ def test_logged_metric_objects_have_the_last_stages_value_on_every_rank(request,
 
 
 @pytest.mark.slow
+def test_compile_and_activation_checkpointing_apply_per_block_within_each_stage(pp2):
+    result = pp2.results["pp_compile_and_checkpointing"]
+    _check_parity(result, ranks=2)
+    assert result["compiled"] == [["model.layers.0"], ["model.layers.1"]], result  # each stage's own block
+    assert result["checkpointed"] == result["compiled"], result
+
+
+@pytest.mark.slow
 def test_bf16_mixed_matches_a_bf16_reference(pp2):
     result = pp2.results["pp_bf16"]
     assert result["dtypes"] == ["torch.float32"], result  # fp32 master weights

@@ -104,7 +104,17 @@ def reference_losses(optimizer: str, batches, depth: int, clip_norm=None) -> lis
     return losses
 
 
-def parity(schedule, stages_per_rank, depth, optimizer="sgd", tensor_parallel=1, accumulate=1, clip_norm=None, **kw):
+def parity(
+    schedule,
+    stages_per_rank,
+    depth,
+    optimizer="sgd",
+    tensor_parallel=1,
+    accumulate=1,
+    clip_norm=None,
+    callbacks=(),
+    **kw,
+):
     """Train 3 steps; the largest parameter difference to single-process training, and the logged losses."""
     data = RegressionData()
     recorder = LossRecorder()
@@ -112,7 +122,7 @@ def parity(schedule, stages_per_rank, depth, optimizer="sgd", tensor_parallel=1,
     if clip_norm is not None:
         extra.update(gradient_clip_val=clip_norm, gradient_clip_algorithm="norm")
     strategy = pipeline_strategy(schedule, stages_per_rank, tensor_parallel, **kw)
-    trainer = trainer_for(strategy, callbacks=[recorder], **extra)
+    trainer = trainer_for(strategy, callbacks=[recorder, *callbacks], **extra)
     trainer.fit(ParityModule(optimizer=optimizer, depth=depth), loader(data, BATCH))
     got = whole_model(trainer)
     logged = gather_objects(recorder.losses)
@@ -340,7 +350,30 @@ def group_metrics() -> Iterator[Case]:
     yield Case("pp_metrics", metrics_case)
 
 
+class ApplicationRecorder(L.Callback):
+    """Which blocks each rank compiled and checkpoints (read once the model is parallelised)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from torch.distributed._composable.contract import _get_registry
+
+        modules = list(pl_module.named_modules())
+        self.compiled = [n for n, m in modules if getattr(m, "_compiled_call_impl", None) is not None]
+        self.checkpointed = [n for n, m in modules if "checkpoint" in (_get_registry(m) or {})]
+
+
+def compile_and_checkpointing_case() -> dict:
+    """Activation checkpointing and `torch.compile` per block, within each stage: parity, and what each rank did."""
+    recorder = ApplicationRecorder()
+    result = parity("1F1B", 1, 2, "sgd", activation_checkpointing=True, compile=True, callbacks=[recorder])
+    return {
+        **result,
+        "compiled": gather_objects(recorder.compiled),
+        "checkpointed": gather_objects(recorder.checkpointed),
+    }
+
+
 def group_features() -> Iterator[Case]:
+    yield Case("pp_compile_and_checkpointing", compile_and_checkpointing_case, timeout_s=600)
     yield Case("pp_evaluation", evaluation_case)
     yield Case("pp_bf16", bf16_case)
     yield Case("pp_meta_init", meta_init_case)
