@@ -150,7 +150,7 @@ PP_ERRORS = {
     "pp_too_few_microbatches": ["'1F1B'", "pipeline_microbatches=1", "2 stages"],
     "pp_split_names_no_module": ["'model.layers.9' names no module", "'model.layers.0'"],
     "pp_empty_stage": ["4 pipeline stages need at least 4 blocks", "has 2"],
-    "pp_batch_not_divisible": ["pipeline_microbatches=2", "[3] rows"],
+    "pp_batch_not_divisible": ["pipeline_microbatches=2", "gives batches of 3 and a last one of"],
 }
 
 

@@ -187,6 +187,24 @@ class PipelineRuntime:
         return result
 
     # ------------------------------------------------------------------ training
+    def check_batches(self, dataloader: object) -> None:
+        """Refuse a training loader whose batches (the last one included) do not split into the microbatches, so
+        the run fails before training instead of at the end of its first epoch."""
+        batch_size = getattr(dataloader, "batch_size", None)
+        sampler = getattr(dataloader, "sampler", None)
+        if not isinstance(batch_size, int) or sampler is None or not hasattr(sampler, "__len__"):
+            return  # a batch sampler or an iterable dataset: each batch is checked when it comes
+        m = self.num_microbatches
+        last = len(sampler) % batch_size
+        if batch_size % m == 0 and (last % m == 0 or getattr(dataloader, "drop_last", False)):
+            return
+        sizes = f"batches of {batch_size}" + (f" and a last one of {last}" if last else "")
+        raise ValueError(
+            f"Pipeline parallelism splits each batch into `pipeline_microbatches={m}` equal microbatches, but this"
+            f" rank's training loader gives {sizes} samples. Use a batch size that is a multiple of {m}, and"
+            " `drop_last=True` (or a dataset size that divides) for the last batch, or change `pipeline_microbatches`."
+        )
+
     def _split_batch(self, batch: Any) -> list[Any]:
         sizes = {t.shape[0] for t in _tensors_in(batch) if t.dim()}
         m = self.num_microbatches

@@ -638,6 +638,8 @@ class DparStrategy(ParallelStrategy):
         trainer = _attached_trainer(self.lightning_module)
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
+        if self._pipeline is not None:
+            self._pipeline.check_batches(dataloader)  # before training, not at the epoch's last batch
         data_parallel = self.dims.data_parallel if self.dims is not None else None
         mid_epoch = self.checkpoints.resume.pending.get("epoch_batches", {}).get("batches", 0) > 0
         if mid_epoch:
