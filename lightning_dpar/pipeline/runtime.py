@@ -342,6 +342,8 @@ class PipelineRuntime:
 
     def _portable(self, logged: list[tuple[str, Any, dict[str, Any]]]) -> list[tuple[str, Any, dict[str, Any]]]:
         """Logged values as they can be sent: a metric becomes its name in the module and its states."""
+        if not any(isinstance(value, Metric) for _, value, _ in logged):
+            return logged
         names = {id(module): fqn for fqn, module in self.module.named_modules()}
         portable = []
         for name, value, options in logged:
