@@ -56,6 +56,7 @@ __all__ = [
     "StrategyRegistryType",
     "SubprocessScriptLauncher",
     "WorkerOutput",
+    "adopt_metric_state",
     "attach_device_mesh",
     "checkpoint_activations",
     "compiled_autograd",
@@ -177,3 +178,13 @@ def transformers_tp_plan_attribute(model: Any) -> Any:
     """The whole-model tensor-parallel plan transformers merges in `post_init` (`_tp_plan`); read-only, and the
     only place the plans of the model's heads (e.g. `lm_head`) are combined with the base model's."""
     return getattr(model, "_tp_plan", None)
+
+
+def adopt_metric_state(metric: Any, states: dict[str, Any], update_count: int) -> None:
+    """Give a torchmetrics `Metric` the states of its copy on another rank (a pipeline's last stage, which updated
+    it). torchmetrics keeps the number of updates (`_update_count`, which `compute` checks) and the cached result
+    (`_computed`) privately and has no public way to set a metric's state."""
+    for name, value in states.items():
+        setattr(metric, name, value)
+    metric._update_count = update_count
+    metric._computed = None

@@ -24,6 +24,8 @@ from typing import Union
 import torch
 from torch import nn
 
+from lightning_dpar.pipeline.split import is_under
+
 __all__ = [
     "KeyMapping",
     "PretrainedLoadError",
@@ -208,12 +210,13 @@ def map_keys(
     return mapping
 
 
-def load_pretrained(module: nn.Module, weights: PretrainedWeights) -> KeyMapping:
+def load_pretrained(module: nn.Module, weights: PretrainedWeights, held_elsewhere: Sequence[str] = ()) -> KeyMapping:
     """Read `weights` into the parallelised `module` in place; every rank calls it (DCP plans collectively).
 
-    Raises `PretrainedLoadError` on every rank, before any tensor is read, if the keys do not fit (strict), a shape
-    differs, or nothing matches. Returns the mapping, whose `missing`/`unexpected` say what a non-strict load left
-    out.
+    `held_elsewhere` names the units other ranks hold entirely (other pipeline stages): the checkpoint's weights for
+    them are neither read here nor unexpected. Raises `PretrainedLoadError` on every rank, before any tensor is read,
+    if the keys do not fit (strict), a shape differs, or nothing matches. Returns the mapping, whose
+    `missing`/`unexpected` say what a non-strict load left out.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -221,6 +224,7 @@ def load_pretrained(module: nn.Module, weights: PretrainedWeights) -> KeyMapping
     state = module.state_dict()  # DTensor shards / local tensors sharing storage with the parameters
     model_shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
     prefix = weights.prefix if weights.prefix is not None else infer_prefix(list(model_shapes), list(checkpoint))
+    checkpoint = {k: shape for k, shape in checkpoint.items() if not is_under(prefix + k, held_elsewhere)}
     mapping = map_keys(model_shapes, checkpoint, prefix, tied_groups(module))
     problems = mapping.problems(weights.strict)
     if not mapping.to_model:

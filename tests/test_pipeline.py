@@ -31,7 +31,7 @@ class Launch:
 @pytest.fixture(scope="module")
 def pp4(tmp_path_factory) -> Launch:
     directory = tmp_path_factory.mktemp("pp4")
-    groups = "pipeline_parity,pipeline_errors,pipeline_checkpoint_save"
+    groups = "pipeline_parity,pipeline_errors,pipeline_metrics,pipeline_checkpoint_save"
     return Launch(run_workers(4, groups, directory, timeout=600), directory)
 
 
@@ -39,7 +39,7 @@ def pp4(tmp_path_factory) -> Launch:
 def pp2(pp4, tmp_path_factory) -> Launch:
     directory = tmp_path_factory.mktemp("pp2")
     inputs = inputs_env(pp_save=pp4.directory / "pp_save", pp_resume_fsdp=directory / "pp_resume_fsdp")
-    groups = "pipeline_parity,pipeline_features,pipeline_checkpoint_resume"
+    groups = "pipeline_parity,pipeline_features,pipeline_metrics,pipeline_checkpoint_resume"
     return Launch(run_workers(2, groups, directory, timeout=600, extra_env=inputs), directory)
 
 
@@ -93,6 +93,24 @@ def test_evaluation_runs_forward_only_and_every_rank_gets_the_results(pp2):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("launch", ["pp2", "pp4"])
+def test_logged_metric_objects_have_the_last_stages_value_on_every_rank(request, launch):
+    """A torchmetrics metric updated on the last stage is logged on every rank; it reduces over data-parallel peers
+    only (a sum over all ranks would count each sample once per stage)."""
+    result = request.getfixturevalue(launch).results["pp_metrics"]
+    assert result["mse_diff"] < ATOL, result
+    assert result["samples"] == [result["dataset"]] * int(launch[-1]), result
+
+
+@pytest.mark.slow
+def test_compile_and_activation_checkpointing_apply_per_block_within_each_stage(pp2):
+    result = pp2.results["pp_compile_and_checkpointing"]
+    _check_parity(result, ranks=2)
+    assert result["compiled"] == [["model.layers.0"], ["model.layers.1"]], result  # each stage's own block
+    assert result["checkpointed"] == result["compiled"], result
+
+
+@pytest.mark.slow
 def test_bf16_mixed_matches_a_bf16_reference(pp2):
     result = pp2.results["pp_bf16"]
     assert result["dtypes"] == ["torch.float32"], result  # fp32 master weights
@@ -132,7 +150,7 @@ PP_ERRORS = {
     "pp_too_few_microbatches": ["'1F1B'", "pipeline_microbatches=1", "2 stages"],
     "pp_split_names_no_module": ["'model.layers.9' names no module", "'model.layers.0'"],
     "pp_empty_stage": ["4 pipeline stages need at least 4 blocks", "has 2"],
-    "pp_batch_not_divisible": ["pipeline_microbatches=2", "[3] rows"],
+    "pp_batch_not_divisible": ["pipeline_microbatches=2", "gives batches of 3 and a last one of"],
 }
 
 

@@ -58,6 +58,7 @@ def save_llama(path, config: dict, max_shard_size: str) -> None:
 def shared_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("pretrained")
     save_llama(path / "tiny_llama", TINY, "20KB")  # several shard files and an index
+    save_llama(path / "tiny_llama_untied", {**TINY, "tie_word_embeddings": False}, "20KB")  # for pipeline stages
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
@@ -159,7 +160,7 @@ def test_strip_prefix_refuses_names_outside_it():
 
 
 # ---------------------------------------------------------------------- through real Trainers
-LOAD_CASES = [("fsdp", 2), ("replicate", 2), ("fsdp", 4), ("replicate", 4), ("2d", 4)]
+LOAD_CASES = [("fsdp", 2), ("replicate", 2), ("pp", 2), ("fsdp", 4), ("replicate", 4), ("2d", 4), ("pp", 4)]
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.sharded import ShardedFormat
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import CheckpointWriter
+from lightning_dpar.pipeline.split import is_under
 
 __all__ = ["CheckpointFormatName", "CheckpointManager"]
 
@@ -147,7 +148,7 @@ class CheckpointManager:
         return source.rest
 
     def _held_elsewhere(self, key: str) -> bool:
-        return any(key.startswith(f"{unit}.") for unit in self.keys_held_elsewhere)
+        return is_under(key, self.keys_held_elsewhere)
 
 
 def _param_groups_of_all_stages(groups: list[dict[str, Any]], pipeline_group: dist.ProcessGroup) -> list[dict]:

@@ -12,13 +12,16 @@ added in the strategy's `backward` (`add_step_gradients`), where Lightning expec
 
 Logging. `self.log` inside the step runs on the last stage, once per microbatch. Those calls are recorded, averaged
 over the step's microbatches, sent to every pipeline rank and logged there, so every rank (rank 0 writes the loggers)
-logs the true values, reduced over data-parallel peers as usual.
+logs the true values, reduced over data-parallel peers as usual. A logged torchmetrics `Metric` is updated on the
+last stage; its states are sent along and adopted by the same metric on the other stages, so its value (computed and
+synced over data-parallel peers when Lightning asks) is the same on every rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,13 +31,15 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+from torchmetrics import Metric
 
+from lightning_dpar._private_api import adopt_metric_state
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.schedule import build_schedule
 from lightning_dpar.pipeline.stage import PipelinedModel
 from lightning_dpar.pipeline.values import tensor_specs
 
-__all__ = ["LogRecorder", "PipelineRuntime"]
+__all__ = ["LogRecorder", "MetricState", "PipelineRuntime"]
 
 
 class LogRecorder:
@@ -48,15 +53,16 @@ class LogRecorder:
             raise TypeError("Under pipeline parallelism, pass `LightningModule.log` options by keyword.")
         if isinstance(value, torch.Tensor):
             value = value.detach().float().cpu()
-        elif not isinstance(value, (int, float)):
+        elif not isinstance(value, (int, float, Metric)):
             raise TypeError(
-                f"Under pipeline parallelism `self.log({name!r}, ...)` takes a number or a tensor; got"
-                f" {type(value).__name__}. Log a torchmetrics metric's computed value (`metric.compute()`) instead."
+                f"Under pipeline parallelism `self.log({name!r}, ...)` takes a number, a tensor or a torchmetrics"
+                f" `Metric`; got {type(value).__name__}."
             )
         self.calls.append((name, value, kwargs))
 
     def averaged(self) -> list[tuple[str, Any, dict[str, Any]]]:
-        """One entry per logged name (first-call order): the mean over the calls, with the first call's options."""
+        """One entry per logged name (first-call order): the mean over the calls (a metric: itself, it accumulates
+        its own updates), with the first call's options."""
         values: dict[str, list[Any]] = {}
         options: dict[str, dict[str, Any]] = {}
         for name, value, kwargs in self.calls:
@@ -64,9 +70,21 @@ class LogRecorder:
             options.setdefault(name, kwargs)
         out = []
         for name, logged in values.items():
+            if isinstance(logged[-1], Metric):
+                out.append((name, logged[-1], options[name]))
+                continue
             mean = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in logged]).mean()
             out.append((name, mean, options[name]))
         return out
+
+
+@dataclass(frozen=True)
+class MetricState:
+    """A logged metric as it travels from the last stage: where it sits in the LightningModule, and its states."""
+
+    fqn: str
+    states: dict[str, Any]
+    update_count: int
 
 
 @contextmanager
@@ -169,6 +187,24 @@ class PipelineRuntime:
         return result
 
     # ------------------------------------------------------------------ training
+    def check_batches(self, dataloader: object) -> None:
+        """Refuse a training loader whose batches (the last one included) do not split into the microbatches, so
+        the run fails before training instead of at the end of its first epoch."""
+        batch_size = getattr(dataloader, "batch_size", None)
+        sampler = getattr(dataloader, "sampler", None)
+        if not isinstance(batch_size, int) or sampler is None or not hasattr(sampler, "__len__"):
+            return  # a batch sampler or an iterable dataset: each batch is checked when it comes
+        m = self.num_microbatches
+        last = len(sampler) % batch_size
+        if batch_size % m == 0 and (last % m == 0 or getattr(dataloader, "drop_last", False)):
+            return
+        sizes = f"batches of {batch_size}" + (f" and a last one of {last}" if last else "")
+        raise ValueError(
+            f"Pipeline parallelism splits each batch into `pipeline_microbatches={m}` equal microbatches, but this"
+            f" rank's training loader gives {sizes} samples. Use a batch size that is a multiple of {m}, and"
+            " `drop_last=True` (or a dataset size that divides) for the last batch, or change `pipeline_microbatches`."
+        )
+
     def _split_batch(self, batch: Any) -> list[Any]:
         sizes = {t.shape[0] for t in _tensors_in(batch) if t.dim()}
         m = self.num_microbatches
@@ -267,7 +303,7 @@ class PipelineRuntime:
         for param, grad in zip(params, earlier):
             param.grad = grad
         loss = torch.stack(self._microbatch_losses).mean().cpu() if self._microbatch_losses else None
-        loss, logged = self._from_last_stage((loss, recorder.averaged()))
+        loss, logged = self._from_last_stage((loss, self._portable(recorder.averaged())))
         self._replay(logged)
         return loss.to(self.device)
 
@@ -292,7 +328,7 @@ class PipelineRuntime:
         with recording_logs(self.module, recorder):
             output = self.forward_only({"batch": batch, "step_args": step_args}, run_last_stage=True)
         self._reshard()
-        output, logged = self._from_last_stage((_to_cpu(output), recorder.averaged()))
+        output, logged = self._from_last_stage((_to_cpu(output), self._portable(recorder.averaged())))
         self._replay(logged)
         return _to_device(output, self.device)
 
@@ -304,9 +340,31 @@ class PipelineRuntime:
         )
         return payload[0]
 
+    def _portable(self, logged: list[tuple[str, Any, dict[str, Any]]]) -> list[tuple[str, Any, dict[str, Any]]]:
+        """Logged values as they can be sent: a metric becomes its name in the module and its states."""
+        if not any(isinstance(value, Metric) for _, value, _ in logged):
+            return logged
+        names = {id(module): fqn for fqn, module in self.module.named_modules()}
+        portable = []
+        for name, value, options in logged:
+            if isinstance(value, Metric):
+                if id(value) not in names:
+                    raise TypeError(
+                        f"`self.log({name!r}, metric)`: under pipeline parallelism a logged metric must be an"
+                        " attribute of the LightningModule (its copies on the other stages are found by name)."
+                    )
+                value = MetricState(names[id(value)], _to_cpu(value.metric_state), value.update_count)
+            portable.append((name, value, options))
+        return portable
+
     def _replay(self, logged: list[tuple[str, Any, dict[str, Any]]]) -> None:
         for name, value, options in logged:
-            LightningModule.log(self.module, name, value.to(self.device), **options)
+            if isinstance(value, MetricState):
+                metric = self.module.get_submodule(value.fqn)
+                adopt_metric_state(metric, _to_device(value.states, self.device), value.update_count)
+                LightningModule.log(self.module, name, metric, **options)
+            else:
+                LightningModule.log(self.module, name, value.to(self.device), **options)
 
 
 def _to_cpu(value: Any) -> Any:

@@ -30,6 +30,7 @@ __all__ = [
     "PipelineSplit",
     "SplitSpec",
     "StagePlacement",
+    "is_under",
     "local_plan",
     "pipeline_units",
     "resolve_split",
@@ -170,7 +171,8 @@ def _check_no_parameter_shared_across_stages(root: nn.Module, split: PipelineSpl
                     )
 
 
-def _under(fqn: str, units: Sequence[str]) -> bool:
+def is_under(fqn: str, units: Sequence[str]) -> bool:
+    """Whether `fqn` names one of `units` or something inside one (a parameter, a submodule)."""
     return any(fqn == unit or fqn.startswith(f"{unit}.") for unit in units)
 
 
@@ -179,10 +181,10 @@ def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> Mo
     those stages an FSDP unit: units are what stages are made of, and each stage's FSDP root holds exactly them."""
     units = split.units_of_rank(pipeline_rank)
     return ModulePlan(
-        tensor_parallel={fqn: style for fqn, style in plan.tensor_parallel.items() if _under(fqn, units)},
-        activation_checkpointing=[fqn for fqn in plan.activation_checkpointing if _under(fqn, units)],
-        shard_units=list(dict.fromkeys([*units, *(fqn for fqn in plan.shard_units if _under(fqn, units))])),
-        compile_units=[fqn for fqn in plan.compile_units if _under(fqn, units)],
+        tensor_parallel={fqn: style for fqn, style in plan.tensor_parallel.items() if is_under(fqn, units)},
+        activation_checkpointing=[fqn for fqn in plan.activation_checkpointing if is_under(fqn, units)],
+        shard_units=list(dict.fromkeys([*units, *(fqn for fqn in plan.shard_units if is_under(fqn, units))])),
+        compile_units=[fqn for fqn in plan.compile_units if is_under(fqn, units)],
         adopted=plan.adopted,
         pipeline=split,
         pipeline_rank=pipeline_rank,

@@ -475,7 +475,7 @@ class DparStrategy(ParallelStrategy):
         if trainer.ckpt_path is not None:
             rank_zero_info(f"Resuming from {trainer.ckpt_path!r}: the pretrained weights are not read.")
             return
-        mapping = load_pretrained(module, self._pretrained)
+        mapping = load_pretrained(module, self._pretrained, self.checkpoints.keys_held_elsewhere)
         if mapping.missing or mapping.unexpected:
             rank_zero_warn(f"Loaded {self._pretrained.path!r} with `strict=False`: {describe_pretrained(mapping)}.")
 
@@ -643,6 +643,8 @@ class DparStrategy(ParallelStrategy):
         trainer = _attached_trainer(self.lightning_module)
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
+        if self._pipeline is not None:
+            self._pipeline.check_batches(dataloader)  # before training, not at the epoch's last batch
         data_parallel = self.dims.data_parallel if self.dims is not None else None
         mid_epoch = self.checkpoints.resume.pending.get("epoch_batches", {}).get("batches", 0) > 0
         if mid_epoch:

@@ -72,6 +72,12 @@ class ReplicateStrategy(DparStrategy):
         compiled_autograd: bool = False,
         **kwargs: Any,
     ) -> None:
+        if kwargs.get("pipeline_parallel_size", 1) != 1:
+            raise ValueError(
+                f"`ReplicateStrategy` does not pipeline (`pipeline_parallel_size={kwargs['pipeline_parallel_size']}`):"
+                " use `FullyShardStrategy` or `FSDPTensorParallelStrategy` (`strategy='dpar_3d'`), whose stages"
+                " shard or replicate within each stage."
+            )
         super().__init__(
             tensor_parallel_size=tensor_parallel_size,
             tp_plan=tp_plan,

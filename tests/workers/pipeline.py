@@ -104,7 +104,17 @@ def reference_losses(optimizer: str, batches, depth: int, clip_norm=None) -> lis
     return losses
 
 
-def parity(schedule, stages_per_rank, depth, optimizer="sgd", tensor_parallel=1, accumulate=1, clip_norm=None, **kw):
+def parity(
+    schedule,
+    stages_per_rank,
+    depth,
+    optimizer="sgd",
+    tensor_parallel=1,
+    accumulate=1,
+    clip_norm=None,
+    callbacks=(),
+    **kw,
+):
     """Train 3 steps; the largest parameter difference to single-process training, and the logged losses."""
     data = RegressionData()
     recorder = LossRecorder()
@@ -112,7 +122,7 @@ def parity(schedule, stages_per_rank, depth, optimizer="sgd", tensor_parallel=1,
     if clip_norm is not None:
         extra.update(gradient_clip_val=clip_norm, gradient_clip_algorithm="norm")
     strategy = pipeline_strategy(schedule, stages_per_rank, tensor_parallel, **kw)
-    trainer = trainer_for(strategy, callbacks=[recorder], **extra)
+    trainer = trainer_for(strategy, callbacks=[recorder, *callbacks], **extra)
     trainer.fit(ParityModule(optimizer=optimizer, depth=depth), loader(data, BATCH))
     got = whole_model(trainer)
     logged = gather_objects(recorder.losses)
@@ -139,10 +149,11 @@ def group_parity() -> Iterator[Case]:
                 )
         # 3 blocks over 2 stages: one stage gets 2 blocks.
         yield Case(f"{layout}_uneven", lambda tp=tp: parity("1F1B", 1, 3, "adamw", tp))
-    yield Case("pp_explicit_split", lambda: parity("GPipe", 1, 3, "sgd", pipeline_split=["model.layers.2"]))
-    yield Case("pp_accumulate", lambda: parity("1F1B", 1, 2, "sgd", accumulate=2))
-    yield Case("pp_clip_norm", lambda: parity("Interleaved1F1B", 2, 4, "sgd", clip_norm=0.05))
-    yield Case("pp_microbatches_4", lambda: parity("GPipe", 1, 2, "adamw", pipeline_microbatches=4))
+    if world_size() == 2:
+        yield Case("pp_explicit_split", lambda: parity("GPipe", 1, 3, "sgd", pipeline_split=["model.layers.2"]))
+        yield Case("pp_accumulate", lambda: parity("1F1B", 1, 2, "sgd", accumulate=2))
+        yield Case("pp_clip_norm", lambda: parity("Interleaved1F1B", 2, 4, "sgd", clip_norm=0.05))
+        yield Case("pp_microbatches_4", lambda: parity("GPipe", 1, 2, "adamw", pipeline_microbatches=4))
 
 
 # ---------------------------------------------------------------------- around the step
@@ -298,7 +309,72 @@ def meta_init_case() -> dict:
     }
 
 
+class MetricModule(SeenModule):
+    """Logs torchmetrics objects: the validation loss as a `MeanSquaredError`, and the number of samples seen as a
+    `SumMetric` (reduced over data-parallel peers only, it counts each sample once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics import MeanSquaredError, SumMetric
+
+        self.val_mse = MeanSquaredError()
+        self.val_samples = SumMetric()
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.val_mse(self(x), y)
+        self.val_samples(torch.ones(len(x)))
+        self.log("val_mse", self.val_mse, on_epoch=True, sync_dist=True)
+        self.log("val_samples", self.val_samples, on_epoch=True, reduce_fx="sum")
+
+
+def metrics_case() -> dict:
+    """Logged metric objects: every rank logs the value over the whole validation set."""
+    module = MetricModule()
+    trainer = trainer_for(pipeline_strategy(), max_steps=2)
+    val_data = IndexedData(n=16, seed=7)
+    trainer.fit(module, DataLoader(IndexedData(), batch_size=BATCH))
+    params = whole_model(trainer)
+    result = trainer.validate(module, DataLoader(val_data, batch_size=BATCH))[0]
+    reference = Net()
+    reference.load_state_dict({k.removeprefix("model."): v for k, v in params.items()})
+    with torch.no_grad():
+        want = F.mse_loss(reference(val_data.x), val_data.y).item()
+    return {
+        "mse_diff": max(abs(v - want) for v in gather_objects(result["val_mse"])),
+        "samples": gather_objects(result["val_samples"]),
+        "dataset": len(val_data),
+    }
+
+
+def group_metrics() -> Iterator[Case]:
+    yield Case("pp_metrics", metrics_case)
+
+
+class ApplicationRecorder(L.Callback):
+    """Which blocks each rank compiled and checkpoints (read once the model is parallelised)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from torch.distributed._composable.contract import _get_registry
+
+        modules = list(pl_module.named_modules())
+        self.compiled = [n for n, m in modules if getattr(m, "_compiled_call_impl", None) is not None]
+        self.checkpointed = [n for n, m in modules if "checkpoint" in (_get_registry(m) or {})]
+
+
+def compile_and_checkpointing_case() -> dict:
+    """Activation checkpointing and `torch.compile` per block, within each stage: parity, and what each rank did."""
+    recorder = ApplicationRecorder()
+    result = parity("1F1B", 1, 2, "sgd", activation_checkpointing=True, compile=True, callbacks=[recorder])
+    return {
+        **result,
+        "compiled": gather_objects(recorder.compiled),
+        "checkpointed": gather_objects(recorder.checkpointed),
+    }
+
+
 def group_features() -> Iterator[Case]:
+    yield Case("pp_compile_and_checkpointing", compile_and_checkpointing_case, timeout_s=600)
     yield Case("pp_evaluation", evaluation_case)
     yield Case("pp_bf16", bf16_case)
     yield Case("pp_meta_init", meta_init_case)
@@ -313,6 +389,8 @@ def _expect_error(make_strategy, module=None, batch_size=BATCH) -> list[str | No
         trainer.fit(module or ParityModule(), loader(RegressionData(), batch_size))
     except Exception as err:
         message = f"{type(err).__name__}: {err}"
+    if not dist.is_initialized():  # the error came before the strategy set up the processes, as it should
+        dist.init_process_group("gloo")
     return gather_objects(message)
 
 
@@ -423,6 +501,7 @@ GROUPS = {
     "pipeline_parity": group_parity,
     "pipeline_features": group_features,
     "pipeline_errors": group_errors,
+    "pipeline_metrics": group_metrics,
     "pipeline_checkpoint_save": lambda: [Case("pp_save", checkpoint_save_case)],
     "pipeline_checkpoint_resume": lambda: [
         Case("pp_resume_fsdp", resume_fsdp_case),

@@ -44,8 +44,9 @@ def workdir() -> Path:
     return Path(sys.argv[2]).resolve().parent
 
 
-def tiny_dir() -> str:
-    return str(workdir() / "tiny_llama")
+def tiny_dir(untied: bool = False) -> str:
+    """The tiny Llama `save_pretrained` directory (with tied embeddings, or without for pipeline stages)."""
+    return str(workdir() / ("tiny_llama_untied" if untied else "tiny_llama"))
 
 
 class TokenData(Dataset):
@@ -124,12 +125,14 @@ def strategy_for(name: str, pretrained) -> L.pytorch.strategies.Strategy:
         return ReplicateStrategy(pretrained=pretrained)
     if name == "2d":
         return FSDPTensorParallelStrategy(tensor_parallel_size=2, pretrained=pretrained)
+    if name == "pp":  # each stage reads only its own layers' weights
+        return FullyShardStrategy(pipeline_parallel_size=2, pretrained=pretrained)
     raise ValueError(name)
 
 
 def fine_tune(name: str, attr: str) -> tuple[L.Trainer, CaptureStart, TokenData]:
     """Fine-tune the tiny Llama (held as `self.<attr>`) from its pretrained weights under strategy `name`."""
-    path = tiny_dir()
+    path = tiny_dir(untied=name == "pp")
     module = CausalLM(path, attr=attr, tp_plan=LLAMA_TP_PLAN if name == "2d" else None)
     data = TokenData(getattr(module, attr).config.vocab_size)
     capture = CaptureStart()
@@ -144,8 +147,8 @@ def parity_case(name: str, attr: str) -> dict | None:
     trained = full_params(trainer)
     if trainer.global_rank != 0:
         return None
-    path, prefix = tiny_dir(), f"{attr}."
-    dp = world_size() // 2 if name == "2d" else world_size()
+    path, prefix = tiny_dir(untied=name == "pp"), f"{attr}."
+    dp = world_size() // 2 if name in ("2d", "pp") else world_size()
     return {
         "loaded_max_abs_diff": max_diff(capture.params, pretrained_model(path).state_dict(), prefix),
         "trained_max_abs_diff": max_diff(trained, reference_train(path, data, dp), prefix),
@@ -161,6 +164,7 @@ def group_pretrained_parity() -> Iterator[Case]:
     yield Case(f"pretrained_replicate_{world}", lambda: parity_case("replicate", attr="model"))
     if world == 4:
         yield Case(f"pretrained_2d_{world}", lambda: parity_case("2d", attr="model"))
+    yield Case(f"pretrained_pp_{world}", lambda: parity_case("pp", attr="model"))
 
 
 def errors_case() -> dict | None:
