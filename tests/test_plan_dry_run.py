@@ -309,3 +309,17 @@ def test_gpt_405b_config_shows_heavier_first_and_last_stages(capsys):
     assert f"model.blocks.7-14                               25,770,328,064  {format_bytes(middle)}" in out
     assert "0      0              0-63      model.tok_emb, model.pos_emb, model.blocks.0-6" in out
     assert "2.35 GiB     2.35 GiB    4.71 GiB        9.41 GiB" in out  # stage 0: 1.5x a middle stage
+
+
+def test_pipeline_v_schedule_puts_the_first_and_last_stage_on_one_rank():
+    strategy = lightning_dpar.FullyShardStrategy(
+        pipeline_parallel_size=2, pipeline_schedule="ZBVZeroBubble", pipeline_stages_per_rank=2
+    )
+    report = plan(strategy, _gpt(4), world_size=2)
+    assert [row.pipeline_rank for row in report.pipeline.stages] == [0, 1, 1, 0]
+    assert report.pipeline.bubble is None  # no closed form printed for zero-bubble schedules
+    out = report.render()
+    assert "pipeline rank 0 holds stages 0, 3" in out and "bubble" not in out
+    # Rank 0 holds the embeddings (stage 0) and the head (stage 3): whole, FSDP over 1 rank, fp32, AdamW.
+    both = EMBEDDINGS + BLOCK + BLOCK + LN_F_AND_HEAD
+    assert report.total_params == both and report.memory.total == 16 * both
