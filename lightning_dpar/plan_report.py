@@ -302,9 +302,10 @@ def _describe_modules(module: nn.Module, plan: ModulePlan, compiling: bool) -> d
     return dict(sorted(described.items(), key=lambda item: order[item[0]]))
 
 
-def _largest_fsdp_unit(module: nn.Module, compute_dtype: torch.dtype | None) -> tuple[str, int] | None:
-    """The FSDP unit whose own parameters (not nested units') are largest once all-gathered (TP shards stay)."""
-    best: tuple[str, int] | None = None
+def _gathered_fsdp_units(module: nn.Module, compute_dtype: torch.dtype | None) -> list[tuple[str, int]]:
+    """Each FSDP unit's own parameters (not nested units') once all-gathered for compute (TP shards stay), in
+    bytes."""
+    sizes = []
     for fqn, unit in module.named_modules():
         if not isinstance(unit, FSDPModule):
             continue
@@ -320,9 +321,13 @@ def _largest_fsdp_unit(module: nn.Module, compute_dtype: torch.dtype | None) -> 
             for p in unit.parameters()
             if id(p) not in nested
         )
-        if best is None or size > best[1]:
-            best = (fqn, size)
-    return best
+        sizes.append((fqn, size))
+    return sizes
+
+
+def _largest_fsdp_unit(module: nn.Module, compute_dtype: torch.dtype | None) -> tuple[str, int] | None:
+    """The FSDP unit whose own parameters are largest once all-gathered."""
+    return max(_gathered_fsdp_units(module, compute_dtype), key=lambda unit: unit[1], default=None)
 
 
 def _optimizers(configured: Any) -> list[Optimizer]:
@@ -405,6 +410,13 @@ def _plan_on_fake_world(
         )
     precision = strategy.precision_plugin.precision
     compute_dtype = torch.bfloat16 if precision in ("bf16-mixed", "bf16-true") else None
+    if pipeline is not None and strategy.pipeline_config.schedule.defers_weight_gradients:
+        gathered = sum(size for _, size in _gathered_fsdp_units(module, compute_dtype))
+        notes.append(
+            f"{strategy.pipeline_config.schedule.name} keeps every FSDP unit of a stage unsharded from forward to"
+            f" backward: rank {rank}'s stages all-gathered, {memory.format_bytes(gathered)}, stay in memory during"
+            " a step, in place of the one unit above"
+        )
     return PlanReport(
         strategy=type(strategy).__name__,
         dims=dims,

@@ -323,3 +323,5 @@ def test_pipeline_v_schedule_puts_the_first_and_last_stage_on_one_rank():
     # Rank 0 holds the embeddings (stage 0) and the head (stage 3): whole, FSDP over 1 rank, fp32, AdamW.
     both = EMBEDDINGS + BLOCK + BLOCK + LN_F_AND_HEAD
     assert report.total_params == both and report.memory.total == 16 * both
+    # Zero-bubble schedules keep the stages' units gathered from forward to backward: all of rank 0's parameters.
+    assert f"stages all-gathered, {format_bytes(4 * both)}, stay in memory during a step" in out
