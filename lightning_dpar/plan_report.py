@@ -402,7 +402,7 @@ def _plan_on_fake_world(
     pipeline = None
     if applied.pipeline is not None:
         assert unsplit is not None and plan_.pipeline is not None
-        pipeline = _pipeline_report(strategy, unsplit, dims, rank, layout, (module, applied, optimizers))
+        pipeline = _pipeline_report(strategy, unsplit, dims, rank, layout, (applied, optimizers))
     if getattr(strategy, "cpu_offload", False):
         notes.append(
             "cpu_offload: parameters, gradients and optimizer state below live in CPU memory; the accelerator holds"
@@ -481,7 +481,7 @@ def _pipeline_report(
     dims: ParallelDims,
     rank: int,
     layout: MeshLayout,
-    shown: tuple[nn.Module, parallelize.AppliedPlan, list[Optimizer]],
+    shown: tuple[parallelize.AppliedPlan, list[Optimizer]],
 ) -> PipelineReport:
     """Every stage's units, ranks and per-rank memory. Each pipeline rank is planned, as training would plan it, on a
     fresh copy of the whole model, at the shown rank's coordinate in the other mesh dims: the same local shapes as
@@ -492,11 +492,11 @@ def _pipeline_report(
     rows: list[StageRow] = []
     split: PipelineSplit | None = None
     for pipeline_rank in range(dims.pipeline):
-        if pipeline_rank == shown_pipeline_rank:
-            root, applied, optimizers = shown
+        if pipeline_rank == shown_pipeline_rank:  # planned already: the report's main sections show it
+            applied, optimizers = shown
         else:
-            root = _meta_copy(unsplit)
-            applied, _, optimizers, _ = _apply(strategy, root, dims, pipeline_rank * ranks_per_stage + offset, layout)
+            copy_rank = pipeline_rank * ranks_per_stage + offset
+            applied, _, optimizers, _ = _apply(strategy, _meta_copy(unsplit), dims, copy_rank, layout)
         assert applied.pipeline is not None
         split = applied.pipeline.split
         ranks = range(pipeline_rank * ranks_per_stage, (pipeline_rank + 1) * ranks_per_stage)
