@@ -194,3 +194,12 @@ def test_per_rank_values_join_the_record_as_lists_in_rank_order():
     merged = writer.with_per_rank(record, [{"rng_states": "rank 0's"}, {"rng_states": "rank 1's"}])
     assert merged == {**record, "rng_states": ["rank 0's", "rank 1's"]}
     assert writer.with_per_rank(record, [{}, {}]) == record
+
+
+def test_async_save_that_cannot_stage_names_the_checkpoint_and_writes_nothing(tmp_path):
+    checkpoint_writer = writer.CheckpointWriter(async_save=True)
+    unreadable = {"model": {"w": torch.empty(2, device="meta")}}  # a meta tensor has no data to copy
+    with pytest.raises(CheckpointSaveError, match=r"step=1\.ckpt.*could not copy its shards to CPU memory"):
+        checkpoint_writer.save(unreadable, {}, str(tmp_path / "step=1.ckpt"))
+    assert os.listdir(tmp_path) == []
+    checkpoint_writer.close()

@@ -120,7 +120,14 @@ class CheckpointWriter:
         # In the foreground only what training would otherwise change under the write: the shards, copied into the
         # reused staging buffers, and (rank 0, which writes it) the metadata. Everything else, collectives included
         # (rank 0's path and the partial directory, DCP's planning, the finishing gather), runs in the background.
-        staged = self._staging_buffers().stage(tensor_state)
+        try:
+            staged = self._staging_buffers().stage(tensor_state)
+        except Exception as error:  # e.g. no host memory left for the staging buffers
+            raise CheckpointSaveError(
+                f"Saving checkpoint {path!r} failed: rank {_rank(None)} could not copy its shards to CPU memory:"
+                f" {type(error).__name__}: {error}. Nothing was written and the previous checkpoint is untouched;"
+                " free host memory, or save with `trainer.strategy.async_save = False` (no staging copy)."
+            ) from error
         metadata = copy.deepcopy(metadata) if _rank(None) == 0 else {}
         # Rank 0's own path on rank 0, the rank that removes checkpoints; the others learn it in the background.
         in_flight = _InFlight(Location.parse(path))
