@@ -4,9 +4,11 @@
     torchrun --standalone --nproc-per-node=2 benchmarks/checkpoint_io.py OUT_DIR --load OUT_DIR/sync/LAST.ckpt
 
 Trains a stack of `blocks` Linear(width, width) layers with Adam under `dpar_fsdp`, saving every 2 steps through
-`ModelCheckpoint`; prints, per mode, the median blocked seconds per save (from the strategy's writer), the
-end-to-end write time, and each rank's peak RSS growth above its steady training state during save and load
-(Linux `VmHWM`, reset through `/proc/self/clear_refs`). `--load` measures a load in fresh processes.
+`ModelCheckpoint`; prints, per mode, the median blocked seconds per save (`blocked_s`: the strategy's writer, from
+the state dicts to the return; `save_checkpoint_s`: all of `trainer.save_checkpoint` as training waits for it,
+Lightning gathering the state dicts included), the end-to-end write time, and each rank's peak RSS growth above
+its steady training state during save and load (Linux `VmHWM`, reset through `/proc/self/clear_refs`). `--load`
+measures a load in fresh processes.
 """
 
 from __future__ import annotations
@@ -82,6 +84,21 @@ class PeakDuringSave(Callback):
             self.growth.append(rss_mib("VmHWM") - self.before)
 
 
+def timed_calls(obj: object, name: str) -> list[float]:
+    """Seconds of every call of `obj.name` from now on (the list fills as it is called)."""
+    original, seconds = getattr(obj, name), []
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    setattr(obj, name, timed)
+    return seconds
+
+
 def run(mode: str, out: str, blocks: int, width: int) -> dict:
     data = TensorDataset(torch.randn(64, width))
     strategy = FullyShardStrategy(async_save=mode == "async")
@@ -97,6 +114,7 @@ def run(mode: str, out: str, blocks: int, width: int) -> dict:
         enable_model_summary=False,
         callbacks=[peak, callback],
     )
+    save_calls = timed_calls(trainer, "save_checkpoint")
     start = time.perf_counter()
     trainer.fit(Stack(blocks, width), DataLoader(data, batch_size=4))
     fit_s = time.perf_counter() - start
@@ -109,6 +127,7 @@ def run(mode: str, out: str, blocks: int, width: int) -> dict:
         "model_and_adam_mib": params * 12 / 2**20,
         "saves": len(timings),
         "blocked_s_median": statistics.median(t.blocked_s for t in timings),
+        "save_checkpoint_s_median": statistics.median(save_calls),
         "write_s_median": statistics.median(t.total_s for t in timings if t.total_s is not None),
         "fit_s": fit_s,
         "save_peak_growth_mib": max(peak.growth) if peak.growth else None,

@@ -82,6 +82,18 @@ def test_validate_from_checkpoint_matches_trained_model(results, case):
 
 
 @pytest.mark.slow
+def test_async_save_records_every_ranks_rng_with_no_collective_in_front(results):
+    """`meta.pt` holds each rank's RNG streams as they were at the save, though rank 1's async save returned before
+    rank 0 began its own (so the foreground gathered nothing); a resume restores each rank's own streams."""
+    result = results["async_rng_record"]
+    assert result["rank1_returned_first"], result
+    assert result["ranks_differ"], result  # else a swap of ranks would go unnoticed
+    assert result["recorded_ranks"] == 2
+    assert result["recorded_matches"] == [True, True], result
+    assert result["restored_matches"] == [True, True], result
+
+
+@pytest.mark.slow
 def test_fit_ckpt_path_last(results):
     result = results["resume_last"]
     assert result["first_step"] == 6

@@ -171,3 +171,35 @@ def test_staging_keeps_dtensor_layout(fake_world):
     staged = staging.ReusedBufferStager().stage({"w": dtensor})["w"]
     assert isinstance(staged, DTensor) and staged.placements == (Shard(0),) and staged.shape == (4, 2)
     assert torch.equal(staged.to_local(), local) and staged.to_local().data_ptr() != local.data_ptr()
+
+
+def test_staged_dtensors_are_kept_across_saves_while_their_layout_holds(fake_world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    local = torch.arange(4.0).reshape(2, 2)
+    stager = staging.ReusedBufferStager()
+    first = stager.stage({"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False)})["w"]
+    local.add_(1)  # the next save: new values, the same layout
+    second = stager.stage({"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False)})["w"]
+    assert second is first and torch.equal(second.to_local(), local)
+    replicated = stager.stage({"w": DTensor.from_local(local, mesh, [Replicate()], run_check=False)})["w"]
+    assert replicated is not first and replicated.placements == (Replicate(),) and replicated.shape == (2, 2)
+
+
+def test_per_rank_values_join_the_record_as_lists_in_rank_order():
+    record = {"world_size": 2, "strategy": "FullyShardStrategy"}
+    merged = writer.with_per_rank(record, [{"rng_states": "rank 0's"}, {"rng_states": "rank 1's"}])
+    assert merged == {**record, "rng_states": ["rank 0's", "rank 1's"]}
+    assert writer.with_per_rank(record, [{}, {}]) == record
+
+
+def test_async_save_that_cannot_stage_names_the_checkpoint_and_writes_nothing(tmp_path):
+    checkpoint_writer = writer.CheckpointWriter(async_save=True)
+    unreadable = {"model": {"w": torch.empty(2, device="meta")}}  # a meta tensor has no data to copy
+    with pytest.raises(CheckpointSaveError, match=r"step=1\.ckpt.*could not copy its shards to CPU memory"):
+        checkpoint_writer.save(unreadable, {}, str(tmp_path / "step=1.ckpt"))
+    assert os.listdir(tmp_path) == []
+    checkpoint_writer.close()

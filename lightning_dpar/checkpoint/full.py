@@ -34,7 +34,7 @@ from lightning_dpar.checkpoint.layout import (
 )
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
-from lightning_dpar.checkpoint.writer import publish, remove_leftovers
+from lightning_dpar.checkpoint.writer import publish, remove_leftovers, with_per_rank
 
 __all__ = [
     "full_model_state",
@@ -151,14 +151,20 @@ class FullFormat:
     def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
         return full_optimizer_state(model, optimizer)
 
-    def save(self, checkpoint: dict[str, Any], record: dict[str, Any], path: str, writer: Any) -> None:
+    def save(
+        self, checkpoint: dict[str, Any], record: dict[str, Any], per_rank: dict[str, Any], path: str, writer: Any
+    ) -> None:
         """Rank 0 writes to its `path`; every rank raises the same `CheckpointSaveError` if that fails. Never in the
-        background."""
+        background. `per_rank` is gathered to rank 0 first (the full state was just gathered there too)."""
         problem = None
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        gathered: list[Any] | None = [per_rank]
+        if dist.is_initialized():
+            gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(per_rank, gathered, dst=0)
+        if gathered is not None:  # rank 0
             location = Location.parse(path)
             try:
-                save_full({**checkpoint, DPAR_KEY: record}, location)
+                save_full({**checkpoint, DPAR_KEY: with_per_rank(record, gathered)}, location)
             except OSError as error:
                 problem = (
                     f"Saving checkpoint {location.url!r} failed: rank 0 could not write it: {type(error).__name__}:"

@@ -20,7 +20,7 @@ from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.errors import CheckpointSaveError
 from lightning_dpar.checkpoint.full import FullFormat
 from lightning_dpar.checkpoint.layout import LoadReport
-from lightning_dpar.checkpoint.resume import ResumeState
+from lightning_dpar.checkpoint.resume import RNG_STATES_KEY, ResumeState, capture_rng_state
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.sharded import ShardedFormat
 from lightning_dpar.checkpoint.storage import Location
@@ -46,13 +46,23 @@ class _Source(Protocol):
 
 
 class _Format(Protocol):
-    """What a checkpoint format provides: the state each rank hands to a save, the save, and opening for a load."""
+    """What a checkpoint format provides: the state each rank hands to a save, the save, and opening for a load.
+
+    A save writes `record` with, for each key of `per_rank` (this rank's values), the list of every rank's value in
+    rank order."""
 
     name: str
 
     def model_state(self, model: nn.Module) -> dict[str, Any]: ...
     def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]: ...
-    def save(self, checkpoint: dict[str, Any], record: dict[str, Any], path: str, writer: CheckpointWriter) -> None: ...
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        record: dict[str, Any],
+        per_rank: dict[str, Any],
+        path: str,
+        writer: CheckpointWriter,
+    ) -> None: ...
     @staticmethod
     def open(location: Location, rank: int, world_size: int) -> _Source: ...
 
@@ -105,9 +115,15 @@ class CheckpointManager:
 
     def save(self, checkpoint: dict[str, Any], path: Any, record: dict[str, Any]) -> None:
         """Write Lightning's `checkpoint` plus our `record` to rank 0's `path` (callbacks may format per-rank paths);
-        collective."""
+        collective.
+
+        Every rank's RNG streams go into the record too. They are captured here, at save time (local and cheap), and
+        handed to the format as this rank's `per_rank` values, which it gathers to rank 0 on a collective it performs
+        anyway (the sharded writer's finishing step, in the background for async saves): no collective of its own
+        in front of the save."""
         self.writer.wait()  # a full save after an async one: one save at a time
-        self.format.save(checkpoint, record, str(path), self.writer)
+        per_rank = {RNG_STATES_KEY: capture_rng_state()}
+        self.format.save(checkpoint, record, per_rank, str(path), self.writer)
 
     def remove(self, path: Any, is_global_zero: bool) -> None:
         """A checkpoint `ModelCheckpoint` no longer keeps; removed only once no save it depends on is in flight."""

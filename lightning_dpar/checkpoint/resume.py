@@ -28,19 +28,21 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_dpar._private_api import unfetched_training_iterator
 from lightning_dpar.checkpoint.layout import FORMAT_VERSION
 
+#: Key of the record holding every rank's RNG streams, in rank order (a list of `capture_rng_state` values).
+RNG_STATES_KEY = "rng_states"
+
 __all__ = [
+    "RNG_STATES_KEY",
     "DataPosition",
     "ResumableDistributedSampler",
     "ResumeState",
     "capture_rng_state",
-    "gather_rng_states",
     "make_resumable",
     "restore_rng_state",
     "skip_seen_batches",
@@ -168,18 +170,6 @@ def _as_tuples(value: Any) -> Any:
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def gather_rng_states() -> list[dict[str, Any]] | None:
-    """Every rank's RNG state, in rank order, on rank 0 (which writes the metadata); None on the other ranks.
-    A collective; the states are a few KiB each."""
-    state = capture_rng_state()
-    if not dist.is_initialized():
-        return [state]
-    is_rank_zero = dist.get_rank() == 0
-    gathered: list[Any] | None = [None] * dist.get_world_size() if is_rank_zero else None
-    dist.gather_object(state, gathered, dst=0)
-    return gathered
-
-
 # ---------------------------------------------------------------------- the resume state of one strategy
 class ResumeState:
     """What a loaded checkpoint still has to apply once training starts (RNG streams, data position, batches a
@@ -191,13 +181,13 @@ class ResumeState:
         self.batches_to_skip = 0
 
     def record(self, trainer: Any, strategy_name: str, world_size: int, data_parallel_size: int | None) -> dict:
-        """Our part of a checkpoint's metadata: layout, per-rank RNG streams and the data position. A collective
-        (the RNG states are gathered to rank 0)."""
+        """Our part of a checkpoint's metadata: layout and the data position. Local, no collective: every rank's RNG
+        streams (`RNG_STATES_KEY`) join the record on the way to disk, carried by a collective the save performs
+        anyway (see `CheckpointManager.save`)."""
         record: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "strategy": strategy_name,
             "world_size": world_size,
-            "rng_states": gather_rng_states(),
         }
         if trainer is not None and data_parallel_size is not None:
             batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
@@ -245,7 +235,7 @@ class ResumeState:
 
     def restore_rng(self, world_size: int, global_rank: int) -> str | None:
         """Restore this rank's RNG streams; returns a note when they cannot be mapped to this world size."""
-        states = self.pending.get("rng_states")
+        states = self.pending.get(RNG_STATES_KEY)
         self.pending = {}
         if states is not None and len(states) == world_size:
             restore_rng_state(states[global_rank])

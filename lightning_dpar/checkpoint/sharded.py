@@ -155,10 +155,13 @@ class ShardedFormat:
     def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
         return sharded_optimizer_state(model, optimizer)
 
-    def save(self, checkpoint: dict[str, Any], record: dict[str, Any], path: str, writer: Any) -> None:
+    def save(
+        self, checkpoint: dict[str, Any], record: dict[str, Any], per_rank: dict[str, Any], path: str, writer: Any
+    ) -> None:
+        """`per_rank` rides on the writer's finishing collective to rank 0, which writes `meta.pt`."""
         tensor_state, metadata = split_checkpoint(checkpoint)
         metadata[DPAR_KEY] = record
-        writer.save(tensor_state, metadata, path)
+        writer.save(tensor_state, metadata, path, per_rank)
 
     @staticmethod
     def open(location: Location, rank: int, world_size: int) -> ShardedSource:

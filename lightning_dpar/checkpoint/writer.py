@@ -6,12 +6,15 @@ are written (DCP's coordinator gathers every rank's write results before writing
 rank 0 write `meta.pt` and rename the directory to its final name. A process killed at any moment leaves either the
 previous checkpoint under the final name or the new complete one; never a partial one under a checkpoint name.
 
-Async (`async_save=True`): DCP stages the shards to CPU memory and writes them from a background thread over a
-dedicated gloo process group (so its collectives never interleave with training's) created with the strategy's
-timeout; the finishing step (checksums, `meta.pt`, rename) also runs in the background. The next save, a load and
-the end of `fit` wait for it. A checkpoint that Lightning's `ModelCheckpoint` supersedes while the new one is still
-being written is removed only after the new one is complete under its final name, so a kill at any moment leaves
-the last complete checkpoint on disk.
+Async (`async_save=True`): training is blocked only while this rank's shards are copied into CPU buffers reused
+from save to save (`checkpoint.staging`) and rank 0 copies the metadata. Everything else runs on the writer's one
+background thread, over a dedicated gloo process group (so its collectives never interleave with training's) created
+with the strategy's timeout: rank 0's path and the partial directory, DCP's planning and write (`dcp.save` of the
+staged copy), and the finishing step (checksums, `meta.pt`, rename). That is what `dcp.async_save` does with its
+own thread per save, except that the partial directory, a collective, would have to exist before it is called: in
+front of the save. The next save, a load and the end of `fit` wait for it. A checkpoint that Lightning's
+`ModelCheckpoint` supersedes while the new one is still being written is removed only after the new one is complete
+under its final name, so a kill at any moment leaves the last complete checkpoint on disk.
 
 Failures: a full disk, a read-only target, a rank that dies or stops responding: every rank raises a
 `CheckpointSaveError` that names the checkpoint and the cause, the partial directory is removed, and the previous
@@ -55,7 +58,7 @@ from lightning_dpar.checkpoint.layout import (
 from lightning_dpar.checkpoint.staging import ReusedBufferStager
 from lightning_dpar.checkpoint.storage import Location
 
-__all__ = ["CheckpointWriter", "SaveTiming", "publish", "remove_leftovers"]
+__all__ = ["CheckpointWriter", "SaveTiming", "publish", "remove_leftovers", "with_per_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -95,42 +98,55 @@ class CheckpointWriter:
         self.timings: deque[SaveTiming] = deque(maxlen=100)  # recent saves, for benchmarks and logs
 
     # ------------------------------------------------------------------ public
-    def save(self, tensor_state: dict[str, Any], metadata: dict[str, Any], path: str) -> None:
-        """Write `tensor_state` (DCP, every rank its shards) and `metadata` (rank 0) to rank 0's `path`; collective."""
+    def save(
+        self, tensor_state: dict[str, Any], metadata: dict[str, Any], path: str, per_rank: dict[str, Any] | None = None
+    ) -> None:
+        """Write `tensor_state` (DCP, every rank its shards) and `metadata` (rank 0) to rank 0's `path`; collective.
+        `per_rank`: this rank's values for the metadata's record, which rank 0 writes as `with_per_rank` says; they
+        travel on the finishing step's gather, so they cost no collective of their own."""
         start = time.perf_counter()
         self.wait()
-        location, partial = _prepare_partial_directory(path)
+        per_rank = per_rank or {}
         timing = SaveTiming(blocked_s=0.0)
         self.timings.append(timing)
         if not self.async_save:
+            location, partial = _prepare_partial_directory(path, group=None)
             with _reported_as_save_error(location, partial, self.timeout):
                 dcp.save(tensor_state, checkpoint_id=partial.url)
-                _finish(partial, location, metadata, group=None)
+                _finish(partial, location, metadata, per_rank, group=None)
             timing.blocked_s = timing.total_s = time.perf_counter() - start
             return
         group = self._checkpoint_group()
-        # Training goes on mutating callbacks' state; only rank 0 writes the metadata, so only it keeps a copy.
+        # In the foreground only what training would otherwise change under the write: the shards, copied into the
+        # reused staging buffers, and (rank 0, which writes it) the metadata. Everything else, collectives included
+        # (rank 0's path and the partial directory, DCP's planning, the finishing gather), runs in the background.
+        try:
+            staged = self._staging_buffers().stage(tensor_state)
+        except Exception as error:  # e.g. no host memory left for the staging buffers
+            raise CheckpointSaveError(
+                f"Saving checkpoint {path!r} failed: rank {_rank(None)} could not copy its shards to CPU memory:"
+                f" {type(error).__name__}: {error}. Nothing was written and the previous checkpoint is untouched;"
+                " free host memory, or save with `trainer.strategy.async_save = False` (no staging copy)."
+            ) from error
         metadata = copy.deepcopy(metadata) if _rank(None) == 0 else {}
-        with _reported_as_save_error(location, partial, self.timeout):
-            upload = dcp.async_save(
-                tensor_state, checkpoint_id=partial.url, process_group=group, async_stager=self._staging_buffers()
-            )
-        timing.blocked_s = time.perf_counter() - start
-        in_flight = _InFlight(location)
+        # Rank 0's own path on rank 0, the rank that removes checkpoints; the others learn it in the background.
+        in_flight = _InFlight(Location.parse(path))
         self._in_flight = in_flight
 
-        def finish_in_background() -> None:
+        def write_in_background() -> None:
             try:
+                location, partial = _prepare_partial_directory(path, group=group)
                 with _reported_as_save_error(location, partial, self.timeout):
-                    _upload_future(upload).result()
-                    _finish(partial, location, metadata, group=group)
+                    dcp.save(staged, checkpoint_id=partial.url, process_group=group)
+                    _finish(partial, location, metadata, per_rank, group=group)
                 timing.total_s = time.perf_counter() - start
                 self._removals_after_publish(in_flight)
                 in_flight.done.set_result(None)
             except BaseException as error:
                 in_flight.done.set_exception(error)
 
-        self._in_background(finish_in_background)
+        timing.blocked_s = time.perf_counter() - start
+        self._in_background(write_in_background)
 
     def remove(self, location: Location, is_global_zero: bool) -> None:
         """Remove a superseded checkpoint (rank 0 deletes). While a background save is in flight the removal waits
@@ -177,7 +193,7 @@ class CheckpointWriter:
         """The stager of every async save of this strategy: it keeps the CPU copies of the shards between saves
         (pinned on GPU machines), so a save copies into memory that is already allocated instead of allocating the
         rank's shard again (`checkpoint.staging`). The copy itself stays synchronous: training may change the
-        parameters as soon as `save` returns. Safe to reuse because a save first waits for the previous upload."""
+        parameters as soon as `save` returns. Safe to reuse because a save first waits for the previous write."""
         if self._stager is None:
             self._stager = ReusedBufferStager(pin_memory=torch.cuda.is_available())
         return self._stager
@@ -229,11 +245,6 @@ def _rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def _upload_future(upload: Any) -> Future:
-    """`dcp.async_save` returns a Future, or an `AsyncSaveResponse` with the upload future in it."""
-    return getattr(upload, "upload_completion", upload)
-
-
 def _is_timeout(error: BaseException) -> bool:
     causes = [error, *(e for e, _ in getattr(error, "failures", {}).values())]
     return any("timed out" in str(e).lower() or "timeout" in type(e).__name__.lower() for e in causes)
@@ -278,10 +289,10 @@ def _discard(partial: Location) -> None:
             log.warning(f"Could not remove the incomplete checkpoint {partial.url!r}: {error}")
 
 
-def _prepare_partial_directory(path: str) -> tuple[Location, Location]:
+def _prepare_partial_directory(path: str, group: dist.ProcessGroup | None) -> tuple[Location, Location]:
     """Rank 0 sweeps leftovers of killed saves to its `path` and creates the hidden directory this save writes into,
     then tells every rank both (one broadcast, which also makes the others wait until the directory exists; callbacks
-    may format per-rank paths, e.g. with a timestamp, so rank 0's path is the one); collective."""
+    may format per-rank paths, e.g. with a timestamp, so rank 0's path is the one); collective over `group`."""
     url, name, error = path, None, None
     if _rank(None) == 0:
         location = Location.parse(path)
@@ -293,7 +304,7 @@ def _prepare_partial_directory(path: str) -> tuple[Location, Location]:
             error = f"rank 0 could not create {location.sibling(name).url!r}: {type(exc).__name__}: {exc}"
     if dist.is_initialized():
         holder = [(url, name, error)]
-        dist.broadcast_object_list(holder, src=0)
+        dist.broadcast_object_list(holder, src=0, group=group)  # global rank 0, also rank 0 of the checkpoint group
         url, name, error = holder[0]
     if error is not None:
         raise CheckpointSaveError(
@@ -304,8 +315,15 @@ def _prepare_partial_directory(path: str) -> tuple[Location, Location]:
     return location, location.sibling(name)
 
 
-def _finish(partial: Location, final: Location, metadata: dict[str, Any], group: dist.ProcessGroup | None) -> None:
-    """After DCP wrote every rank's data: checksum, write `meta.pt`, rename into place. Collective over `group`."""
+def _finish(
+    partial: Location,
+    final: Location,
+    metadata: dict[str, Any],
+    per_rank: dict[str, Any],
+    group: dist.ProcessGroup | None,
+) -> None:
+    """After DCP wrote every rank's data: checksum, gather every rank's checksums and `per_rank` values to rank 0,
+    which writes `meta.pt` and renames into place. Collective over `group`."""
     rank = _rank(group)
     files: dict[str, tuple[int, int]] = {}
     error: str | None = None
@@ -315,25 +333,32 @@ def _finish(partial: Location, final: Location, metadata: dict[str, Any], group:
                 files[name] = file_checksum(partial.child(name))
     except OSError as exc:
         error = f"rank {rank} could not read back its shard: {exc}"
-    gathered: list[Any] = [(files, error)]
+    gathered: list[Any] | None = [(files, error, per_rank)]
     if dist.is_initialized():
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (files, error), group=group)
-    problem = next((e for _, e in gathered if e), None)
-    if rank == 0 and problem is None:
-        problem = _write_metadata_and_publish(partial, final, metadata, [f for f, _ in gathered])
-    problem = first_problem(problem if rank == 0 else None, group)  # rank 0 knows every rank's outcome
+        gathered = [None] * dist.get_world_size(group) if rank == 0 else None
+        dist.gather_object((files, error, per_rank), gathered, dst=0, group=group)  # dst: global rank 0
+    problem = None
+    if gathered is not None:  # rank 0: every rank's outcome, checksums and values
+        problem = next((e for _, e, _ in gathered if e), None)
+        if problem is None:
+            record = with_per_rank(metadata.get(DPAR_KEY, {}), [values for _, _, values in gathered])
+            record["files"] = {name: checksum for rank_files, _, _ in gathered for name, checksum in rank_files.items()}
+            problem = _write_metadata_and_publish(partial, final, {**metadata, DPAR_KEY: record})
+    problem = first_problem(problem, group)  # rank 0 tells every rank how it ended
     if problem is not None:
         raise CheckpointSaveError(f"Saving checkpoint {final.url!r} failed: {problem}.")
 
 
-def _write_metadata_and_publish(
-    partial: Location, final: Location, metadata: dict[str, Any], files_per_rank: list[dict[str, tuple[int, int]]]
-) -> str | None:
-    record = dict(metadata.get(DPAR_KEY, {}))
-    record["files"] = {name: checksum for rank_files in files_per_rank for name, checksum in rank_files.items()}
+def with_per_rank(record: dict[str, Any], per_rank_values: list[dict[str, Any]]) -> dict[str, Any]:
+    """`record` plus, for each key of the ranks' `per_rank` values, the list of every rank's value in rank order
+    (e.g. `rng_states`: one RNG state per rank)."""
+    keys = per_rank_values[0].keys() if per_rank_values else ()
+    return {**record, **{key: [values[key] for values in per_rank_values] for key in keys}}
+
+
+def _write_metadata_and_publish(partial: Location, final: Location, metadata: dict[str, Any]) -> str | None:
     try:
-        partial.child(METADATA_FILENAME).write_torch({**metadata, DPAR_KEY: record})
+        partial.child(METADATA_FILENAME).write_torch(metadata)
         publish(partial, final)
     except OSError as exc:
         return f"rank 0 could not write the metadata or rename into place: {type(exc).__name__}: {exc}"

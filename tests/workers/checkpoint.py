@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import shutil
 import signal
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_dpar import FullyShardStrategy
 from lightning_dpar.checkpoint import writer as checkpoint_writer
+from lightning_dpar.checkpoint.layout import inspect_checkpoint
+from lightning_dpar.checkpoint.resume import capture_rng_state
+from lightning_dpar.checkpoint.storage import Location
 from tests.workers.cases import Case, one_case
 from tests.workers.checkpoint_common import (
     ResumeModule,
@@ -108,6 +114,7 @@ def group_resume() -> Iterator[Case]:
     yield Case(
         "resume_fsdp_custom_sampler", lambda: resume_case("fsdp_custom_sampler", "fsdp", sampler=ReversedSampler(128))
     )
+    yield Case("async_rng_record", async_rng_record_case)
 
 
 def resume_last_case() -> dict:
@@ -125,6 +132,69 @@ def resume_last_case() -> dict:
         "first_step": min(step for step, _ in module2.losses),
         "final_step": trainer2.global_step,
         "dir": sorted(os.listdir(root)),
+    }
+
+
+# ---------------------------------------------------------------------- every rank's RNG streams, async
+class RngAtEpochStart(Callback):
+    """This rank's RNG streams when the resumed run's epoch starts: after the strategy restored them, before any
+    training step draws from them."""
+
+    def __init__(self) -> None:
+        self.state = None
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if self.state is None:
+            self.state = capture_rng_state()
+
+
+def _same_streams(a, b) -> bool:
+    """RNG states equal value for value (tensors exactly; tuples and lists alike, as `meta.pt` may read either)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_streams(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_streams(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def async_rng_record_case() -> dict:
+    """An async save writes every rank's RNG streams into `meta.pt`, in rank order, with no collective in front of
+    the save: rank 1's `save_checkpoint` returns while rank 0 has not started its own (a collective would block it
+    until rank 0 joins). Resuming from it restores each rank's own streams."""
+    root = case_dir("async_rng_record")
+    root.mkdir(parents=True, exist_ok=True)
+    trainer = trainer_for(FullyShardStrategy(async_save=True), max_steps=2)
+    trainer.fit(ResumeModule(), train_loader())
+    rank = dist.get_rank()
+    trainer.save_checkpoint(root / "first.ckpt")  # the first async save also creates the writer's process group
+    trainer.strategy.wait_for_checkpoint()
+    torch.rand(rank + 1), [random.random() for _ in range(rank + 1)], np.random.rand(rank + 1)  # ranks' streams differ
+    expected = capture_rng_state()
+    path, returned = root / "second.ckpt", root / "rank1_returned"
+    rank1_returned_first = True
+    if rank == 1:
+        trainer.save_checkpoint(path)
+        returned.touch()
+    else:
+        deadline = time.monotonic() + 20
+        while not returned.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        rank1_returned_first = returned.exists()
+        trainer.save_checkpoint(path)
+    trainer.strategy.wait_for_checkpoint()
+    recorded = inspect_checkpoint(Location.parse(path)).dpar_record["rng_states"]
+    probe = RngAtEpochStart()
+    resumed = trainer_for(FullyShardStrategy(), max_steps=3, callbacks=[probe])
+    resumed.fit(ResumeModule(), train_loader(), ckpt_path=str(path))
+    every_expected, every_restored = gather(expected), gather(probe.state)
+    return {
+        "rank1_returned_first": rank1_returned_first,
+        "ranks_differ": not _same_streams(every_expected[0], every_expected[1]),
+        "recorded_ranks": len(recorded),
+        "recorded_matches": [_same_streams(r, e) for r, e in zip(recorded, every_expected)],
+        "restored_matches": [_same_streams(r, e) for r, e in zip(every_restored, every_expected)],
     }
 
 
@@ -252,11 +322,11 @@ class KillDuringThirdSave(Callback):
         original = checkpoint_writer._finish
         count = {"saves": 0}
 
-        def finish(partial, final, metadata, group):
+        def finish(*args, **kwargs):
             count["saves"] += 1
             if count["saves"] == 3 and dist.get_rank() == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return original(partial, final, metadata, group)
+            return original(*args, **kwargs)
 
         checkpoint_writer._finish = finish
 

@@ -137,12 +137,12 @@ class FreezeRankOne(Callback):
         original = checkpoint_writer._finish
         count = {"saves": 0}
 
-        def finish(partial, final, metadata, group):
+        def finish(*args, **kwargs):
             count["saves"] += 1
             if count["saves"] == 2 and dist.get_rank() == 1:
                 (workdir() / "frozen_at").write_text(str(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)
-            return original(partial, final, metadata, group)
+            return original(*args, **kwargs)
 
         checkpoint_writer._finish = finish
 
