@@ -20,6 +20,7 @@ What is measured, per rank and step (warm-up steps dropped):
   activations and gradients from the neighbouring stage are not in there: the schedule waits on them in between).
   Both drivers are timed by the same wrappers (`ScheduleTimer`), put on torch's classes for the run; perf_counter
   on CPU, CUDA events on GPU;
+- CPU time: this process's CPU time per step, which other processes on a busy machine barely change;
 - measured bubble fraction = 1 - compute time / schedule time, summed over the timed steps, averaged over ranks.
   The theoretical bubble of GPipe and 1F1B with p stages and m microbatches is (p - 1) / (m + p - 1); it assumes
   every stage takes the same time per microbatch and sends in no time. Measured bubbles above it are the cost of
@@ -325,9 +326,10 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     warmup = raw["warmup"]
     out: dict[str, Any] = {}
     for name, case in raw["cases"].items():
-        step_ms, schedule_ms, compute_ms, bubbles = [], [], [], []
+        step_ms, cpu_ms, schedule_ms, compute_ms, bubbles = [], [], [], [], []
         for run in case["runs"]:  # one repetition: a list over ranks
             step_ms.append(statistics.mean(statistics.median(r["step_times"][warmup:]) for r in run) * 1e3)
+            cpu_ms.append(statistics.mean(statistics.median(r["cpu_times"][warmup:]) for r in run) * 1e3)
             timed = [r["schedule"][warmup:] for r in run]
             schedule_ms.append(statistics.mean(statistics.median(s for s, _ in t) for t in timed) * 1e3)
             compute_ms.append(statistics.mean(statistics.median(c for _, c in t) for t in timed) * 1e3)
@@ -339,6 +341,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "microbatches": case["microbatches"],
             "step_time_ms": statistics.median(step_ms),
             "rep_step_time_ms": step_ms,
+            "cpu_time_ms": statistics.median(cpu_ms),
             "schedule_time_ms": statistics.median(schedule_ms),
             "compute_time_ms": statistics.median(compute_ms),
             "bubble": statistics.median(statistics.mean(b) for b in bubbles),
@@ -370,13 +373,14 @@ def markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
     ]
     details = [
         "",
-        "| variant | step (ms) | per repetition (ms) | schedule (ms) | compute (ms) | bubble per rank |",
-        "|---|---|---|---|---|---|",
+        "| variant | step (ms) | per repetition (ms) | CPU time (ms) | schedule (ms) | compute (ms)"
+        " | bubble per rank |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         details.append(
             f"| {name} | {s['step_time_ms']:.1f} | {', '.join(f'{t:.1f}' for t in s['rep_step_time_ms'])}"
-            f" | {s['schedule_time_ms']:.1f} | {s['compute_time_ms']:.1f}"
+            f" | {s['cpu_time_ms']:.1f} | {s['schedule_time_ms']:.1f} | {s['compute_time_ms']:.1f}"
             f" | {', '.join(f'{b:.3f}' for b in s['bubble_per_rank'])} |"
         )
         if s["driver"] != "dpar" or "step_time_vs_plain" not in s:
@@ -451,7 +455,8 @@ DEFINITIONS = """\
 Step: wall time between the ends of consecutive training steps (data, schedule, optimizer). Compute: time inside
 this rank's `PipelineStage.forward_one_chunk` / `backward_one_chunk` (one microbatch's stage forward or backward).
 Bubble: 1 - compute / time inside the schedule's `step`, over the timed steps, mean over ranks (per rank in the
-second table). Theoretical: (p-1)/(m+p-1) for p stages and m microbatches. `plain`: hand-split model,
+second table). CPU time: the process's CPU time per step (less affected by other processes than wall time).
+Theoretical: (p-1)/(m+p-1) for p stages and m microbatches. `plain`: hand-split model,
 `torch.distributed.pipelining.PipelineStage` and the same schedule class; `dpar`: `FullyShardStrategy` with
 `pipeline_parallel_size=2` through the Trainer. See `benchmarks/pipeline.py`.
 """
