@@ -374,13 +374,14 @@ def markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
     details = [
         "",
         "| variant | step (ms) | per repetition (ms) | CPU time (ms) | schedule (ms) | compute (ms)"
-        " | bubble per rank |",
-        "|---|---|---|---|---|---|---|",
+        " | compute per microbatch (ms) | bubble per rank |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         details.append(
             f"| {name} | {s['step_time_ms']:.1f} | {', '.join(f'{t:.1f}' for t in s['rep_step_time_ms'])}"
             f" | {s['cpu_time_ms']:.1f} | {s['schedule_time_ms']:.1f} | {s['compute_time_ms']:.1f}"
+            f" | {s['compute_time_ms'] / s['microbatches']:.1f}"
             f" | {', '.join(f'{b:.3f}' for b in s['bubble_per_rank'])} |"
         )
         if s["driver"] != "dpar" or "step_time_vs_plain" not in s:
