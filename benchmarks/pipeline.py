@@ -21,11 +21,19 @@ What is measured, per rank and step (warm-up steps dropped):
   Both drivers are timed by the same wrappers (`ScheduleTimer`), put on torch's classes for the run; perf_counter
   on CPU, CUDA events on GPU;
 - CPU time: this process's CPU time per step, which other processes on a busy machine barely change;
-- measured bubble fraction = 1 - compute time / schedule time, summed over the timed steps, averaged over ranks.
-  The theoretical bubble of GPipe and 1F1B with p stages and m microbatches is (p - 1) / (m + p - 1); it assumes
-  every stage takes the same time per microbatch and sends in no time. Measured bubbles above it are the cost of
-  communication, of the schedule's own Python, and of the stages' imbalance (stage 1 also holds the output layer
-  and the loss).
+- bubble of the step = 1 - compute time / step time, summed over the timed steps, averaged over ranks: every
+  moment of the step a rank is not computing its stage counts, wherever it waits (inside the schedule, or in a
+  collective after it), and so does the work outside the pipeline (optimizer step, data loading, the driver's own
+  code), which makes it an upper bound of the pipeline's bubble;
+- bubble in the schedule = 1 - compute time / schedule time: only what idles inside the schedule's `step`. It
+  misses waits that fall outside it: a rank that finishes its part of the pipeline early waits for the others
+  either at the start of the next step's schedule (the plain loop: the last stage waits there for the first
+  stage's last backward and optimizer step) or in a collective outside the schedule (the strategy sends the loss
+  from the last stage to every rank after each schedule step), and only the first counts here.
+The theoretical bubble of GPipe and 1F1B with p stages and m microbatches is (p - 1) / (m + p - 1); it assumes
+every stage takes the same time per microbatch and sends in no time. Measured bubbles above it are the cost of
+communication, of the schedule's own Python, of waiting for a core on a shared machine, and of the stages'
+imbalance (stage 1 also holds the output layer and the loss).
 
 `--device cuda` runs the same with NCCL, one GPU per rank (`--size gpu`, a ~1 B-parameter MLP, by default).
 Writes `<out>/pipeline_<size>.json` (raw measurements and summaries) and `<out>/pipeline_<size>.md` (tables).
@@ -321,31 +329,46 @@ def worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------ summary and report
 
 
+def _bubbles(run: list[dict[str, Any]], warmup: int) -> tuple[list[float], list[float]]:
+    """Per rank of one repetition: the idle share of the step and of the schedule's `step` (timed steps summed)."""
+    of_step, of_schedule = [], []
+    for rank in run:
+        timed = rank["schedule"][warmup:]
+        compute = sum(c for _, c in timed)
+        of_step.append(1 - compute / sum(rank["step_times"][warmup:]))
+        of_schedule.append(1 - compute / sum(s for s, _ in timed))
+    return of_step, of_schedule
+
+
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
-    """Per case: medians over repetitions of the step, schedule and compute times, and of the bubble fraction."""
-    warmup = raw["warmup"]
+    """Per case: medians over repetitions of the step, schedule and compute times (each the mean over ranks of the
+    rank's median step) and of the bubble fractions (each the mean over ranks)."""
+    warmup, world = raw["warmup"], raw["world_size"]
+
+    def mean_of_medians(run: list[dict[str, Any]], values: Callable[[dict[str, Any]], list[float]]) -> float:
+        return statistics.mean(statistics.median(values(rank)[warmup:]) for rank in run) * 1e3
+
     out: dict[str, Any] = {}
     for name, case in raw["cases"].items():
-        step_ms, cpu_ms, schedule_ms, compute_ms, bubbles = [], [], [], [], []
-        for run in case["runs"]:  # one repetition: a list over ranks
-            step_ms.append(statistics.mean(statistics.median(r["step_times"][warmup:]) for r in run) * 1e3)
-            cpu_ms.append(statistics.mean(statistics.median(r["cpu_times"][warmup:]) for r in run) * 1e3)
-            timed = [r["schedule"][warmup:] for r in run]
-            schedule_ms.append(statistics.mean(statistics.median(s for s, _ in t) for t in timed) * 1e3)
-            compute_ms.append(statistics.mean(statistics.median(c for _, c in t) for t in timed) * 1e3)
-            per_rank = [1 - sum(c for _, c in t) / sum(s for s, _ in t) for t in timed]
-            bubbles.append(per_rank)
+        runs = case["runs"]  # one entry per repetition: a list over ranks
+        bubbles = [_bubbles(run, warmup) for run in runs]
         out[name] = {
             "driver": case["driver"],
             "schedule": case["schedule"],
             "microbatches": case["microbatches"],
-            "step_time_ms": statistics.median(step_ms),
-            "rep_step_time_ms": step_ms,
-            "cpu_time_ms": statistics.median(cpu_ms),
-            "schedule_time_ms": statistics.median(schedule_ms),
-            "compute_time_ms": statistics.median(compute_ms),
-            "bubble": statistics.median(statistics.mean(b) for b in bubbles),
-            "bubble_per_rank": [statistics.median(b[r] for b in bubbles) for r in range(raw["world_size"])],
+            "step_time_ms": statistics.median(mean_of_medians(run, lambda r: r["step_times"]) for run in runs),
+            "rep_step_time_ms": [mean_of_medians(run, lambda r: r["step_times"]) for run in runs],
+            "cpu_time_ms": statistics.median(mean_of_medians(run, lambda r: r["cpu_times"]) for run in runs),
+            "schedule_time_ms": statistics.median(
+                mean_of_medians(run, lambda r: [s for s, _ in r["schedule"]]) for run in runs
+            ),
+            "compute_time_ms": statistics.median(
+                mean_of_medians(run, lambda r: [c for _, c in r["schedule"]]) for run in runs
+            ),
+            "bubble": statistics.median(statistics.mean(step) for step, _ in bubbles),
+            "bubble_per_rank": [statistics.median(step[r] for step, _ in bubbles) for r in range(world)],
+            "schedule_bubble": statistics.median(statistics.mean(schedule) for _, schedule in bubbles),
+            "schedule_bubble_per_rank": [statistics.median(sched[r] for _, sched in bubbles) for r in range(world)],
             "theoretical_bubble": theoretical_bubble(raw["pipeline_size"], case["microbatches"]),
         }
     for s in out.values():
@@ -367,32 +390,36 @@ def markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
         f" interleaved repetitions, medians. Load average (1/5/15 min) {_load(before)} at the start,"
         f" {_load(after)} at the end; {raw['wall_s']:.0f} s.",
         "",
-        "| schedule | microbatches | plain step (ms) | dpar step (ms) | dpar / plain | plain bubble | dpar bubble"
-        " | theoretical (p-1)/(m+p-1) |",
+        "| schedule | microbatches | plain step (ms) | dpar step (ms) | dpar / plain | bubble of the step: plain"
+        " / dpar | bubble in the schedule: plain / dpar | theoretical (p-1)/(m+p-1) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     details = [
         "",
         "| variant | step (ms) | per repetition (ms) | CPU time (ms) | schedule (ms) | compute (ms)"
-        " | compute per microbatch (ms) | bubble per rank |",
-        "|---|---|---|---|---|---|---|---|",
+        " | compute per microbatch (ms) | bubble of the step, per rank | bubble in the schedule, per rank |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         details.append(
-            f"| {name} | {s['step_time_ms']:.1f} | {', '.join(f'{t:.1f}' for t in s['rep_step_time_ms'])}"
-            f" | {s['cpu_time_ms']:.1f} | {s['schedule_time_ms']:.1f} | {s['compute_time_ms']:.1f}"
-            f" | {s['compute_time_ms'] / s['microbatches']:.1f}"
-            f" | {', '.join(f'{b:.3f}' for b in s['bubble_per_rank'])} |"
+            f"| {name} | {s['step_time_ms']:.1f} | {_joined(s['rep_step_time_ms'], 1)} | {s['cpu_time_ms']:.1f}"
+            f" | {s['schedule_time_ms']:.1f} | {s['compute_time_ms']:.1f}"
+            f" | {s['compute_time_ms'] / s['microbatches']:.1f} | {_joined(s['bubble_per_rank'], 3)}"
+            f" | {_joined(s['schedule_bubble_per_rank'], 3)} |"
         )
-        if s["driver"] != "dpar" or "step_time_vs_plain" not in s:
+        if "step_time_vs_plain" not in s:
             continue
         plain = summary[Case("plain", s["schedule"], s["microbatches"]).name]
         lines.append(
             f"| {s['schedule']} | {s['microbatches']} | {plain['step_time_ms']:.1f} | {s['step_time_ms']:.1f}"
-            f" | {s['step_time_vs_plain']:.3f} | {plain['bubble']:.3f} | {s['bubble']:.3f}"
-            f" | {s['theoretical_bubble']:.3f} |"
+            f" | {s['step_time_vs_plain']:.3f} | {plain['bubble']:.3f} / {s['bubble']:.3f}"
+            f" | {plain['schedule_bubble']:.3f} / {s['schedule_bubble']:.3f} | {s['theoretical_bubble']:.3f} |"
         )
     return "\n".join(lines + details) + "\n"
+
+
+def _joined(values: list[float], decimals: int) -> str:
+    return ", ".join(f"{v:.{decimals}f}" for v in values)
 
 
 def _load(values: list[float]) -> str:
@@ -455,9 +482,11 @@ def main(argv: list[str] | None = None) -> None:
 DEFINITIONS = """\
 Step: wall time between the ends of consecutive training steps (data, schedule, optimizer). Compute: time inside
 this rank's `PipelineStage.forward_one_chunk` / `backward_one_chunk` (one microbatch's stage forward or backward).
-Bubble: 1 - compute / time inside the schedule's `step`, over the timed steps, mean over ranks (per rank in the
-second table). CPU time: the process's CPU time per step (less affected by other processes than wall time).
-Theoretical: (p-1)/(m+p-1) for p stages and m microbatches. `plain`: hand-split model,
+Schedule: time inside the torch schedule's `step`. Bubble of the step: 1 - compute / step (an upper bound: it also
+counts the optimizer step and the driver's own work). Bubble in the schedule: 1 - compute / schedule (waits outside
+the schedule's `step`, such as the strategy's loss broadcast after it, are not in it). Both over the timed steps,
+mean over ranks (per rank in the second table). CPU time: the process's CPU time per step (less affected by other
+processes than wall time). Theoretical: (p-1)/(m+p-1) for p stages and m microbatches. `plain`: hand-split model,
 `torch.distributed.pipelining.PipelineStage` and the same schedule class; `dpar`: `FullyShardStrategy` with
 `pipeline_parallel_size=2` through the Trainer. See `benchmarks/pipeline.py`.
 """
