@@ -240,7 +240,7 @@ def test_pipeline_summary_bubble_and_ratio_on_known_numbers():
     assert dpar["step_time_vs_plain"] == pytest.approx(1.1) and dpar["cpu_time_ms"] == pytest.approx(55.0)
     assert dpar["theoretical_bubble"] == theoretical_bubble(2, 4) == pytest.approx(0.2)
     table = markdown(raw, summary)
-    assert "| 1F1B | 4 | 100.0 | 110.0 | 1.100 | 0.400 / 0.523 | 0.250 / 0.417 | 0.200 |" in table
+    assert "| 1F1B | 4 | 100.0 | 110.0 | 1.100 | 1.100 | 0.400 / 0.523 | 0.250 / 0.417 | 0.200 |" in table
     row = "| dpar_1f1b_m4 | 110.0 | 110.0, 110.0 | 55.0 | 90.0 | 52.5 | 13.1 | 0.455, 0.591 | 0.333, 0.500 |"
     assert row in table
 
