@@ -66,6 +66,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from benchmarks.model import BenchModule, Preset, Size, build_net, make_optimizer
+from benchmarks.run import _rounded as rounded
 from benchmarks.variants import Context, Measurement, StepClock, build_context, run_lightning, state_bytes
 from benchmarks.worker import cpu_name, release_memory
 
@@ -475,7 +476,8 @@ def main(argv: list[str] | None = None) -> None:
         raw = run_world(args, world)
         results.append({"raw": raw, "summary": summarize(raw)})
     command = "python -m benchmarks.pipeline " + " ".join(sys.argv[1:] if argv is None else argv)
-    (args.out / f"pipeline_{args.size}.json").write_text(json.dumps({"command": command, "results": results}))
+    raw_and_summaries = rounded({"command": command, "results": results})  # 4 significant digits, as benchmarks.run
+    (args.out / f"pipeline_{args.size}.json").write_text(json.dumps(raw_and_summaries, separators=(",", ":")))
     tables = "\n".join(markdown(r["raw"], r["summary"]) for r in results)
     (args.out / f"pipeline_{args.size}.md").write_text(f"Command: `{command}`\n\n{DEFINITIONS}\n{tables}")
     print(tables)
