@@ -16,10 +16,12 @@ What is measured, per rank and step (warm-up steps dropped):
   schedule and the optimizer step), the number compared between the two drivers;
 - schedule time: wall time inside the torch schedule's `step`;
 - compute time: time inside this rank's `PipelineStage.forward_one_chunk` and `backward_one_chunk` calls (the
-  stage module's forward and backward of one microbatch, FSDP's own gathers and reductions included; the waits for
-  activations and gradients from the neighbouring stage are not in there: the schedule waits on them in between).
-  Both drivers are timed by the same wrappers (`ScheduleTimer`), put on torch's classes for the run; perf_counter
-  on CPU, CUDA events on GPU;
+  stage module's forward and backward of one microbatch, FSDP's parameter all-gathers included). Not in it: the
+  waits for activations and gradients from the neighbouring stage (the schedule waits on them in between), the last
+  stage's loss function (`loss_fn`; the strategy computes the loss inside the stage's forward instead, where it is
+  counted), and FSDP's gradient reduce-scatter and gradient scaling after the last backward
+  (`PipelineStage.perform_reduce_grad`; over one rank at world size 2). Both drivers are timed by the same wrappers
+  (`ScheduleTimer`), put on torch's classes for the run; perf_counter on CPU, CUDA events on GPU;
 - CPU time: this process's CPU time per step, which other processes on a busy machine barely change;
 - bubble of the step = 1 - compute time / step time, summed over the timed steps, averaged over ranks: every
   moment of the step a rank is not computing its stage counts, wherever it waits (inside the schedule, or in a
@@ -485,12 +487,13 @@ def main(argv: list[str] | None = None) -> None:
 
 DEFINITIONS = """\
 Step: wall time between the ends of consecutive training steps (data, schedule, optimizer). Compute: time inside
-this rank's `PipelineStage.forward_one_chunk` / `backward_one_chunk` (one microbatch's stage forward or backward).
-Schedule: time inside the torch schedule's `step`. Bubble of the step: 1 - compute / step (an upper bound: it also
-counts the optimizer step and the driver's own work). Bubble in the schedule: 1 - compute / schedule (waits outside
-the schedule's `step`, such as the strategy's loss broadcast after it, are not in it). Both over the timed steps,
-mean over ranks (per rank in the second table). CPU time: the process's CPU time per step (less affected by other
-processes than wall time). Theoretical: (p-1)/(m+p-1) for p stages and m microbatches. `plain`: hand-split model,
+this rank's `PipelineStage.forward_one_chunk` / `backward_one_chunk` (one microbatch's stage forward or backward;
+FSDP's gradient reduce-scatter after the last backward is not in it). Schedule: time inside the torch schedule's
+`step`. Bubble of the step: 1 - compute / step (an upper bound: it also counts the optimizer step and the driver's
+own work). Bubble in the schedule: 1 - compute / schedule (waits outside the schedule's `step`, such as the
+strategy's loss broadcast after it, are not in it). Both over the timed steps, mean over ranks (per rank in the
+second table). CPU time: the process's CPU time per step (less affected by other processes than wall time).
+Theoretical: (p-1)/(m+p-1) for p stages and m microbatches. `plain`: hand-split model,
 `torch.distributed.pipelining.PipelineStage` and the same schedule class; `dpar`: `FullyShardStrategy` with
 `pipeline_parallel_size=2` through the Trainer. See `benchmarks/pipeline.py`.
 """
