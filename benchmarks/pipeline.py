@@ -20,8 +20,9 @@ What is measured, per rank and step (warm-up steps dropped):
   waits for activations and gradients from the neighbouring stage (the schedule waits on them in between), the last
   stage's loss function (`loss_fn`; the strategy computes the loss inside the stage's forward instead, where it is
   counted), and FSDP's gradient reduce-scatter and gradient scaling after the last backward
-  (`PipelineStage.perform_reduce_grad`; over one rank at world size 2). Both drivers are timed by the same wrappers
-  (`ScheduleTimer`), put on torch's classes for the run; perf_counter on CPU, CUDA events on GPU;
+  (`PipelineStage.perform_reduce_grad`; over one rank at world size 2), timed apart as "gradient reduction". Both
+  drivers are timed by the same wrappers (`ScheduleTimer`), put on torch's classes for the run; perf_counter on
+  CPU, CUDA events on GPU;
 - CPU time: this process's CPU time per step, which other processes on a busy machine barely change;
 - bubble of the step = 1 - compute time / step time, summed over the timed steps, averaged over ranks: every
   moment of the step a rank is not computing its stage counts, wherever it waits (inside the schedule, or in a
@@ -111,19 +112,21 @@ def cases(schedules: list[str], microbatches: list[int]) -> list[Case]:
 
 
 class ScheduleTimer:
-    """Per call of a schedule's `step`: its wall time and the time spent in the stages' forward and backward.
+    """Per call of a schedule's `step`: its wall time, the time spent in the stages' forward and backward, and in the
+    gradient reduction after the last backward (`perform_reduce_grad`: FSDP's reduce-scatter, gradient scaling).
 
     `instrument` wraps `PipelineStage`'s chunk methods and the schedule class's `step` for the duration of one run,
     so torch's schedules, whoever built them (the plain loop or the strategy), are timed by the same code.
     """
 
-    CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+    COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+    REDUCE_METHOD = "perform_reduce_grad"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        #: `(schedule seconds, compute seconds)` per `step` call.
-        self.steps: list[tuple[float, float]] = []
-        self._chunks: list[tuple[Any, Any]] = []
+        #: `(schedule seconds, compute seconds, gradient reduction seconds)` per `step` call.
+        self.steps: list[tuple[float, float, float]] = []
+        self._intervals: dict[str, list[tuple[Any, Any]]] = {"compute": [], "reduce": []}
 
     def _mark(self) -> Any:
         if self.device.type == "cuda":
@@ -137,28 +140,28 @@ class ScheduleTimer:
             return start.elapsed_time(end) / 1e3
         return end - start
 
-    def _timed_chunk(self, method: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed_stage_method(self, method: Callable[..., Any], kind: str) -> Callable[..., Any]:
         @functools.wraps(method)
         def timed(stage: Any, *args: Any, **kwargs: Any) -> Any:
             start = self._mark()
             try:
                 return method(stage, *args, **kwargs)
             finally:
-                self._chunks.append((start, self._mark()))
+                self._intervals[kind].append((start, self._mark()))
 
         return timed
 
     def _timed_step(self, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def timed(schedule: Any, *args: Any, **kwargs: Any) -> Any:
-            self._chunks = []
+            self._intervals = {"compute": [], "reduce": []}
             start = self._mark()
             result = method(schedule, *args, **kwargs)
             end = self._mark()
             if self.device.type == "cuda":
                 end.synchronize()
-            compute = sum(self._seconds(a, b) for a, b in self._chunks)
-            self.steps.append((self._seconds(start, end), compute))
+            compute, reduce = (sum(self._seconds(a, b) for a, b in self._intervals[k]) for k in ("compute", "reduce"))
+            self.steps.append((self._seconds(start, end), compute, reduce))
             return result
 
         return timed
@@ -166,8 +169,10 @@ class ScheduleTimer:
     @contextmanager
     def instrument(self, schedule_class: type) -> Iterator[ScheduleTimer]:
         with ExitStack() as stack:
-            for name in self.CHUNK_METHODS:
-                stack.enter_context(_replaced(PipelineStage, name, self._timed_chunk(getattr(PipelineStage, name))))
+            for name in (*self.COMPUTE_METHODS, self.REDUCE_METHOD):
+                kind = "reduce" if name == self.REDUCE_METHOD else "compute"
+                timed = self._timed_stage_method(getattr(PipelineStage, name), kind)
+                stack.enter_context(_replaced(PipelineStage, name, timed))
             stack.enter_context(_replaced(schedule_class, "step", self._timed_step(schedule_class.step)))
             yield self
 
@@ -337,9 +342,9 @@ def _bubbles(run: list[dict[str, Any]], warmup: int) -> tuple[list[float], list[
     of_step, of_schedule = [], []
     for rank in run:
         timed = rank["schedule"][warmup:]
-        compute = sum(c for _, c in timed)
+        compute = sum(c for _, c, _ in timed)
         of_step.append(1 - compute / sum(rank["step_times"][warmup:]))
-        of_schedule.append(1 - compute / sum(s for s, _ in timed))
+        of_schedule.append(1 - compute / sum(s for s, _, _ in timed))
     return of_step, of_schedule
 
 
@@ -363,10 +368,13 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "rep_step_time_ms": [mean_of_medians(run, lambda r: r["step_times"]) for run in runs],
             "cpu_time_ms": statistics.median(mean_of_medians(run, lambda r: r["cpu_times"]) for run in runs),
             "schedule_time_ms": statistics.median(
-                mean_of_medians(run, lambda r: [s for s, _ in r["schedule"]]) for run in runs
+                mean_of_medians(run, lambda r: [s for s, _, _ in r["schedule"]]) for run in runs
             ),
             "compute_time_ms": statistics.median(
-                mean_of_medians(run, lambda r: [c for _, c in r["schedule"]]) for run in runs
+                mean_of_medians(run, lambda r: [c for _, c, _ in r["schedule"]]) for run in runs
+            ),
+            "reduce_time_ms": statistics.median(
+                mean_of_medians(run, lambda r: [g for _, _, g in r["schedule"]]) for run in runs
             ),
             "bubble": statistics.median(statistics.mean(step) for step, _ in bubbles),
             "bubble_per_rank": [statistics.median(step[r] for step, _ in bubbles) for r in range(world)],
@@ -401,14 +409,16 @@ def markdown(raw: dict[str, Any], summary: dict[str, Any]) -> str:
     details = [
         "",
         "| variant | step (ms) | per repetition (ms) | CPU time (ms) | schedule (ms) | compute (ms)"
-        " | compute per microbatch (ms) | bubble of the step, per rank | bubble in the schedule, per rank |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " | compute per microbatch (ms) | gradient reduction (ms) | bubble of the step, per rank"
+        " | bubble in the schedule, per rank |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         details.append(
             f"| {name} | {s['step_time_ms']:.1f} | {_joined(s['rep_step_time_ms'], 1)} | {s['cpu_time_ms']:.1f}"
             f" | {s['schedule_time_ms']:.1f} | {s['compute_time_ms']:.1f}"
-            f" | {s['compute_time_ms'] / s['microbatches']:.1f} | {_joined(s['bubble_per_rank'], 3)}"
+            f" | {s['compute_time_ms'] / s['microbatches']:.1f} | {s['reduce_time_ms']:.1f}"
+            f" | {_joined(s['bubble_per_rank'], 3)}"
             f" | {_joined(s['schedule_bubble_per_rank'], 3)} |"
         )
         if "step_time_vs_plain" not in s:
@@ -488,7 +498,8 @@ def main(argv: list[str] | None = None) -> None:
 DEFINITIONS = """\
 Step: wall time between the ends of consecutive training steps (data, schedule, optimizer). Compute: time inside
 this rank's `PipelineStage.forward_one_chunk` / `backward_one_chunk` (one microbatch's stage forward or backward;
-FSDP's gradient reduce-scatter after the last backward is not in it). Schedule: time inside the torch schedule's
+FSDP's gradient reduce-scatter after the last backward is not in it: "gradient reduction", in the second table).
+Schedule: time inside the torch schedule's
 `step`. Bubble of the step: 1 - compute / step (an upper bound: it also counts the optimizer step and the driver's
 own work). Bubble in the schedule: 1 - compute / schedule (waits outside the schedule's `step`, such as the
 strategy's loss broadcast after it, are not in it). Both over the timed steps, mean over ranks (per rank in the

@@ -199,7 +199,7 @@ def _pipeline_rank(step_s: float, schedule_s: float, compute_s: float) -> dict:
         "cpu_times": [1.0] + [step_s / 2] * 3,
         "peak_memory_bytes": 0,
         "state_bytes": {"params": 0, "optimizer": 0},
-        "schedule": [[0.9, 0.1]] + [[schedule_s, compute_s]] * 3,
+        "schedule": [[0.9, 0.1, 0.5]] + [[schedule_s, compute_s, 0.002]] * 3,
     }
 
 
@@ -241,7 +241,8 @@ def test_pipeline_summary_bubble_and_ratio_on_known_numbers():
     assert dpar["theoretical_bubble"] == theoretical_bubble(2, 4) == pytest.approx(0.2)
     table = markdown(raw, summary)
     assert "| 1F1B | 4 | 100.0 | 110.0 | 1.100 | 1.100 | 0.400 / 0.523 | 0.250 / 0.417 | 0.200 |" in table
-    row = "| dpar_1f1b_m4 | 110.0 | 110.0, 110.0 | 55.0 | 90.0 | 52.5 | 13.1 | 0.455, 0.591 | 0.333, 0.500 |"
+    assert dpar["reduce_time_ms"] == pytest.approx(2.0)
+    row = "| dpar_1f1b_m4 | 110.0 | 110.0, 110.0 | 55.0 | 90.0 | 52.5 | 13.1 | 2.0 | 0.455, 0.591 | 0.333, 0.500 |"
     assert row in table
 
 
@@ -250,10 +251,11 @@ def test_pipeline_timer_restores_torch_classes():
 
     from benchmarks.pipeline import ScheduleTimer
 
-    before = (PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk, ScheduleGPipe.step)
+    before = (PipelineStage.forward_one_chunk, PipelineStage.perform_reduce_grad, ScheduleGPipe.step)
     with ScheduleTimer(torch.device("cpu")).instrument(ScheduleGPipe):
         assert PipelineStage.forward_one_chunk is not before[0] and ScheduleGPipe.step is not before[2]
-    assert (PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk, ScheduleGPipe.step) == before
+        assert PipelineStage.perform_reduce_grad is not before[1]
+    assert (PipelineStage.forward_one_chunk, PipelineStage.perform_reduce_grad, ScheduleGPipe.step) == before
     assert "step" not in vars(ScheduleGPipe) and "forward_one_chunk" not in vars(PipelineStage)  # inherited again
 
 
@@ -270,6 +272,7 @@ def test_pipeline_benchmark_end_to_end(tmp_path):
     for name, s in summary.items():
         assert math.isfinite(s["step_time_ms"]) and s["step_time_ms"] > 0, name
         assert 0 < s["compute_time_ms"] < s["schedule_time_ms"] <= s["step_time_ms"], name
+        assert 0 < s["reduce_time_ms"] < s["schedule_time_ms"], name
         assert all(0 <= b <= 1 for b in s["bubble_per_rank"] + s["schedule_bubble_per_rank"]), name
         assert s["bubble"] >= s["schedule_bubble"], name  # the step holds the schedule
         assert s["theoretical_bubble"] == pytest.approx(0.2)
