@@ -76,8 +76,8 @@ from benchmarks.worker import cpu_name, release_memory
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINE_SIZE = 2
 SCHEDULES: dict[str, type] = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
-#: Model and per-data-parallel-rank batch. `cpu`: 8.7 M parameters; about 45 / 65 ms of forward and backward per
-#: microbatch per stage at 8 / 4 microbatches (one core each, on a busy 2-core machine), so compute dominates gloo's
+#: Model and per-data-parallel-rank batch. `cpu`: 8.7 M parameters; about 30 / 48 ms of forward and backward per
+#: microbatch per stage at 8 / 4 microbatches (one core each, on a quiet 2-core machine), so compute dominates gloo's
 #: point-to-point sends of 128 / 256 KiB activations. `tiny`: the test's size (seconds). `gpu`: 8 blocks of dim
 #: 4096 (~1.1 B parameters, fp32 with TF32 matmuls; ~9 GB of parameters, gradients and AdamW state per stage).
 SIZES: dict[str, Size] = {
