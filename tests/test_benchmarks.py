@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
 from benchmarks.model import PRESETS, Size, parameter_count
 from benchmarks.overhead import overhead_markdown, per_step_events
@@ -188,3 +190,92 @@ def test_overhead_command_profiles_ops_and_lightning_hooks(tmp_path):
     assert "| plain_fsdp |" in table and "| dpar_fsdp |" in table
     assert "`[Strategy]FullyShardStrategy.training_step`" in table  # Lightning's hooks, by Lightning's names
     assert "`aten::mm`" in table or "`aten::addmm`" in table
+
+
+def _pipeline_rank(step_s: float, schedule_s: float, compute_s: float) -> dict:
+    """One rank's run of the pipeline benchmark: a slow warm-up step, then three identical timed steps."""
+    return {
+        "step_times": [1.0] + [step_s] * 3,
+        "cpu_times": [1.0] + [step_s / 2] * 3,
+        "peak_memory_bytes": 0,
+        "state_bytes": {"params": 0, "optimizer": 0},
+        "schedule": [[0.9, 0.1, 0.5]] + [[schedule_s, compute_s, 0.002]] * 3,
+    }
+
+
+def test_pipeline_summary_bubble_and_ratio_on_known_numbers():
+    from benchmarks.pipeline import markdown, summarize, theoretical_bubble
+
+    def case(driver: str, ranks: list[dict]) -> dict:
+        return {"driver": driver, "schedule": "1F1B", "microbatches": 4, "runs": [ranks, ranks]}
+
+    raw = {
+        "world_size": 2,
+        "pipeline_size": 2,
+        "device": "cpu",
+        "device_name": "test CPU",
+        "cpu_count": 2,
+        "load_average_before": [1.0, 1.0, 1.0],
+        "load_average_after": [2.0, 1.0, 1.0],
+        "torch": "x",
+        "lightning": "y",
+        "size": {"dim": 8, "hidden": 16, "depth": 2, "seq": 4, "batch": 8},
+        "size_description": "test model",
+        "warmup": 1,
+        "steps": 3,
+        "repeats": 2,
+        "wall_s": 3.0,
+        "cases": {
+            "plain_1f1b_m4": case("plain", [_pipeline_rank(0.100, 0.080, 0.060)] * 2),
+            "dpar_1f1b_m4": case("dpar", [_pipeline_rank(0.110, 0.090, 0.060), _pipeline_rank(0.110, 0.090, 0.045)]),
+        },
+    }
+    summary = summarize(raw)
+    plain, dpar = summary["plain_1f1b_m4"], summary["dpar_1f1b_m4"]
+    assert plain["step_time_ms"] == pytest.approx(100.0)  # the warm-up step is left out
+    assert plain["bubble"] == pytest.approx(0.4) and plain["schedule_bubble"] == pytest.approx(0.25)
+    assert dpar["schedule_bubble_per_rank"] == pytest.approx([1 / 3, 0.5])
+    assert dpar["schedule_bubble"] == pytest.approx(5 / 12)
+    assert dpar["bubble_per_rank"] == pytest.approx([1 - 60 / 110, 1 - 45 / 110])
+    assert dpar["step_time_vs_plain"] == pytest.approx(1.1) and dpar["cpu_time_ms"] == pytest.approx(55.0)
+    assert dpar["theoretical_bubble"] == theoretical_bubble(2, 4) == pytest.approx(0.2)
+    table = markdown(raw, summary)
+    assert "| 1F1B | 4 | 100.0 | 110.0 | 1.100 | 1.100 | 0.400 / 0.523 | 0.250 / 0.417 | 0.200 |" in table
+    assert dpar["reduce_time_ms"] == pytest.approx(2.0)
+    row = "| dpar_1f1b_m4 | 110.0 | 110.0, 110.0 | 55.0 | 90.0 | 52.5 | 13.1 | 2.0 | 0.455, 0.591 | 0.333, 0.500 |"
+    assert row in table
+
+
+def test_pipeline_timer_restores_torch_classes():
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from benchmarks.pipeline import ScheduleTimer
+
+    before = (PipelineStage.forward_one_chunk, PipelineStage.perform_reduce_grad, ScheduleGPipe.step)
+    with ScheduleTimer(torch.device("cpu")).instrument(ScheduleGPipe):
+        assert PipelineStage.forward_one_chunk is not before[0] and ScheduleGPipe.step is not before[2]
+        assert PipelineStage.perform_reduce_grad is not before[1]
+    assert (PipelineStage.forward_one_chunk, PipelineStage.perform_reduce_grad, ScheduleGPipe.step) == before
+    assert "step" not in vars(ScheduleGPipe) and "forward_one_chunk" not in vars(PipelineStage)  # inherited again
+
+
+def test_pipeline_benchmark_end_to_end(tmp_path):
+    """Both drivers, GPipe and 1F1B, on 2 gloo ranks at the `tiny` size: every row present, numbers sane. Not marked
+    slow: 9 to 19 s on the 2 shared cores (one launch, four short runs); 44 s only at a load average of 60."""
+    args = ["-m", "benchmarks.pipeline", "--world-size", "2", "--size", "tiny", "--microbatches", "4"]
+    args += ["--warmup", "1", "--steps", "2", "--repeats", "1", "--out", str(tmp_path)]
+    proc = run_script(args, ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "pipeline_tiny.json").read_text())["results"]
+    summary = result["summary"]
+    assert set(summary) == {"plain_gpipe_m4", "dpar_gpipe_m4", "plain_1f1b_m4", "dpar_1f1b_m4"}
+    for name, s in summary.items():
+        assert math.isfinite(s["step_time_ms"]) and s["step_time_ms"] > 0, name
+        assert 0 < s["compute_time_ms"] < s["schedule_time_ms"] <= s["step_time_ms"], name
+        assert 0 < s["reduce_time_ms"] < s["schedule_time_ms"], name
+        assert all(0 <= b <= 1 for b in s["bubble_per_rank"] + s["schedule_bubble_per_rank"]), name
+        assert s["bubble"] >= s["schedule_bubble"], name  # the step holds the schedule
+        assert s["theoretical_bubble"] == pytest.approx(0.2)
+    assert math.isfinite(summary["dpar_1f1b_m4"]["step_time_vs_plain"])
+    table = (tmp_path / "pipeline_tiny.md").read_text()
+    assert "| GPipe | 4 |" in table and "| 1F1B | 4 |" in table and "| dpar_gpipe_m4 |" in table
