@@ -2,9 +2,16 @@
 evaluation step is one forward pass through the stages; logged values and the loss are the last stage's, on every
 rank.
 
-Training. The first step with a new batch shape runs one forward pass of the first microbatch through the stages
-without gradients (RNG state restored, logs discarded) to learn what crosses each boundary; torch's `PipelineStage`s
-and the schedule are then built with those shapes and reused for every batch of that shape. Each microbatch's loss is
+Training. The first step with a new batch shape runs one forward pass of the first microbatch through all stages
+without gradients (RNG state and logged metrics' states restored, logs discarded) to learn what crosses each
+boundary, and to find errors while every rank can still hear of them; torch's `PipelineStage`s and the schedule are
+then built with those shapes and reused for every batch of that shape.
+
+Errors. In a forward-only pass (that probe, and every evaluation step) a stage that raises sends the error on in
+place of its activation, and the last stage's rank sends the first error to every pipeline rank: each rank raises
+it, instead of waiting in a receive for an activation that will never come. Inside a schedule step there is no such
+exchange: an error raised there on one stage (e.g. from data only that step has) leaves the other stages waiting
+until the process group's `timeout`. Each microbatch's loss is
 scaled by `1 / (microbatches x accumulate_grad_batches)` before its backward, so gradients equal the unpipelined
 run's and gradient accumulation works as usual. Lightning zeroes gradients between `training_step` and `backward`
 (on the first batch of an accumulation window), so the step's gradients are set aside when the schedule ends and
@@ -19,7 +26,7 @@ synced over data-parallel peers when Lightning asks) is the same on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +46,17 @@ from lightning_dpar.pipeline.schedule import build_schedule
 from lightning_dpar.pipeline.stage import PipelinedModel
 from lightning_dpar.pipeline.values import tensor_specs
 
-__all__ = ["LogRecorder", "MetricState", "PipelineRuntime"]
+__all__ = ["LogRecorder", "MetricState", "PipelineRuntime", "PipelineStageError"]
+
+
+#: How a value logged once per microbatch becomes the step's value (Lightning's `reduce_fx` names).
+REDUCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "mean": torch.mean,
+    "avg": torch.mean,
+    "sum": torch.sum,
+    "max": torch.max,
+    "min": torch.min,
+}
 
 
 class LogRecorder:
@@ -61,8 +78,8 @@ class LogRecorder:
         self.calls.append((name, value, kwargs))
 
     def averaged(self) -> list[tuple[str, Any, dict[str, Any]]]:
-        """One entry per logged name (first-call order): the mean over the calls (a metric: itself, it accumulates
-        its own updates), with the first call's options."""
+        """One entry per logged name (first-call order): the calls' values combined by the call's `reduce_fx`
+        (mean by default; a metric: itself, it accumulates its own updates), with the first call's options."""
         values: dict[str, list[Any]] = {}
         options: dict[str, dict[str, Any]] = {}
         for name, value, kwargs in self.calls:
@@ -73,8 +90,12 @@ class LogRecorder:
             if isinstance(logged[-1], Metric):
                 out.append((name, logged[-1], options[name]))
                 continue
-            mean = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in logged]).mean()
-            out.append((name, mean, options[name]))
+            stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in logged])
+            reduce_fx = options[name].get("reduce_fx", "mean")
+            combine = REDUCTIONS.get(reduce_fx, reduce_fx) if isinstance(reduce_fx, str) else reduce_fx
+            if not callable(combine):
+                raise ValueError(f"`self.log({name!r}, ..., reduce_fx={reduce_fx!r})`: use one of {list(REDUCTIONS)}.")
+            out.append((name, combine(stacked), options[name]))
         return out
 
 
@@ -106,6 +127,17 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
 def _batch_key(value: Any) -> tuple:
     """The shapes and dtypes of a batch's tensors: what decides the shapes crossing each stage boundary."""
     return tuple((tuple(t.shape), t.dtype) for t in _tensors_in(value))
+
+
+class PipelineStageError(RuntimeError):
+    """Raised on every pipeline rank when a stage failed in a forward-only pass; names the stage and its error."""
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """Sent to the next stage in place of an activation: a stage before it failed."""
+
+    message: str
 
 
 class PipelineRuntime:
@@ -148,6 +180,8 @@ class PipelineRuntime:
         src = self._global_rank(stage)
         payload: list[Any] = [None]
         dist.recv_object_list(payload, src=src, group=self.group, device=self._object_device())
+        if isinstance(payload[0], _Failed):
+            return payload[0], []
         spec, _ = payload[0]
         received = []
         for leaf in tensor_specs(spec):
@@ -156,13 +190,16 @@ class PipelineRuntime:
             received.append(buffer)
         return payload[0], received
 
-    def forward_only(self, step_kwargs: dict[str, Any], run_last_stage: bool) -> Any:
-        """One forward pass of `step_kwargs` through all stages, stage after stage (no schedule); returns the last
-        stage's step output on the rank holding it. Each stage records its units' output specs and sends them on
-        with its boundary output, so every later stage can stand in for the units it does not hold."""
+    def forward_only(self, step_kwargs: dict[str, Any], finish: Callable[[Any], Any] = lambda output: None) -> Any:
+        """One forward pass of `step_kwargs` through all stages, stage after stage (no schedule). Each stage records
+        its units' output specs and sends them on with its boundary output, so every later stage can stand in for
+        the units it does not hold. Returns `finish(output of the last stage's step)`, computed on the rank holding
+        the last stage and sent to every pipeline rank; a stage's error is raised on every rank instead."""
         model = self.model
         carried: tuple[Any, list[torch.Tensor]] | None = None
-        result = None
+        failure: _Failed | None = None
+        own_error: BaseException | None = None
+        value = None
         for stage in model.local_stages:
             received: list[torch.Tensor] = []
             if stage > 0:
@@ -171,20 +208,39 @@ class PipelineRuntime:
                     payload, received = carried
                 else:
                     payload, received = self._recv(stage - 1)
-                spec, table = payload
-                model.input_specs[stage] = spec
-                model.unit_outputs.update(table)
+                if isinstance(payload, _Failed):
+                    failure = payload
+                elif failure is None:
+                    spec, table = payload
+                    model.input_specs[stage] = spec
+                    model.unit_outputs.update(table)
+            sent: tuple[torch.Tensor, ...] = ()
+            if failure is None:
+                try:
+                    output = model.stages[stage](*received, **step_kwargs)  # through the stage's FSDP root
+                    if model.is_last(stage):
+                        value = finish(output)
+                    else:
+                        sent = output
+                except Exception as error:
+                    own_error = error
+                    rank = dist.get_rank()
+                    failure = _Failed(f"pipeline stage {stage} (rank {rank}) failed: {type(error).__name__}: {error}")
             if model.is_last(stage):
-                if run_last_stage:
-                    result = model.stages[stage](*received, **step_kwargs)  # through the stage's FSDP root
                 break
-            sent = model.stages[stage](*received, **step_kwargs)
-            payload = (model.output_specs[stage], dict(model.unit_outputs))
+            payload = failure if failure is not None else (model.output_specs[stage], dict(model.unit_outputs))
             if model.split.stage_to_rank[stage + 1] == model.pipeline_rank:
                 carried = (payload, list(sent))
+            elif isinstance(payload, _Failed):
+                self._send(payload, (), stage + 1)
             else:
                 self._send(payload, sent, stage + 1)
-        return result
+        failure, value = self._from_last_stage((failure, value))
+        if failure is not None:
+            if own_error is not None:
+                raise own_error
+            raise PipelineStageError(f"{failure.message} (raised on every pipeline rank so none waits for it)")
+        return value
 
     # ------------------------------------------------------------------ training
     def check_batches(self, dataloader: object) -> None:
@@ -219,7 +275,9 @@ class PipelineRuntime:
         _, kwarg_chunks = split_args_kwargs_into_chunks((), {"batch": batch}, m)
         return [chunk["batch"] for chunk in kwarg_chunks]
 
-    def _loss(self, output: Any, microbatch_index: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _check_step_output(output: Any) -> torch.Tensor:
+        """The loss in `training_step`'s output, or a `TypeError` saying what it must return."""
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(
@@ -227,6 +285,10 @@ class PipelineRuntime:
                 f" 'loss'); it returned {type(output).__name__}. Skipping a step by returning None is not possible:"
                 " every stage has already run its part."
             )
+        return loss
+
+    def _loss(self, output: Any, microbatch_index: torch.Tensor) -> torch.Tensor:
+        loss = self._check_step_output(output)
         self._microbatch_losses.append(loss.detach().reshape(()))
         return loss.reshape(()) * self._loss_scale
 
@@ -235,8 +297,8 @@ class PipelineRuntime:
         self.model.step = self.module.training_step
         if self.model.select_shapes(key) or key not in self._schedules:
             first = self._split_batch(batch)[0]
-            with torch.no_grad(), torch.random.fork_rng(devices=self._rng_devices()), self._discarding_logs():
-                self.forward_only({"batch": first, "step_args": step_args}, run_last_stage=False)
+            with torch.no_grad(), torch.random.fork_rng(devices=self._rng_devices()), self._probing():
+                self.forward_only({"batch": first, "step_args": step_args}, finish=self._check_step_output)
             self._reshard()
             self._schedules[key] = self._build_schedule()
         return self._schedules[key]
@@ -252,9 +314,16 @@ class PipelineRuntime:
         return [self.device.index or 0] if self.device.type == "cuda" else []
 
     @contextmanager
-    def _discarding_logs(self) -> Iterator[None]:
-        with recording_logs(self.module, LogRecorder()):
-            yield
+    def _probing(self) -> Iterator[None]:
+        """What the shape probe's steps log is discarded, and the metrics they update are put back as they were."""
+        metrics = [m for m in self.module.modules() if isinstance(m, Metric)]
+        saved = [(m, apply_to_collection(m.metric_state, torch.Tensor, torch.clone), m.update_count) for m in metrics]
+        try:
+            with recording_logs(self.module, LogRecorder()):
+                yield
+        finally:
+            for metric, states, update_count in saved:
+                adopt_metric_state(metric, states, update_count)
 
     def _build_schedule(self) -> Any:
         model = self.model
@@ -326,9 +395,11 @@ class PipelineRuntime:
         self.model.select_shapes((step_name, _batch_key(batch)))
         recorder = LogRecorder()
         with recording_logs(self.module, recorder):
-            output = self.forward_only({"batch": batch, "step_args": step_args}, run_last_stage=True)
+            output, logged = self.forward_only(
+                {"batch": batch, "step_args": step_args},
+                finish=lambda output: (_to_cpu(output), self._portable(recorder.averaged())),
+            )
         self._reshard()
-        output, logged = self._from_last_stage((_to_cpu(output), self._portable(recorder.averaged())))
         self._replay(logged)
         return _to_device(output, self.device)
 

@@ -121,7 +121,10 @@ def schedule_spec(name: str) -> ScheduleSpec:
     """The schedule called `name` (case-insensitive)."""
     if not isinstance(name, str) or name.lower() not in SCHEDULES:
         names = [spec.name for spec in SCHEDULES.values()]
-        raise ValueError(f"`pipeline_schedule={name!r}` is not a pipeline schedule. Choose one of {names}.")
+        described = "; ".join(f"{spec.name}: {spec.description}" for spec in SCHEDULES.values())
+        raise ValueError(
+            f"`pipeline_schedule={name!r}` is not a pipeline schedule. Choose one of {names} ({described})."
+        )
     return SCHEDULES[name.lower()]
 
 

@@ -101,12 +101,6 @@ class PipelineSplit:
         """The stage indices held by one pipeline rank, in execution order."""
         return [stage for stage, rank in enumerate(self.stage_to_rank) if rank == pipeline_rank]
 
-    def stage_of_unit(self, fqn: str) -> int:
-        for stage, units in enumerate(self.stages):
-            if fqn in units:
-                return stage
-        raise KeyError(fqn)
-
     def units_of_rank(self, pipeline_rank: int) -> list[str]:
         return [unit for stage in self.stages_of_rank(pipeline_rank) for unit in self.stages[stage]]
 

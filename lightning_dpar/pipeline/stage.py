@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ class _Run:
     received: Any
     boundary_unit: str | None
     stop_unit: str | None
+    called: set[str] = field(default_factory=set)
 
 
 class RemoteUnit(nn.Module):
@@ -128,6 +129,7 @@ class PipelinedModel:
             run = self._run
             if run is None:
                 return
+            self._count_call(run, fqn)
             if fqn not in self.unit_outputs:
                 self.unit_outputs[fqn] = describe(output, f"Pipeline unit {fqn!r}")
             if fqn == run.stop_unit:
@@ -195,6 +197,7 @@ class PipelinedModel:
                 f"{fqn!r} runs on pipeline stage {stage}, another stage than this rank's; under pipeline parallelism"
                 " call the model only inside the step methods the Trainer runs."
             )
+        self._count_call(run, fqn)
         if fqn == run.boundary_unit:
             return run.received
         if stage > run.stage:
@@ -205,10 +208,24 @@ class PipelinedModel:
         spec = self.unit_outputs.get(fqn)
         if spec is None:
             raise RuntimeError(
-                f"Pipeline stage {run.stage} called {fqn!r} (stage {stage}), whose output shape its stage did not"
-                " record: that stage never called it for this input shape. Units must be called on every step."
+                f"Pipeline stage {run.stage} called {fqn!r} (stage {stage}), which its own stage never called before"
+                " finishing. Stages are cut in the order the units are registered, and the model calls them in"
+                f" another order ({fqn!r} runs later than it is registered, e.g. a head registered before the"
+                " blocks), or skips it. Register the modules in the order the forward calls them."
             )
         return fabricate(spec, self.device)
+
+    @staticmethod
+    def _count_call(run: _Run, fqn: str) -> None:
+        """A unit runs once per step: a second call (a reused layer, `generate()` in a step) would see the stage's
+        received activation or stop the stage again, silently computing something else than the unsplit model."""
+        if fqn in run.called:
+            raise RuntimeError(
+                f"Pipeline unit {fqn!r} was called twice in one step on stage {run.stage}. Under pipeline parallelism"
+                " each unit runs once per step (the stages are cut between units): do not reuse a layer, and do not"
+                " generate token by token inside a step."
+            )
+        run.called.add(fqn)
 
     @contextmanager
     def _only_units_of(self, stage: int) -> Iterator[None]:

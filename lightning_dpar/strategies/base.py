@@ -353,16 +353,16 @@ class DparStrategy(ParallelStrategy):
             )
         config = self._pipeline_config
         config.check(dims.pipeline)
+        shard_units = self._shard_units(module)
         split = resolve_split(
             module,
-            self._shard_units(module) or repeated_blocks(module),
+            shard_units or repeated_blocks(module),
             config.split,
             dims.pipeline,
             config.stages_per_rank,
             config.schedule.placement,
         )
         tp_plan = self._tp_plan_for(module, dims)
-        shard_units = self._shard_units(module)
         check_initialisable(module)
         whole = ModulePlan(
             tensor_parallel=resolve_tp_plan(module, tp_plan, dims.tensor_parallel) if tp_plan else {},

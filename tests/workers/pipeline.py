@@ -87,16 +87,18 @@ class LossRecorder(L.Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
-def reference_losses(optimizer: str, batches, depth: int, clip_norm=None) -> list[float]:
-    """The full-batch loss before each step of single-process training."""
+def reference_losses(optimizer: str, batches, depth: int, clip_norm=None, accumulate=1) -> list[float]:
+    """The loss of each batch Lightning's `training_step` sees (each accumulated micro-batch), before its step, in
+    single-process training."""
     torch.manual_seed(0)
     model = Net(depth=depth)
     opt = make_optimizer(optimizer, model.parameters())
     losses = []
     for x, y in batches:
         opt.zero_grad()
+        with torch.no_grad():
+            losses.extend(F.mse_loss(model(xm), ym).item() for xm, ym in zip(x.chunk(accumulate), y.chunk(accumulate)))
         loss = F.mse_loss(model(x), y)
-        losses.append(loss.item())
         loss.backward()
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
@@ -129,11 +131,11 @@ def parity(
     batches = global_batches(data, data_parallel(tensor_parallel), BATCH, STEPS, accumulate)
     want = reference_train(optimizer, batches, depth=depth, clip_norm=clip_norm)
     assert set(got) == set(want), (sorted(got), sorted(want))
-    losses = reference_losses(optimizer, batches, depth, clip_norm)
+    losses = reference_losses(optimizer, batches, depth, clip_norm, accumulate)
     return {
         "max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want),
-        # Every rank logs the true loss (with accumulation Lightning logs each micro-batch's; compare the last).
-        "logged_loss_diff": max(abs(rank_losses[-1] - losses[-1]) for rank_losses in logged) if accumulate == 1 else 0,
+        # Every rank logs the true loss of the last batch (with accumulation: of its last micro-batch).
+        "logged_loss_diff": max(abs(rank_losses[-1] - losses[-1]) for rank_losses in logged),
         "logged_on_ranks": sum(len(rank_losses) == STEPS * accumulate for rank_losses in logged),
     }
 
@@ -394,8 +396,46 @@ def _expect_error(make_strategy, module=None, batch_size=BATCH) -> list[str | No
     return gather_objects(message)
 
 
+class SkippingModule(ParityModule):
+    """Returns None from `training_step` to skip a batch, which a pipeline cannot do (every stage ran its part)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        F.mse_loss(self(x), y)
+        return None
+
+
+class ReusedLayerModule(ParityModule):
+    """Calls its first block twice (weight sharing): a stage cut between units cannot run that."""
+
+    def forward(self, x):
+        model = self.model
+        x = F.relu(model.inp(x))
+        x = model.layers[0](model.layers[0](x))
+        return model.out(model.layers[1](x))
+
+
+class SummedLogModule(ParityModule):
+    """Logs the samples of each microbatch with `reduce_fx="sum"`: the step's value must count the whole batch."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("samples", float(len(x)), reduce_fx="sum")
+        return F.mse_loss(self(x), y)
+
+
+def summed_log_case() -> list:
+    module = SummedLogModule()
+    trainer = trainer_for(pipeline_strategy(), max_steps=1)
+    trainer.fit(module, loader(RegressionData(), BATCH))
+    return gather_objects(float(trainer.callback_metrics["samples"]))
+
+
 def group_errors() -> Iterator[Case]:
     world = world_size()
+    yield Case("pp_step_returns_none", lambda: _expect_error(pipeline_strategy, SkippingModule()))
+    yield Case("pp_reused_layer", lambda: _expect_error(pipeline_strategy, ReusedLayerModule()))
+    yield Case("pp_summed_log", summed_log_case)
     yield Case(
         "pp_not_dividing_world", lambda: _expect_error(lambda: FullyShardStrategy(pipeline_parallel_size=world + 1))
     )
