@@ -84,6 +84,11 @@ def test_accumulation_clipping_and_microbatches(pp2, case):
 
 
 @pytest.mark.slow
+def test_a_model_registering_its_head_first_trains_with_its_call_order(pp2):
+    assert pp2.results["pp_head_registered_first"]["max_abs_diff"] < ATOL
+
+
+@pytest.mark.slow
 def test_evaluation_runs_forward_only_and_every_rank_gets_the_results(pp2):
     result = pp2.results["pp_evaluation"]
     assert result["val_loss_diff"] < ATOL and result["test_loss_diff"] < ATOL, result

@@ -43,6 +43,19 @@ def test_units_are_blocks_and_the_modules_with_parameters_around_them_in_registr
     assert units == ["transformer.wte", *(f"transformer.h.{i}" for i in range(5)), "transformer.ln_f", "lm_head"]
 
 
+def test_a_model_registering_its_head_first_gives_the_order_its_forward_calls():
+    module = LitGPTLike(layers=4)
+    module.lm_head = module._modules.pop("lm_head")  # re-registered last: move it first, as LitGPT registers it
+    module._modules = {"lm_head": module.lm_head, **module._modules}
+    assert split(module).stages[0][0] == "lm_head"  # registration order: wrong for a head
+    ordered = resolve_split(module, repeated_blocks(module), "auto", 2, 1, "loop", ["transformer", "lm_head"])
+    assert ordered.stages[0][0] == "transformer.wte" and ordered.stages[-1][-2:] == ("transformer.ln_f", "lm_head")
+    with pytest.raises(ValueError, match=r"`pipeline_call_order=\['transformer'\]` leaves out \['lm_head'\]"):
+        resolve_split(module, repeated_blocks(module), "auto", 2, 1, "loop", ["transformer"])
+    with pytest.raises(ValueError, match=r"names \['head'\], which are not modules of LitGPTLike"):
+        resolve_split(module, repeated_blocks(module), "auto", 2, 1, "loop", ["transformer", "head"])
+
+
 def test_auto_split_spreads_blocks_evenly_with_embedding_first_and_head_last():
     stages = split(LitGPTLike(layers=4), stages=2).stages
     assert stages == (

@@ -23,10 +23,16 @@ class PipelineConfig:
     microbatches: int | None
     stages_per_rank: int
     split: SplitSpec
+    call_order: tuple[str, ...] = ()
 
     @classmethod
     def of(
-        cls, schedule: str, microbatches: int | None, stages_per_rank: int, split: SplitSpec | None
+        cls,
+        schedule: str,
+        microbatches: int | None,
+        stages_per_rank: int,
+        split: SplitSpec | None,
+        call_order: Sequence[str] | None = None,
     ) -> PipelineConfig:
         spec = schedule_spec(schedule)
         split = "auto" if split is None else split
@@ -39,7 +45,14 @@ class PipelineConfig:
                     " each stage after the first)."
                 )
             split = tuple(split)
-        config = cls(spec, microbatches, stages_per_rank, split)
+        if call_order is not None and (
+            isinstance(call_order, str) or not all(isinstance(name, str) for name in call_order)
+        ):
+            raise ValueError(
+                f"`pipeline_call_order={call_order!r}` is invalid: give a list of module names, in the order the"
+                " forward calls them."
+            )
+        config = cls(spec, microbatches, stages_per_rank, split, tuple(call_order or ()))
         config.check(num_ranks=1)  # argument types and stage placement, before the world size is known
         return config
 

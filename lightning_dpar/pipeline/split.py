@@ -4,7 +4,9 @@ pipeline rank holds.
 A *unit* is a module that moves to one stage as a whole: each repeated block (a child of an `nn.ModuleList`), and
 every other module holding parameters that contains no block (the embedding, the final norm, the head). Modules
 without parameters (rotary embeddings, dropout, activation functions) are not units: every stage runs them. Units
-are listed in the order they are registered, which is the order a decoder runs them.
+are listed in the order they are registered, which is the order most decoders run them; a model registering them in
+another order (LitGPT registers `lm_head` before `transformer`) says in which order its forward calls them
+(`call_order`).
 
 A stage is a run of consecutive units. `"auto"` spreads the blocks evenly over the stages (the stages in the middle
 take the remainder, since the first and last also carry the embedding and the head); explicit split points name the
@@ -48,8 +50,10 @@ def _holds_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def pipeline_units(root: nn.Module, blocks: Sequence[str]) -> list[str]:
-    """The units of `root` in registration order, given its repeated blocks (FQNs)."""
+def pipeline_units(root: nn.Module, blocks: Sequence[str], call_order: Sequence[str] = ()) -> list[str]:
+    """The units of `root` in the order its forward calls them, given its repeated blocks (FQNs): registration
+    order, or, with `call_order` (names of modules in the order the forward calls them), the units under each named
+    module in turn, each group in registration order."""
     if not blocks:
         raise ValueError(
             f"Pipeline parallelism splits a model between its repeated blocks, but {type(root).__name__} has none"
@@ -83,7 +87,26 @@ def pipeline_units(root: nn.Module, blocks: Sequence[str]) -> list[str]:
                 units.append(fqn)
 
     visit("", root)
-    return units
+    return _in_call_order(root, units, call_order) if call_order else units
+
+
+def _in_call_order(root: nn.Module, units: list[str], call_order: Sequence[str]) -> list[str]:
+    names = {fqn for fqn, _ in root.named_modules()}
+    unknown = [name for name in call_order if name not in names]
+    if unknown:
+        raise ValueError(
+            f"`pipeline_call_order` names {unknown}, which are not modules of {type(root).__name__}; name modules"
+            f" holding units, in the order the forward calls them (units: {_examples(units)})."
+        )
+    ordered = [unit for name in call_order for unit in units if is_under(unit, [name])]
+    missing = [unit for unit in units if unit not in ordered]
+    if missing or len(set(ordered)) != len(ordered):
+        problem = f"leaves out {_examples(missing)}" if missing else "names a unit twice (nested names)"
+        raise ValueError(
+            f"`pipeline_call_order={list(call_order)}` {problem}: list modules that together hold every unit once,"
+            " e.g. the LightningModule's top-level children in the order the forward calls them."
+        )
+    return ordered
 
 
 @dataclass(frozen=True)
@@ -133,9 +156,10 @@ def resolve_split(
     num_ranks: int,
     stages_per_rank: int,
     placement: StagePlacement,
+    call_order: Sequence[str] = (),
 ) -> PipelineSplit:
     """Split `root`'s units into `num_ranks * stages_per_rank` stages, checking every stage gets at least one unit."""
-    units = pipeline_units(root, blocks)
+    units = pipeline_units(root, blocks, call_order)
     num_stages = num_ranks * stages_per_rank
     if spec == "auto":
         stages = _auto_stages(units, list(blocks), num_stages, type(root).__name__)

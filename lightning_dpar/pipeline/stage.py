@@ -184,8 +184,8 @@ class PipelinedModel:
         if run.stop_unit is not None:
             raise RuntimeError(
                 f"The step ended on pipeline stage {stage} without running {run.stop_unit!r}, the stage's last unit."
-                " Pipeline stages run the model's units in registration order; call every unit in that order, or"
-                " set `pipeline_split` to match the order your forward calls them."
+                " Stages are cut in the order the units are registered; if the forward calls them in another order,"
+                " give it with `pipeline_call_order`."
             )
         return output
 
@@ -211,7 +211,8 @@ class PipelinedModel:
                 f"Pipeline stage {run.stage} called {fqn!r} (stage {stage}), which its own stage never called before"
                 " finishing. Stages are cut in the order the units are registered, and the model calls them in"
                 f" another order ({fqn!r} runs later than it is registered, e.g. a head registered before the"
-                " blocks), or skips it. Register the modules in the order the forward calls them."
+                " blocks), or skips it. Give the order with `pipeline_call_order` (LitGPT: ['transformer',"
+                " 'lm_head']), or register the modules in the order the forward calls them."
             )
         return fabricate(spec, self.device)
 

@@ -361,6 +361,7 @@ class DparStrategy(ParallelStrategy):
             dims.pipeline,
             config.stages_per_rank,
             config.schedule.placement,
+            config.call_order,
         )
         tp_plan = self._tp_plan_for(module, dims)
         check_initialisable(module)

@@ -42,6 +42,8 @@ class FullyShardStrategy(DparStrategy):
         pipeline_microbatches: microbatches per batch (default: one per stage); the batch size must divide by it.
         pipeline_stages_per_rank: stages each pipeline rank holds (2 or more for the interleaved and V schedules).
         pipeline_split: `"auto"` (blocks spread evenly) or the names of the units starting stages 1, 2, ...
+        pipeline_call_order: module names in the order the forward calls them, for a model that registers its
+            units in another order (LitGPT: `["transformer", "lm_head"]`); default: registration order.
         **kwargs: see `DparStrategy`.
     """
 
@@ -59,6 +61,7 @@ class FullyShardStrategy(DparStrategy):
         pipeline_microbatches: int | None = None,
         pipeline_stages_per_rank: int = 1,
         pipeline_split: SplitSpec = "auto",
+        pipeline_call_order: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("tensor_parallel_size", 1)
@@ -67,7 +70,7 @@ class FullyShardStrategy(DparStrategy):
             activation_checkpointing=activation_checkpointing,
             pipeline_parallel_size=pipeline_parallel_size,
             pipeline=PipelineConfig.of(
-                pipeline_schedule, pipeline_microbatches, pipeline_stages_per_rank, pipeline_split
+                pipeline_schedule, pipeline_microbatches, pipeline_stages_per_rank, pipeline_split, pipeline_call_order
             ),
             **kwargs,
         )

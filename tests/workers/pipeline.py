@@ -23,6 +23,7 @@ from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
 from lightning_dpar.pipeline.stage import RemoteUnit
 from tests.models import (
     TP_PLAN,
+    Block,
     Net,
     ParityModule,
     RegressionData,
@@ -156,6 +157,48 @@ def group_parity() -> Iterator[Case]:
         yield Case("pp_accumulate", lambda: parity("1F1B", 1, 2, "sgd", accumulate=2))
         yield Case("pp_clip_norm", lambda: parity("Interleaved1F1B", 2, 4, "sgd", clip_norm=0.05))
         yield Case("pp_microbatches_4", lambda: parity("GPipe", 1, 2, "adamw", pipeline_microbatches=4))
+        yield Case("pp_head_registered_first", head_first_case)
+
+
+class HeadFirstNet(nn.Module):
+    """LitGPT's layout: the head registered before the trunk that holds the embedding and the blocks."""
+
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(15, 5)
+        layers = nn.ModuleList(Block(15, 12) for _ in range(depth))
+        self.trunk = nn.ModuleDict({"inp": nn.Linear(5, 15), "layers": layers})
+
+    def forward(self, x):
+        x = F.relu(self.trunk["inp"](x))
+        for layer in self.trunk["layers"]:
+            x = layer(x)
+        return self.head(x)
+
+
+class HeadFirstModule(ParityModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = HeadFirstNet()
+
+
+def head_first_case() -> dict:
+    """A model registering its head first trains at parity once `pipeline_call_order` gives the call order."""
+    data = RegressionData()
+    strategy = pipeline_strategy("Interleaved1F1B", 2, pipeline_call_order=["model.trunk", "model.head"])
+    trainer = trainer_for(strategy)
+    trainer.fit(HeadFirstModule(), loader(data, BATCH))
+    got = whole_model(trainer)
+    reference = HeadFirstNet()
+    opt = make_optimizer("sgd", reference.parameters())
+    for x, y in global_batches(data, data_parallel(), BATCH, STEPS):
+        opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        opt.step()
+    want = {f"model.{k}": v for k, v in reference.state_dict().items()}
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    return {"max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want)}
 
 
 # ---------------------------------------------------------------------- around the step
