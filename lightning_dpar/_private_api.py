@@ -65,6 +65,7 @@ __all__ = [
     "functional_all_reduce",
     "init_dist_connection",
     "is_composable_replicated",
+    "metric_step_value",
     "model_checkpoint_dir",
     "optimizers_to_device",
     "swap_ddp_optimize_mode",
@@ -180,11 +181,19 @@ def transformers_tp_plan_attribute(model: Any) -> Any:
     return getattr(model, "_tp_plan", None)
 
 
-def adopt_metric_state(metric: Any, states: dict[str, Any], update_count: int) -> None:
+def adopt_metric_state(metric: Any, states: dict[str, Any], update_count: int, step_value: Any = None) -> None:
     """Give a torchmetrics `Metric` the states of its copy on another rank (a pipeline's last stage, which updated
-    it). torchmetrics keeps the number of updates (`_update_count`, which `compute` checks) and the cached result
-    (`_computed`) privately and has no public way to set a metric's state."""
+    it), and the value its last `forward` returned there (what Lightning logs for `on_step`). torchmetrics keeps the
+    number of updates (`_update_count`, which `compute` checks), the cached result (`_computed`) and the last
+    forward's value (`_forward_cache`) privately and has no public way to set them."""
     for name, value in states.items():
         setattr(metric, name, value)
     metric._update_count = update_count
     metric._computed = None
+    metric._forward_cache = step_value
+
+
+def metric_step_value(metric: Any) -> Any:
+    """The value a torchmetrics `Metric`'s last `forward` returned, which Lightning logs for `on_step` (private
+    `_forward_cache`; no public accessor)."""
+    return metric._forward_cache

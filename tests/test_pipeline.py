@@ -105,6 +105,12 @@ def test_logged_metric_objects_have_the_last_stages_value_on_every_rank(request,
     result = request.getfixturevalue(launch).results["pp_metrics"]
     assert result["mse_diff"] < ATOL, result
     assert result["samples"] == [result["dataset"]] * int(launch[-1]), result
+    # Logged on_step (each data-parallel rank its own batch's value): the two stages of a pipeline log the same.
+    stage_0, stage_1 = (
+        result["train_mse"][: len(result["train_mse"]) // 2],
+        result["train_mse"][len(result["train_mse"]) // 2 :],
+    )
+    assert stage_0 == stage_1 and min(stage_0) > 0, result
 
 
 @pytest.mark.slow

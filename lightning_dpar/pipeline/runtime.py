@@ -40,7 +40,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torchmetrics import Metric
 
-from lightning_dpar._private_api import adopt_metric_state
+from lightning_dpar._private_api import adopt_metric_state, metric_step_value
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.schedule import build_schedule
 from lightning_dpar.pipeline.stage import PipelinedModel
@@ -106,6 +106,7 @@ class MetricState:
     fqn: str
     states: dict[str, Any]
     update_count: int
+    step_value: Any = None
 
 
 @contextmanager
@@ -317,13 +318,16 @@ class PipelineRuntime:
     def _probing(self) -> Iterator[None]:
         """What the shape probe's steps log is discarded, and the metrics they update are put back as they were."""
         metrics = [m for m in self.module.modules() if isinstance(m, Metric)]
-        saved = [(m, apply_to_collection(m.metric_state, torch.Tensor, torch.clone), m.update_count) for m in metrics]
+        saved = [
+            (m, apply_to_collection(m.metric_state, torch.Tensor, torch.clone), m.update_count, metric_step_value(m))
+            for m in metrics
+        ]
         try:
             with recording_logs(self.module, LogRecorder()):
                 yield
         finally:
-            for metric, states, update_count in saved:
-                adopt_metric_state(metric, states, update_count)
+            for metric, states, update_count, step_value in saved:
+                adopt_metric_state(metric, states, update_count, step_value)
 
     def _build_schedule(self) -> Any:
         model = self.model
@@ -424,7 +428,12 @@ class PipelineRuntime:
                         f"`self.log({name!r}, metric)`: under pipeline parallelism a logged metric must be an"
                         " attribute of the LightningModule (its copies on the other stages are found by name)."
                     )
-                value = MetricState(names[id(value)], _to_cpu(value.metric_state), value.update_count)
+                value = MetricState(
+                    names[id(value)],
+                    _to_cpu(value.metric_state),
+                    value.update_count,
+                    _to_cpu(metric_step_value(value)),
+                )
             portable.append((name, value, options))
         return portable
 
@@ -432,7 +441,12 @@ class PipelineRuntime:
         for name, value, options in logged:
             if isinstance(value, MetricState):
                 metric = self.module.get_submodule(value.fqn)
-                adopt_metric_state(metric, _to_device(value.states, self.device), value.update_count)
+                adopt_metric_state(
+                    metric,
+                    _to_device(value.states, self.device),
+                    value.update_count,
+                    _to_device(value.step_value, self.device),
+                )
                 LightningModule.log(self.module, name, metric, **options)
             else:
                 LightningModule.log(self.module, name, value.to(self.device), **options)

@@ -364,6 +364,14 @@ class MetricModule(SeenModule):
 
         self.val_mse = MeanSquaredError()
         self.val_samples = SumMetric()
+        self.train_mse = MeanSquaredError()
+
+    def training_step(self, batch, batch_idx):
+        x, y, _ = batch
+        prediction = self(x)
+        self.train_mse(prediction, y)
+        self.log("train_mse", self.train_mse, on_step=True, on_epoch=False)
+        return F.mse_loss(prediction, y)
 
     def validation_step(self, batch, batch_idx):
         x, y, _ = batch
@@ -380,6 +388,7 @@ def metrics_case() -> dict:
     val_data = IndexedData(n=16, seed=7)
     trainer.fit(module, DataLoader(IndexedData(), batch_size=BATCH))
     params = whole_model(trainer)
+    train_mse = float(trainer.callback_metrics["train_mse"])  # the last step's, logged on every rank
     result = trainer.validate(module, DataLoader(val_data, batch_size=BATCH))[0]
     reference = Net()
     reference.load_state_dict({k.removeprefix("model."): v for k, v in params.items()})
@@ -388,6 +397,7 @@ def metrics_case() -> dict:
     return {
         "mse_diff": max(abs(v - want) for v in gather_objects(result["val_mse"])),
         "samples": gather_objects(result["val_samples"]),
+        "train_mse": gather_objects(train_mse),
         "dataset": len(val_data),
     }
 
