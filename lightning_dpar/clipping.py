@@ -85,10 +85,12 @@ class _Layout:
 class GradientClipper:
     """Mesh-aware gradient norm and clipping, with the grouping of the parameters cached between steps."""
 
-    def __init__(self, across: Sequence[dist.ProcessGroup] = ()) -> None:
+    def __init__(self, across: Sequence[dist.ProcessGroup] = (), device: torch.device | None = None) -> None:
         self._layout: _Layout | None = None
-        #: Groups whose ranks hold different parameters altogether (pipeline stages): the norm adds up over them.
+        #: Groups whose ranks hold different parameters altogether (pipeline stages): the norm adds up over them, on
+        #: `device` (the rank's own: a stage without gradients still takes part, and NCCL reduces device tensors).
         self.across = tuple(across)
+        self.device = device
 
     def _grouped_local_grads(self, parameters: Iterable[Tensor]) -> list[tuple[list[Tensor], _Group]]:
         params = [p for p in parameters if p.grad is not None]
@@ -108,7 +110,7 @@ class GradientClipper:
         if not grouped and not self.across:
             return torch.tensor(0.0)
         is_inf = math.isinf(norm_type)
-        device = grouped[0][0][0].device if grouped else torch.device("cpu")
+        device = grouped[0][0][0].device if grouped else (self.device or torch.device("cpu"))
         total = torch.zeros((), device=device, dtype=torch.float32)
         for grads, group in grouped:
             # Per-tensor norms in fp32 (bf16 gradients too), in one fused kernel per group.

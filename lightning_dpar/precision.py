@@ -91,9 +91,11 @@ class DparPrecision(Precision):
             data, torch.Tensor, lambda t: t.to(self.true_dtype) if torch.is_floating_point(t) else t
         )
 
-    def reduce_norms_across(self, group: dist.ProcessGroup) -> None:
-        """Gradient norms also sum over `group` (the pipeline stages), whose ranks hold different parameters."""
+    def reduce_norms_across(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        """Gradient norms also sum over `group` (the pipeline stages), whose ranks hold different parameters; a rank
+        without gradients takes part with zero, on `device`."""
         self._clipper.across = (group,)
+        self._clipper.device = device
 
     def clip_grad_by_norm(self, optimizer: Optimizable, clip_val: int | float) -> None:
         self._clipper.clip_grad_norm_(self.main_params(optimizer), float(clip_val))

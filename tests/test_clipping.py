@@ -126,3 +126,20 @@ def test_dtensor_gradients_on_different_meshes_and_placements(one_rank_group):
     for p, full in zip(params, full_grads):
         got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         torch.testing.assert_close(got, full * scale, rtol=1e-6, atol=1e-7)
+
+
+def test_a_pipeline_stage_without_gradients_still_takes_part_in_the_norm_on_its_device():
+    """A stage whose parameters all lack gradients (frozen) contributes zero to the norm summed over the stages,
+    on the rank's device (NCCL reduces device tensors only), instead of skipping the collective."""
+    import torch.distributed as dist
+
+    from lightning_dpar.clipping import GradientClipper
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        frozen = torch.nn.Linear(2, 2)
+        clipper = GradientClipper(across=(group,), device=torch.device("cpu"))
+        assert clipper.total_norm(frozen.parameters()).item() == 0.0
+    finally:
+        dist.destroy_process_group()

@@ -446,7 +446,7 @@ class DparStrategy(ParallelStrategy):
         if applied.pipeline is not None:
             group = self.device_mesh.get_group(PIPELINE)
             self._pipeline = PipelineRuntime(applied.pipeline, module, self._pipeline_config, group, self.root_device)
-            self.precision_plugin.reduce_norms_across(group)  # the gradient norm spans every stage
+            self.precision_plugin.reduce_norms_across(group, self.root_device)  # the norm spans every stage
             self.checkpoints.keys_held_elsewhere = applied.pipeline.remote_units
             self.checkpoints.pipeline_group = group
 
