@@ -271,18 +271,11 @@ def run_dpar(case: Case, ctx: Context) -> Measurement:
 
 
 def worker(args: argparse.Namespace) -> None:
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if args.device == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    from benchmarks.worker import init_rank
+
+    device = init_rank(args.device)
     import lightning.pytorch as pl
 
-    pl.seed_everything(0, verbose=False)
     world = dist.get_world_size()
     if world % PIPELINE_SIZE:
         raise ValueError(f"--world-size {world} must be a multiple of the pipeline size {PIPELINE_SIZE}.")

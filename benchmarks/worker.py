@@ -19,6 +19,23 @@ import torch
 import torch.distributed as dist
 
 
+def init_rank(device_type: str) -> torch.device:
+    """This rank's device and process group (NCCL on CUDA with TF32 matmuls, gloo on CPU), seeded like the runs."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    import lightning.pytorch as pl
+
+    pl.seed_everything(0, verbose=False)
+    return device
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -51,18 +68,9 @@ def main() -> None:
     from benchmarks.model import PRESETS
     from benchmarks.variants import build_context, preset_variants
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if args.device == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_rank(args.device)
     import lightning.pytorch as pl
 
-    pl.seed_everything(0, verbose=False)
     preset = PRESETS[args.preset]
     with tempfile.TemporaryDirectory() as tmp:
         root = [tmp]
