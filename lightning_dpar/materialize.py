@@ -11,6 +11,8 @@ before parents):
    (which also recomputes rotary `inv_freq` buffers exactly), otherwise the module's `reset_parameters()`;
 3. each rank copies its slice into its shard (`distribute_tensor(..., src_data_rank=None)`: no communication).
 
+Tied parameters stay tied (`to_empty` would give each holder its own tensor) and take their first holder's values.
+
 So the random draws happen in the same order and with the same shapes as when the initialiser runs over the whole
 model on one process: with the same seed, the sharded model is the whole model, sliced. The peak extra memory is the
 largest single module's own tensors (e.g. the token embedding), never the model.
@@ -26,6 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_dpar._private_api import transformers_module_initialiser
 from lightning_dpar.hf_plan import is_transformers_model
+from lightning_dpar.ties import retie, tied_parameters
 
 __all__ = [
     "Initialiser",
@@ -93,12 +96,15 @@ def materialize_meta_tensors(root: nn.Module, device: torch.device) -> None:
         return
     check_initialisable(root)
     meta_names = {module: _own_meta_tensors(module) for module in plan}
+    tied = tied_parameters(root)
     root.to_empty(device=device)  # FSDP2 and DTensor allocate each rank's local shard only
+    retie(root, tied)  # `to_empty` gives each module holding a tied (non-DTensor) parameter a tensor of its own
+    written: set[int] = set()
     with torch.no_grad():
         for module in _post_order(root):
             init = plan.get(module)
             if init is not None:
-                _initialise_whole_then_slice(module, meta_names[module], init)
+                _initialise_whole_then_slice(module, meta_names[module], init, written)
 
 
 def _unwritten(like: torch.Tensor) -> torch.Tensor:
@@ -106,7 +112,11 @@ def _unwritten(like: torch.Tensor) -> torch.Tensor:
     return whole.fill_(float("nan")) if whole.is_floating_point() else whole
 
 
-def _initialise_whole_then_slice(module: nn.Module, names: list[str], init: Initialiser) -> None:
+def _initialise_whole_then_slice(module: nn.Module, names: list[str], init: Initialiser, written: set[int]) -> None:
+    """Initialise `module`'s own tensors whole and copy each rank's slice in. A tied parameter keeps the value of its
+    first holder's initialiser (`written` holds the tensors set already); the later holders' initialisers still run,
+    drawing the same random numbers as on the whole model, as transformers' own meta-device path does (every module
+    initialised, then `tie_weights`)."""
     sharded = {name: getattr(module, name) for name in names}
     # NaN-filled, so a tensor the initialiser leaves untouched is caught instead of training on garbage.
     whole = {name: _unwritten(t) for name, t in sharded.items()}
@@ -129,6 +139,9 @@ def _initialise_whole_then_slice(module: nn.Module, names: list[str], init: Init
             " `empty_init` / the meta device."
         )
     for name, target in sharded.items():
+        if id(target) in written:
+            continue
+        written.add(id(target))
         if isinstance(target, DTensor):
             target.copy_(distribute_tensor(whole[name], target.device_mesh, target.placements, src_data_rank=None))
         else:

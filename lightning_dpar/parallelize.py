@@ -35,6 +35,7 @@ from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, i
 from lightning_dpar.materialize import materialize_meta_tensors
 from lightning_dpar.pipeline.stage import PipelinedModel, split_into_stages
 from lightning_dpar.plan import ModulePlan
+from lightning_dpar.ties import TiedGroup, parameter_owners, retie
 
 __all__ = [
     "AppliedPlan",
@@ -88,7 +89,7 @@ def apply_plan(
         pipelined = split_into_stages(root, plan.pipeline, plan.pipeline_rank, device)
     if plan.tensor_parallel:
         assert tensor_parallel_mesh is not None, "a tensor-parallel plan needs the tensor-parallel mesh"
-        apply_tensor_parallel(root, tensor_parallel_mesh, plan.tensor_parallel)
+        apply_tensor_parallel(root, tensor_parallel_mesh, plan.tensor_parallel, plan.tied)
     apply_activation_checkpointing(root, plan.activation_checkpointing)
     if compile_options is not None:
         apply_compile(root, plan.compile_units, compile_options)
@@ -101,10 +102,17 @@ def apply_plan(
     return AppliedPlan(wrapped, pipelined)
 
 
-def apply_tensor_parallel(root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> None:
-    """Shard the planned modules over the tensor-parallel mesh (plan already resolved to concrete names)."""
+def apply_tensor_parallel(
+    root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle], tied: Sequence[TiedGroup] = ()
+) -> None:
+    """Shard the planned modules over the tensor-parallel mesh (plan already resolved to concrete names).
+
+    `parallelize_module` gives each module a new parameter of its own, which would untie `tied` names (an embedding
+    and the head sharing its weight); they are tied again, one DTensor serving both (the plan checked their layouts
+    agree, `lightning_dpar.ties.check_tied_layouts`)."""
     if plan and tp_mesh.size() > 1:
         parallelize_module(root, tp_mesh, dict(plan))
+        retie(root, tied)
 
 
 def apply_activation_checkpointing(root: nn.Module, fqns: Sequence[str]) -> None:
@@ -165,43 +173,104 @@ def apply_fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     stage_roots: Sequence[nn.Module] = (),
     final_unit: str | None = None,
+    tied: Sequence[TiedGroup] = (),
 ) -> list[FSDPModule]:
     """`fully_shard` each unit (innermost first), then each top-level child; returns the top-level units.
 
     `mp_policy(is_top_level)` gives each unit's mixed-precision policy. With pipeline parallelism the units are the
     stages' units, each stage's root module (`stage_roots`) is the FSDP root over them instead, and `final_unit` is
-    the unit computing the model's output.
+    the unit computing the model's output. A `tied` parameter used in several units goes to the innermost unit
+    enclosing them all (the LightningModule's own unit if need be), as FSDP2 requires: each parameter has one unit.
     """
     if stage_roots:
         return _fully_shard_stages(
             root, mesh, units, mp_policy, reshard_after_forward, cpu_offload, stage_roots, final_unit
         )
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    common: dict[str, Any] = {"mesh": mesh, "offload_policy": offload}
-    if ignored_params:
-        common["ignored_params"] = ignored_params
-    # Deepest first (a stable sort by depth): nested `fully_shard` must wrap descendants before their ancestors.
-    for fqn in sorted(units, key=_depth, reverse=True):
-        fully_shard(
-            root.get_submodule(fqn),
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=mp_policy(False),
-            **common,
-        )
+    top_level_names = data_parallel_roots(root)
     # The top-level units are FSDP roots. `reshard_after_forward=True` on a root frees its parameters after forward
     # only to all-gather them again at once for backward (the loss is the last thing forward computes); torch's
     # default (`None`) keeps a root's parameters unsharded instead and reshards every other unit, which is what
     # `True` means for the blocks. Explicit `False` or an int still apply to the roots as given.
     root_reshard = None if reshard_after_forward is True else reshard_after_forward
+    owners = SharedOwners(root, tied, [*units, *top_level_names, ""], ignored_params or set())
+
+    def shard(fqn: str, top_level: bool) -> None:
+        fully_shard(
+            root.get_submodule(fqn),
+            mesh=mesh,
+            offload_policy=offload,
+            reshard_after_forward=root_reshard if top_level else reshard_after_forward,
+            mp_policy=mp_policy(top_level),
+            **owners.ignored_kwargs(fqn),
+        )
+
+    top_level_set = set(top_level_names)
+    # A unit holding a parameter shared by several units below it goes first, while it can still reach the
+    # parameter (`fully_shard` does not look inside units already applied); the units below leave it alone.
+    for fqn in owners.hoisting_units():
+        if fqn == "":
+            shard_direct_parameters(root, mp_policy(True), {"mesh": mesh, "offload_policy": offload}, owners)
+        else:
+            shard(fqn, top_level=fqn in top_level_set)
+    # Deepest first (a stable sort by depth): nested `fully_shard` must wrap descendants before their ancestors.
+    for fqn in sorted(units, key=_depth, reverse=True):
+        if not isinstance(root.get_submodule(fqn), FSDPModule):
+            shard(fqn, top_level=False)
     top_level = []
-    for name in data_parallel_roots(root):
+    for name in top_level_names:
         child = root.get_submodule(name)
         if not isinstance(child, FSDPModule):
-            fully_shard(child, reshard_after_forward=root_reshard, mp_policy=mp_policy(True), **common)
+            shard(name, top_level=True)
         top_level.append(child)
+    if isinstance(root, FSDPModule):
+        return [root]
     if direct_parameters(root):
-        return [shard_direct_parameters(root, mp_policy(True), common)]
+        return [shard_direct_parameters(root, mp_policy(True), {"mesh": mesh, "offload_policy": offload}, owners)]
     return top_level  # type: ignore[return-value]
+
+
+class SharedOwners:
+    """Which FSDP unit holds each parameter shared by several units: the innermost unit enclosing all its users
+    (`lightning_dpar.ties.parameter_owners`), and the `ignored_params` that make every other unit leave it alone.
+
+    Without shared parameters every unit gets only the user's `ignored_params`: the usual bottom-up application
+    already gives each parameter to the innermost unit holding it."""
+
+    def __init__(
+        self, root: nn.Module, tied: Sequence[TiedGroup], units: Sequence[str], user_ignored: set[nn.Parameter]
+    ) -> None:
+        self.root, self.user_ignored = root, user_ignored
+        owners = parameter_owners(tied, units)
+        self.hoisted: dict[str, set[nn.Parameter]] = {}
+        for first_name, unit in owners.items():
+            self.hoisted.setdefault(unit, set()).add(root.get_parameter(first_name))
+        self.all_hoisted = {p for params in self.hoisted.values() for p in params}
+        self._others_below = {
+            unit: {
+                p
+                for u in units
+                if u and (not unit or u.startswith(f"{unit}."))
+                for p in root.get_submodule(u).parameters()
+            }
+            for unit in self.hoisted
+        }
+
+    def hoisting_units(self) -> list[str]:
+        """The units holding shared parameters of units below them, outermost first."""
+        return sorted(self.hoisted, key=lambda fqn: -1 if fqn == "" else _depth(fqn))
+
+    def ignored(self, fqn: str) -> set[nn.Parameter]:
+        """What unit `fqn` must not take: the user's ignored parameters and the shared ones another unit holds; a
+        unit applied before the units below it also leaves their parameters to them."""
+        ignored = self.user_ignored | (self.all_hoisted - self.hoisted.get(fqn, set()))
+        if fqn in self.hoisted:
+            ignored |= self._others_below[fqn] - self.hoisted[fqn]
+        return ignored
+
+    def ignored_kwargs(self, fqn: str) -> dict[str, Any]:
+        ignored = self.ignored(fqn)
+        return {"ignored_params": ignored} if ignored else {}
 
 
 def _fully_shard_stages(
@@ -240,15 +309,24 @@ def _fully_shard_stages(
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-def shard_direct_parameters(root: nn.Module, policy: MixedPrecisionPolicy, common: Mapping[str, Any]) -> FSDPModule:
-    """Shard the parameters registered on the LightningModule itself with a `fully_shard` unit on it.
+def shard_direct_parameters(
+    root: nn.Module, policy: MixedPrecisionPolicy, common: Mapping[str, Any], owners: SharedOwners
+) -> FSDPModule:
+    """Shard the parameters registered on the LightningModule itself, and those shared by several top-level units,
+    with a `fully_shard` unit on it.
 
     Lightning calls the step methods, not `forward`, so they are registered as FSDP forward methods: the unit's
     parameters are gathered for each step and their gradients reduce-scattered after its backward. The unit is the
     root of all others and keeps its parameters gathered from forward to backward (FSDP's rule for the root); batch
     inputs are not cast (`cast_forward_inputs=False`), the children cast their own.
     """
-    fully_shard(root, mp_policy=replace(policy, cast_forward_inputs=False), reshard_after_forward=False, **common)
+    fully_shard(
+        root,
+        mp_policy=replace(policy, cast_forward_inputs=False),
+        reshard_after_forward=False,
+        **common,
+        **owners.ignored_kwargs(""),
+    )
     for name in STEP_METHODS:
         if callable(getattr(root, name, None)):
             register_fsdp_forward_method(root, name)

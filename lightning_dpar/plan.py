@@ -285,7 +285,9 @@ class ModulePlan:
 
     `adopted` marks a model the user parallelised in `configure_model`: no TP or activation checkpointing is added.
     With pipeline parallelism, `pipeline` is the split into stages and the other entries name only the modules of
-    `pipeline_rank`'s stages (the split is applied first).
+    `pipeline_rank`'s stages (the split is applied first). `tied` lists the parameters reachable under several names
+    (tied embeddings, a module shared by several blocks), found on the model before any parallelism: each stays one
+    parameter (see `lightning_dpar.ties`).
     """
 
     tensor_parallel: dict[str, ParallelStyle]
@@ -295,6 +297,7 @@ class ModulePlan:
     adopted: bool = False
     pipeline: PipelineSplit | None = None
     pipeline_rank: int = 0
+    tied: list[tuple[str, ...]] = field(default_factory=list)
 
 
 def resolve_blocks(root: nn.Module, spec: Sequence[ModuleSelector] | None, what: str) -> list[str]:

@@ -38,6 +38,7 @@ from lightning_dpar.mesh import TENSOR_PARALLEL, MeshLayout, ParallelDims, build
 from lightning_dpar.pipeline.split import PipelineSplit
 from lightning_dpar.plan import ModulePlan
 from lightning_dpar.strategies.base import DparStrategy
+from lightning_dpar.ties import describe_layout
 
 __all__ = [
     "ParamRow",
@@ -151,6 +152,7 @@ class PlanReport:
     notes: list[str] = field(default_factory=list)
     pipeline: PipelineReport | None = None
     model_params: int | None = None  # the whole model's, when this rank holds only some pipeline stages
+    tied: list[str] = field(default_factory=list)  # one line per parameter reachable under several names
 
     def render(self, all_params: bool = False) -> str:
         d = self.dims
@@ -171,6 +173,8 @@ class PlanReport:
             [(name, ", ".join(what), f"x{n}" if n > 1 else "") for name, what, n in _group_modules(self.modules)],
             ("module", "applied", ""),
         ) or ["  (nothing: every parameter stays whole on every rank)"]
+        if self.tied:
+            lines += ["", "Tied parameters (one parameter under several names, listed once below)", *self.tied]
         held = f"{self.total_params:,} in total"
         if self.model_params is not None:
             held = f"{self.total_params:,} of the model's {self.model_params:,}"
@@ -447,7 +451,24 @@ def _plan_on_fake_world(
         notes=notes,
         pipeline=pipeline,
         model_params=model_params if pipeline is not None else None,
+        tied=[_describe_tie(module, group, plan_) for group in plan_.tied],
     )
+
+
+def _describe_tie(module: nn.Module, group: Sequence[str], plan_: ModulePlan) -> str:
+    """`a.weight = b.weight: tensor parallel Shard(0), FSDP unit net`: what the parallelised model makes of one tied
+    parameter (the innermost FSDP unit enclosing all its names holds it)."""
+    parts = []
+    if plan_.tensor_parallel:
+        parts.append(f"tensor parallel {describe_layout(module, group[0], plan_.tensor_parallel)}")
+    units = [
+        fqn or ROOT
+        for fqn, sub in module.named_modules()
+        if isinstance(sub, FSDPModule) and all(not fqn or name.startswith(f"{fqn}.") for name in group)
+    ]
+    if units:
+        parts.append(f"FSDP unit {units[-1]}")
+    return f"  {' = '.join(group)}" + (f": {', '.join(parts)}" if parts else "")
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:

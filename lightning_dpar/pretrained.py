@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lightning_dpar.pipeline.split import is_under
+from lightning_dpar.ties import tied_parameters
 
 __all__ = [
     "KeyMapping",
@@ -125,10 +126,7 @@ def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
 def tied_groups(module: nn.Module) -> list[list[str]]:
     """Names that share one parameter (e.g. `lm_head.weight` and `embed_tokens.weight` under
     `tie_word_embeddings`); any one of them in the checkpoint sets them all."""
-    names: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
+    return [list(group) for group in tied_parameters(module)]
 
 
 def infer_prefix(model_keys: Sequence[str], checkpoint_keys: Sequence[str]) -> str:
@@ -210,12 +208,18 @@ def map_keys(
     return mapping
 
 
-def load_pretrained(module: nn.Module, weights: PretrainedWeights, held_elsewhere: Sequence[str] = ()) -> KeyMapping:
+def load_pretrained(
+    module: nn.Module,
+    weights: PretrainedWeights,
+    held_elsewhere: Sequence[str] = (),
+    tied: Sequence[Sequence[str]] | None = None,
+) -> KeyMapping:
     """Read `weights` into the parallelised `module` in place; every rank calls it (DCP plans collectively).
 
     `held_elsewhere` names the units other ranks hold entirely (other pipeline stages): the checkpoint's weights for
-    them are neither read here nor unexpected. Raises `PretrainedLoadError` on every rank, before any tensor is read,
-    if the keys do not fit (strict), a shape differs, or nothing matches. Returns the mapping, whose
+    them are neither read here nor unexpected. `tied` is the model's tied names as found before parallelism (the
+    plan's); default: the parameters `module` shares now. Raises `PretrainedLoadError` on every rank, before any
+    tensor is read, if the keys do not fit (strict), a shape differs, or nothing matches. Returns the mapping, whose
     `missing`/`unexpected` say what a non-strict load left out.
     """
     import torch.distributed.checkpoint as dcp
@@ -225,7 +229,7 @@ def load_pretrained(module: nn.Module, weights: PretrainedWeights, held_elsewher
     model_shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
     prefix = weights.prefix if weights.prefix is not None else infer_prefix(list(model_shapes), list(checkpoint))
     checkpoint = {k: shape for k, shape in checkpoint.items() if not is_under(prefix + k, held_elsewhere)}
-    mapping = map_keys(model_shapes, checkpoint, prefix, tied_groups(module))
+    mapping = map_keys(model_shapes, checkpoint, prefix, tied_groups(module) if tied is None else tied)
     problems = mapping.problems(weights.strict)
     if not mapping.to_model:
         problems.append(f"no key of the checkpoint is a key of the model under the prefix {prefix!r}")

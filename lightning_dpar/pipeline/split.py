@@ -206,6 +206,7 @@ def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> Mo
         adopted=plan.adopted,
         pipeline=split,
         pipeline_rank=pipeline_rank,
+        tied=[group for group in plan.tied if all(is_under(name, units) for name in group)],
     )
 
 

@@ -64,6 +64,7 @@ from lightning_dpar.plan import (
 from lightning_dpar.precision import DparPrecision, to_dpar_precision
 from lightning_dpar.pretrained import PretrainedSpec, load_pretrained, to_pretrained_weights
 from lightning_dpar.pretrained import describe as describe_pretrained
+from lightning_dpar.ties import check_tied_layouts, tied_parameters
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -172,6 +173,8 @@ class DparStrategy(ParallelStrategy):
         # Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
         self._grad_sync_modules: list[nn.Module] = []
         self._parallelized_module: nn.Module | None = None
+        #: The model's tied parameters, found before parallelism (`ModulePlan.tied`), for the pretrained load.
+        self._tied: list[tuple[str, ...]] = []
         # Checkpointing (see the checkpointing section below).
         #: The single owner of save, load, async writes, removal and the resume state (`checkpoint.manager`).
         self.checkpoints = CheckpointManager(checkpoint_format, async_save, timeout)
@@ -329,8 +332,10 @@ class DparStrategy(ParallelStrategy):
             self._check_adoptable(module)
             shard_units = self._shard_units(module)
             return ModulePlan({}, [], shard_units, compile_units(module, shard_units), adopted=True)
+        tied = tied_parameters(module)
         tp_plan = self._tp_plan_for(module, dims)
         tensor_parallel = resolve_tp_plan(module, tp_plan, dims.tensor_parallel) if tp_plan else {}
+        check_tied_layouts(module, tied, tensor_parallel)
         shard_units = self._shard_units(module)
         parallelize.data_parallel_roots(module)  # refuses containers holding parameters of their own
         check_initialisable(module)
@@ -341,6 +346,7 @@ class DparStrategy(ParallelStrategy):
             ),
             shard_units=shard_units,
             compile_units=compile_units(module, shard_units),
+            tied=tied,
         )
 
     def _pipeline_plan(self, module: nn.Module, dims: ParallelDims, rank: int) -> ModulePlan:
@@ -365,13 +371,17 @@ class DparStrategy(ParallelStrategy):
         )
         tp_plan = self._tp_plan_for(module, dims)
         check_initialisable(module)
+        tied = tied_parameters(module)
+        tensor_parallel = resolve_tp_plan(module, tp_plan, dims.tensor_parallel) if tp_plan else {}
+        check_tied_layouts(module, tied, tensor_parallel)
         whole = ModulePlan(
-            tensor_parallel=resolve_tp_plan(module, tp_plan, dims.tensor_parallel) if tp_plan else {},
+            tensor_parallel=tensor_parallel,
             activation_checkpointing=resolve_activation_checkpointing(
                 module, self._activation_checkpointing, shard_units
             ),
             shard_units=shard_units,
             compile_units=compile_units(module, shard_units),
+            tied=tied,
         )
         return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
 
@@ -434,6 +444,7 @@ class DparStrategy(ParallelStrategy):
     def _parallelize(self, module: pl.LightningModule) -> None:
         """The training code path: `apply_plan` with this strategy's plan and wrapper, materialising the shards."""
         plan = self.module_plan(module)
+        self._tied = plan.tied
         applied = parallelize.apply_plan(
             module,
             plan,
@@ -476,7 +487,7 @@ class DparStrategy(ParallelStrategy):
         if trainer.ckpt_path is not None:
             rank_zero_info(f"Resuming from {trainer.ckpt_path!r}: the pretrained weights are not read.")
             return
-        mapping = load_pretrained(module, self._pretrained, self.checkpoints.keys_held_elsewhere)
+        mapping = load_pretrained(module, self._pretrained, self.checkpoints.keys_held_elsewhere, self._tied)
         if mapping.missing or mapping.unexpected:
             rank_zero_warn(f"Loaded {self._pretrained.path!r} with `strict=False`: {describe_pretrained(mapping)}.")
 

@@ -112,6 +112,7 @@ class FullyShardStrategy(DparStrategy):
                 cpu_offload=self._cpu_offload,
                 stage_roots=stage_roots,
                 final_unit=plan.pipeline.stages[-1][-1] if plan.pipeline is not None else None,
+                tied=plan.tied,
             )
 
         return wrap
