@@ -19,7 +19,7 @@ from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_s
 VOCAB, SEQ, SEED = 64, 8, 1234
 
 
-def llama_config():
+def llama_config(tied: bool = False):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -30,6 +30,7 @@ def llama_config():
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=SEQ,
+        tie_word_embeddings=tied,
     )
 
 
@@ -45,13 +46,15 @@ class TokenIds(Dataset):
 
 
 class LlamaModule(L.LightningModule):
+    tied = False
+
     def __init__(self, build_seed: int | None = 0) -> None:
         super().__init__()
         from transformers import LlamaForCausalLM
 
         if build_seed is not None:
             torch.manual_seed(build_seed)
-        self.net = LlamaForCausalLM(llama_config())
+        self.net = LlamaForCausalLM(llama_config(tied=self.tied))
 
     def training_step(self, batch, batch_idx):
         return self.net(input_ids=batch, labels=batch).loss
@@ -60,6 +63,13 @@ class LlamaModule(L.LightningModule):
         # SGD: the parameters move by lr x gradient, so the comparison measures the gradients. (Adam's first steps
         # are about lr x sign(gradient), which turns float noise in a near-zero gradient into a difference of lr.)
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+class TiedLlamaModule(LlamaModule):
+    """`tie_word_embeddings=True`: `lm_head.weight` is `model.embed_tokens.weight`, which transformers' plan shards
+    with `embedding_rowwise` and `colwise_gather_output` (both dim 0 of the `[vocab, hidden]` weight)."""
+
+    tied = True
 
 
 class DeepLlamaModule(LlamaModule):
@@ -116,10 +126,11 @@ def reference(module: LlamaModule, data: Dataset, dp: int, seed: int) -> dict[st
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def initialised_like_materialisation(seed: int) -> LlamaModule:
-    """The whole model on one CPU process, initialised by its own initialiser (`init_weights`) from `seed`."""
+def initialised_like_materialisation(seed: int, model=LlamaModule) -> LlamaModule:
+    """The whole model on one CPU process, initialised by its own initialiser (`init_weights`, which ties the
+    embeddings again after `to_empty`) from `seed`."""
     with torch.device("meta"):
-        module = LlamaModule(build_seed=None)
+        module = model(build_seed=None)
     module.to_empty(device="cpu")
     torch.manual_seed(seed)
     module.net.init_weights()
@@ -138,11 +149,12 @@ def parity_case(strategy, dp: int, empty_init: bool = False, model=LlamaModule) 
     try:
         if empty_init:
             with trainer.init_module(empty_init=True):
-                module = LlamaModule(build_seed=None)
+                module = model(build_seed=None)
             assert all(p.is_meta for p in module.parameters())
             L.seed_everything(SEED)  # the materialisation draws from the seeded global generator (and shuffles with it)
         else:
             module = model()
+        params_before = len(list(module.parameters()))
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
     finally:
         os.environ.pop("PL_GLOBAL_SEED", None)  # other cases shuffle with Lightning's default seed 0
@@ -150,12 +162,15 @@ def parity_case(strategy, dp: int, empty_init: bool = False, model=LlamaModule) 
     got = full_params(trainer)
     if trainer.global_rank != 0:
         return None
-    want_module = initialised_like_materialisation(SEED) if empty_init else model()
+    want_module = initialised_like_materialisation(SEED, model) if empty_init else model()
     shuffle_seed = SEED if empty_init else 0
     result = {"max_abs_diff": _diff(got, reference(want_module, data, dp, shuffle_seed))}
     if empty_init:
         result["largest_local_numel"] = local_numel
         result["largest_numel"] = max(p.numel() for p in want_module.parameters())
+    if model.tied:
+        result["still_tied"] = module.net.lm_head.weight is module.net.model.embed_tokens.weight
+        result["params_before_after"] = [params_before, len(list(module.parameters()))]
     return result
 
 
@@ -189,6 +204,22 @@ def group_hf_llama() -> Iterator[Case]:
             ),
             1,
             model=DeepLlamaModule,
+        ),
+    )
+    # Tied embeddings: the embedding and the head share one DTensor under transformers' plan (both shard the vocab).
+    yield Case(
+        "tied_llama_2d_auto_plan",
+        lambda: parity_case(
+            FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan="auto"), world // 2, model=TiedLlamaModule
+        ),
+    )
+    yield Case(
+        "tied_llama_meta_init_2d",
+        lambda: parity_case(
+            FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan="auto"),
+            world // 2,
+            empty_init=True,
+            model=TiedLlamaModule,
         ),
     )
     yield Case("llama_meta_init_fsdp", lambda: parity_case(FullyShardStrategy(), world, empty_init=True))
