@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 __all__ = [
     "TiedGroup",
+    "check_each_in_one_unit",
     "check_tied_layouts",
     "describe_layout",
     "parameter_owners",
@@ -149,3 +150,17 @@ def parameter_owners(groups: Sequence[TiedGroup], units: Sequence[str]) -> dict[
         if default != {innermost}:
             owners[group[0]] = innermost
     return owners
+
+
+def check_each_in_one_unit(groups: Sequence[TiedGroup], units: Sequence[str], strategy: str) -> None:
+    """DDP wraps each top-level child of the LightningModule on its own, and two DDP reducers cannot share one
+    parameter: refuse a parameter used by two of them (before any collective)."""
+    for group in groups:
+        holders = sorted({unit for name in group for unit in units if _encloses(unit, name)})
+        if len(holders) > 1:
+            raise ValueError(
+                f"Parameters {list(group)} are one tensor used by the top-level modules {holders}, which {strategy}"
+                " wraps in separate DDP units that cannot share a parameter. Put the modules that share it inside"
+                " one module (a child of the LightningModule that calls both), or use strategy='dpar_fsdp', whose"
+                " unit on the LightningModule holds such parameters."
+            )

@@ -95,6 +95,59 @@ class ParityModule(L.LightningModule):
         return make_optimizer(self.hparams.optimizer, self.parameters())
 
 
+class SharedLayer(nn.Module):
+    """A block of its own (a norm) around a module shared with the other layers."""
+
+    def __init__(self, shared: nn.Module, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.ffn = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn(self.norm(x))
+
+
+class SharedBody(nn.Module):
+    """Cross-layer weight sharing (ALBERT, recurrent-depth models): every layer calls one `Block`."""
+
+    def __init__(self, dim: int = 15, hidden: int = 12, depth: int = 3) -> None:
+        super().__init__()
+        shared = Block(dim, hidden)
+        self.layers = nn.ModuleList(SharedLayer(shared, dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class SharedWeightsModule(L.LightningModule):
+    """Parameters used by several FSDP units: the body's layers share one block (its owner is the body), and the
+    top-level `last` is tied to the top-level `first` (their owner is the LightningModule), unless `tie_top_level`
+    is off (DDP refuses a parameter shared by two top-level modules)."""
+
+    def __init__(self, dim: int = 15, tie_top_level: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(IN_DIM, dim)
+        self.first = nn.Linear(dim, dim)
+        self.body = SharedBody(dim)
+        self.last = nn.Linear(dim, dim)
+        if tie_top_level:
+            self.last.weight = self.first.weight
+        self.out = nn.Linear(dim, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.last(self.body(self.first(F.relu(self.inp(x))))))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
 def reference_train(
     optimizer: str,
     global_batches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -337,7 +337,8 @@ class DparStrategy(ParallelStrategy):
         tensor_parallel = resolve_tp_plan(module, tp_plan, dims.tensor_parallel) if tp_plan else {}
         check_tied_layouts(module, tied, tensor_parallel)
         shard_units = self._shard_units(module)
-        parallelize.data_parallel_roots(module)  # refuses containers holding parameters of their own
+        roots = parallelize.data_parallel_roots(module)  # refuses containers holding parameters of their own
+        self._check_ties_fit_the_wrapper(tied, roots, dims)
         check_initialisable(module)
         return ModulePlan(
             tensor_parallel=tensor_parallel,
@@ -411,6 +412,10 @@ class DparStrategy(ParallelStrategy):
     def _shard_units(self, module: nn.Module) -> list[str]:
         """FSDP units below the top-level children; none for strategies that do not shard."""
         return []
+
+    def _check_ties_fit_the_wrapper(self, tied: list[tuple[str, ...]], roots: list[str], dims: ParallelDims) -> None:
+        """Refuse tied parameters the data-parallel wrapper cannot keep one parameter (FSDP can: the unit enclosing
+        all their users holds them)."""
 
     @abstractmethod
     def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:

@@ -20,6 +20,7 @@ from lightning_dpar.compilation import compiled_autograd_compiler
 from lightning_dpar.mesh import REPLICATE, SHARD, MeshLayout, ParallelDims, SizeArg
 from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, select_modules
 from lightning_dpar.strategies.base import DparStrategy
+from lightning_dpar.ties import check_each_in_one_unit
 from lightning_dpar.unit_guard import UnitCallGuard
 
 if TYPE_CHECKING:
@@ -110,6 +111,10 @@ class ReplicateStrategy(DparStrategy):
         if dims.tensor_parallel > 1:
             self._check_tp_compatible_options()  # a configuration error: before the plan is even looked at
         return ParallelDims(world_size, replicate=dims.data_parallel, shard=1, tensor_parallel=dims.tensor_parallel)
+
+    def _check_ties_fit_the_wrapper(self, tied: list[tuple[str, ...]], roots: list[str], dims: ParallelDims) -> None:
+        if dims.tensor_parallel == 1:  # DDP mode; with TP the replicas are FSDP units, which can share
+            check_each_in_one_unit(tied, roots, type(self).__name__)
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.dims is not None

@@ -7,7 +7,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
-from tests.models import TP_PLAN, ParityModule, RegressionData, global_batches, loader, reference_train
+from tests.models import (
+    TP_PLAN,
+    ParityModule,
+    RegressionData,
+    SharedWeightsModule,
+    global_batches,
+    loader,
+    reference_train,
+)
 from tests.workers.cases import Case
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
 
@@ -35,6 +43,33 @@ def parity(make_strategy: Callable[[], Any], dp: int, optimizer="sgd", accumulat
     return {"max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want)}
 
 
+def shared_weights_parity(strategy: Any, dp: int, tie_top_level: bool = True) -> dict | None:
+    """`SharedWeightsModule` (a block shared by every layer, two top-level modules tied) against one process."""
+    data = RegressionData()
+    module = SharedWeightsModule(tie_top_level=tie_top_level)
+    params_before = len(list(module.parameters()))
+    trainer = trainer_for(strategy)
+    trainer.fit(module, loader(data, BATCH))
+    got = full_params(trainer)
+    if trainer.global_rank != 0:
+        return None
+    reference = SharedWeightsModule(tie_top_level=tie_top_level)
+    optimizer = reference.configure_optimizers()
+    for x, y in global_batches(data, dp, BATCH, STEPS):
+        optimizer.zero_grad()
+        reference.training_step((x, y), 0).backward()
+        optimizer.step()
+    want = reference.state_dict()
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    layers = module.body.layers
+    return {
+        "max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want),
+        "block_still_shared": layers[0].ffn.fc1.weight is layers[2].ffn.fc1.weight,
+        "top_level_still_tied": module.last.weight is module.first.weight,
+        "params_before_after": [params_before, len(list(module.parameters()))],
+    }
+
+
 def group_2d() -> Iterator[Case]:
     tp = 2 if world_size() % 2 == 0 else 1
     dp = world_size() // tp
@@ -57,6 +92,7 @@ def group_fsdp() -> Iterator[Case]:
     yield Case("fsdp_clip_norm", lambda: parity(lambda: "dpar_fsdp", world, clip_norm=0.05))
     if world % 2 == 0:
         yield Case("hsdp_adam", lambda: parity(lambda: FullyShardStrategy(replicate_size=2), world, "adam"))
+    yield Case("fsdp_shared_weights", lambda: shared_weights_parity("dpar_fsdp", world))
 
 
 def counting_allreduce_hook(calls: list[int]):
@@ -90,6 +126,7 @@ def group_replicate() -> Iterator[Case]:
     # bf16-compressed gradient all-reduce: close to, but measurably different from, the fp32 reference.
     yield Case("replicate_bf16_compress", lambda: parity(lambda: ReplicateStrategy(comm_hook="bf16_compress"), world))
     yield Case("replicate_callable_hook", lambda: _callable_hook_case(world))
+    yield Case("replicate_shared_weights", lambda: shared_weights_parity("dpar_replicate", world, tie_top_level=False))
     if world % 2 == 0:
         yield Case(
             "replicate_tp_adamw",
