@@ -17,7 +17,7 @@ from lightning_dpar.materialize import materialize_meta_tensors
 from lightning_dpar.plan import STYLE_NAMES, parse_tp_plan, resolve_tp_plan
 from lightning_dpar.plan_report import plan
 from tests.conftest import run_workers
-from tests.workers.hf import LlamaModule, initialised_like_materialisation
+from tests.workers.hf import LlamaModule, TiedLlamaModule, initialised_like_materialisation
 
 ATOL = 1e-5
 CASES = [
@@ -46,6 +46,18 @@ def world4(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_llama_with_gqa_matches_single_process_training(world, case, request):
     assert request.getfixturevalue(world)[case]["max_abs_diff"] < ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["world2", "world4"])
+@pytest.mark.parametrize("case", ["tied_llama_2d_auto_plan", "tied_llama_meta_init_2d"])
+def test_tied_embeddings_stay_one_parameter_under_transformers_plan(world, case, request):
+    """tie_word_embeddings under TP 2 x FSDP with tp_plan="auto" (trained, and built on the meta device): one DTensor
+    serves the embedding and the head, the parameter count is unchanged, and training matches one process."""
+    result = request.getfixturevalue(world)[case]
+    assert result["still_tied"]
+    assert result["params_before_after"] == [20, 20]
+    assert result["max_abs_diff"] < ATOL
 
 
 @pytest.mark.slow
@@ -86,6 +98,46 @@ def test_head_counts_of_the_config_must_divide():
         ValueError, match=r"`tensor_parallel_size=4` does not divide the 2 heads of 'net.model.layers.0"
     ):
         resolve_tp_plan(module, parse_tp_plan(transformers_tp_plan(module)), tensor_parallel_size=4)
+
+
+def test_plan_dry_run_shows_the_tie_and_keeps_one_parameter():
+    with torch.device("meta"):
+        module = TiedLlamaModule(build_seed=None)
+    strategy = lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan="auto")
+    report = plan(strategy, module, world_size=4)
+    text = report.render()
+    assert "Tied parameters (one parameter under several names, listed once below)" in text
+    assert "net.model.embed_tokens.weight = net.lm_head.weight: tensor parallel Shard(0), FSDP unit net" in text
+    assert module.net.lm_head.weight is module.net.model.embed_tokens.weight
+    assert report.total_params == sum(p.numel() for p in TiedLlamaModule(build_seed=None).parameters())
+    assert "net.lm_head.weight" not in {row.name for row in report.params}
+
+
+@pytest.mark.parametrize(
+    ("tp_plan", "message"),
+    [
+        (
+            {"net.lm_head": "colwise_gather_output"},
+            r"'net.model.embed_tokens.weight' is whole on every rank \(not in the tp_plan\); 'net.lm_head.weight' is"
+            r" Shard\(0\) \(module 'net.lm_head' gets ColwiseParallel\)",
+        ),
+        (
+            {"net.model.embed_tokens": "embedding_rowwise", "net.lm_head": "rowwise"},
+            r"'net.model.embed_tokens.weight' is Shard\(0\) \(module 'net.model.embed_tokens' gets RowwiseParallel\);"
+            r" 'net.lm_head.weight' is Shard\(1\) \(module 'net.lm_head' gets RowwiseParallel\)",
+        ),
+    ],
+)
+def test_tied_modules_with_layouts_that_cannot_share_one_tensor_are_refused(tp_plan, message):
+    """Pure, in `module_plan`: every rank refuses before any collective, naming both modules, both styles and the
+    fix."""
+    with torch.device("meta"):
+        module = TiedLlamaModule(build_seed=None)
+    strategy = lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=tp_plan)
+    with pytest.raises(ValueError, match=message) as error:
+        strategy.module_plan(module, strategy.resolve_dims(4, 4, 1))
+    assert "'embedding_rowwise' on the embedding and 'colwise_gather_output' on the head" in str(error.value)
+    assert "`tie_word_embeddings=False`" in str(error.value)
 
 
 def test_strategy_argument_and_module_attribute_win_over_the_models_plan():

@@ -55,3 +55,16 @@ def test_replicate_comm_hooks(world, request):
     assert 1e-7 < results["replicate_bf16_compress"]["max_abs_diff"] < 2e-3
     if world == "world4":  # with TP, the names select FSDP2's gradient reduce dtype instead of a DDP hook
         assert 1e-7 < results["replicate_tp_bf16_compress"]["max_abs_diff"] < 2e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["world1", "world2", "world4"])
+@pytest.mark.parametrize("case", ["fsdp_shared_weights", "replicate_shared_weights"])
+def test_parameters_shared_by_several_units_train_like_one_process(world, case, request):
+    """A block reused by every layer (ALBERT-style) and, under FSDP, a tie across two top-level modules: each
+    parameter is held by the unit enclosing its users, stays one parameter, and trains as in one process."""
+    result = request.getfixturevalue(world)[case]
+    assert result["max_abs_diff"] < ATOL
+    assert result["block_still_shared"]
+    assert result["top_level_still_tied"] == (case == "fsdp_shared_weights")
+    assert result["params_before_after"][0] == result["params_before_after"][1]

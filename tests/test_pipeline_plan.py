@@ -111,6 +111,13 @@ def test_parameters_shared_across_stages_are_refused():
         split(module, stages=2)
 
 
+def test_a_block_shared_by_the_layers_of_one_stage_is_refused():
+    module = ParityModule(depth=4)
+    module.model.layers[1].fc1 = module.model.layers[0].fc1  # cross-layer sharing, both layers on stage 0
+    with pytest.raises(ValueError, match=r"units 'model.layers.0' and 'model.layers.1' of pipeline stage 0 share it"):
+        split(module, stages=2)
+
+
 def test_parameters_on_a_module_holding_blocks_belong_to_no_stage():
     module = ParityModule()
     module.scale = nn.Parameter(torch.ones(()))

@@ -15,7 +15,7 @@ import lightning_dpar
 from lightning_dpar.memory import format_bytes
 from lightning_dpar.plan_report import main, plan
 from tests.conftest import ROOT
-from tests.models import Net
+from tests.models import Net, SharedWeightsModule
 
 EXAMPLE_2D = str(ROOT / "examples" / "configs" / "2d.yaml")
 BIG = str(ROOT / "examples" / "plan" / "gpt_70b.yaml")
@@ -325,3 +325,31 @@ def test_pipeline_v_schedule_puts_the_first_and_last_stage_on_one_rank():
     assert report.total_params == both and report.memory.total == 16 * both
     # Zero-bubble schedules keep the stages' units gathered from forward to backward: all of rank 0's parameters.
     assert f"stages all-gathered, {format_bytes(4 * both)}, stay in memory during a step" in out
+
+
+def test_parameters_shared_by_several_units_go_to_the_unit_enclosing_their_users():
+    """A block reused by every layer goes to the body (not to each layer's unit), a parameter tied across two
+    top-level modules to the LightningModule's own unit; each stays one parameter."""
+    with torch.device("meta"):
+        module = SharedWeightsModule()
+    report = plan(lightning_dpar.FullyShardStrategy(), module, world_size=2)
+    text = report.render()
+    assert "  first.weight = last.weight: FSDP unit (the LightningModule)" in text
+    assert (
+        "  body.layers.0.ffn.fc1.weight = body.layers.1.ffn.fc1.weight = body.layers.2.ffn.fc1.weight: FSDP unit body"
+        in text
+    )
+    assert report.modules["(the LightningModule)"] == ["FSDP unit (its own parameters; step methods gather them)"]
+    assert module.body.layers[0].ffn.fc1.weight is module.body.layers[2].ffn.fc1.weight
+    assert module.first.weight is module.last.weight
+    assert report.total_params == sum(p.numel() for p in SharedWeightsModule().parameters())
+
+
+def test_ddp_refuses_a_parameter_shared_by_two_top_level_modules():
+    with torch.device("meta"):
+        module = SharedWeightsModule()
+    with pytest.raises(ValueError, match=r"\['first.weight', 'last.weight'\] are one tensor used by the top-level"):
+        plan(lightning_dpar.ReplicateStrategy(), module, world_size=2)
+    with torch.device("meta"):
+        module = SharedWeightsModule(tie_top_level=False)  # the block shared inside `body` is one DDP unit's
+    plan(lightning_dpar.ReplicateStrategy(), module, world_size=2)

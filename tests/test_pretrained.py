@@ -175,6 +175,22 @@ def test_pretrained_weights_load_exactly_and_fine_tune_like_one_process(request,
 
 
 @pytest.mark.slow
+def test_tied_model_under_transformers_plan_loads_exactly_stays_tied_and_exports_the_key_once(results4):
+    """tie_word_embeddings with tp_plan="auto" (the embedding and head share one DTensor): the load is bit-for-bit
+    `from_pretrained`'s, fine-tuning matches one process, the tie holds after training, and `--format hf` writes
+    the tied key once; `from_pretrained` of the export ties again and holds the trained values."""
+    result = results4["pretrained_2d_auto_4"]
+    assert result["random_init_diff"] > 0.1
+    assert result["loaded_max_abs_diff"] == 0.0
+    assert result["trained_max_abs_diff"] < 1e-5
+    assert result["still_tied"]
+    assert result["export_code"] == 0
+    assert "model.embed_tokens.weight" in result["exported_keys"] and "lm_head.weight" not in result["exported_keys"]
+    assert result["export_reties"]
+    assert result["export_max_abs_diff"] == 0.0
+
+
+@pytest.mark.slow
 def test_key_mismatch_is_named_on_every_rank_and_lenient_load_keeps_the_rest(results2):
     result = results2["pretrained_errors"]
     for messages in result["strict_messages"]:

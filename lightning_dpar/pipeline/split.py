@@ -174,18 +174,27 @@ def resolve_split(
 
 def _check_no_parameter_shared_across_stages(root: nn.Module, split: PipelineSplit) -> None:
     """A parameter used by units on two stages (tied input and output embeddings) would get two gradients that no
-    one adds up: refuse it."""
-    seen: dict[int, tuple[str, int]] = {}
+    one adds up: refuse it. Within a stage each unit is an FSDP unit of its own, and one parameter cannot belong to
+    two: refuse a parameter shared by two units too (a block reused by several layers)."""
+    seen: dict[int, tuple[str, str, int]] = {}
     for stage, units in enumerate(split.stages):
         for unit in units:
             for name, param in root.get_submodule(unit).named_parameters(remove_duplicate=False):
-                first = seen.setdefault(id(param), (f"{unit}.{name}", stage))
-                if first[1] != stage:
+                first_name, first_unit, first_stage = seen.setdefault(id(param), (f"{unit}.{name}", unit, stage))
+                if first_stage != stage:
                     raise ValueError(
-                        f"Parameter {first[0]!r} (pipeline stage {first[1]}) is the same tensor as"
+                        f"Parameter {first_name!r} (pipeline stage {first_stage}) is the same tensor as"
                         f" {unit}.{name!r} (stage {stage}): pipeline stages cannot share a parameter. Untie them (for"
-                        " transformers models `tie_word_embeddings=False`), or put both units on one stage with"
-                        " `pipeline_split`."
+                        " transformers models `tie_word_embeddings=False`), or train without"
+                        " `pipeline_parallel_size`, where the unit enclosing both holds it."
+                    )
+                if first_unit != unit:
+                    raise ValueError(
+                        f"Parameter {first_name!r} is the same tensor as {unit}.{name!r}: units {first_unit!r} and"
+                        f" {unit!r} of pipeline stage {stage} share it, but each unit of a stage is an FSDP unit of"
+                        " its own and a parameter can belong to one only. Pipeline without the sharing (give each"
+                        " layer its own copy), or train without `pipeline_parallel_size`, where the unit enclosing"
+                        " both holds it."
                     )
 
 

@@ -125,6 +125,8 @@ def strategy_for(name: str, pretrained) -> L.pytorch.strategies.Strategy:
         return ReplicateStrategy(pretrained=pretrained)
     if name == "2d":
         return FSDPTensorParallelStrategy(tensor_parallel_size=2, pretrained=pretrained)
+    if name == "2d_auto":  # transformers' own plan: the tied embedding and head share one DTensor
+        return FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan="auto", pretrained=pretrained)
     if name == "pp":  # each stage reads only its own layers' weights
         return FullyShardStrategy(pipeline_parallel_size=2, pretrained=pretrained)
     raise ValueError(name)
@@ -148,7 +150,7 @@ def parity_case(name: str, attr: str) -> dict | None:
     if trainer.global_rank != 0:
         return None
     path, prefix = tiny_dir(untied=name == "pp"), f"{attr}."
-    dp = world_size() // 2 if name in ("2d", "pp") else world_size()
+    dp = world_size() // 2 if name in ("2d", "2d_auto", "pp") else world_size()
     return {
         "loaded_max_abs_diff": max_diff(capture.params, pretrained_model(path).state_dict(), prefix),
         "trained_max_abs_diff": max_diff(trained, reference_train(path, data, dp), prefix),
@@ -158,12 +160,46 @@ def parity_case(name: str, attr: str) -> dict | None:
     }
 
 
+def tied_auto_plan_case() -> dict | None:
+    """The tied tiny Llama under transformers' own plan (`tp_plan="auto"`): loaded, fine-tuned (as `parity_case`),
+    still tied, then saved and exported with `consolidate --format hf`, whose `from_pretrained` ties again."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from lightning_dpar.consolidate import main as consolidate
+
+    trainer, capture, data = fine_tune("2d_auto", attr="model")
+    model = trainer.lightning_module.model
+    still_tied = model.lm_head.weight is model.model.embed_tokens.weight
+    ckpt = workdir() / "tied_auto.ckpt"
+    trainer.save_checkpoint(ckpt)
+    trained = full_params(trainer)
+    if trainer.global_rank != 0:
+        return None
+    path, out = tiny_dir(), workdir() / "tied_auto_hf"
+    code = consolidate([str(ckpt), str(out), "--format", "hf"])
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        exported_keys = sorted(f.keys())
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    return {
+        "loaded_max_abs_diff": max_diff(capture.params, pretrained_model(path).state_dict(), "model."),
+        "trained_max_abs_diff": max_diff(trained, reference_train(path, data, world_size() // 2), "model."),
+        "random_init_diff": max_diff(CausalLM(path).state_dict(), pretrained_model(path).state_dict(), "model."),
+        "still_tied": still_tied,
+        "export_code": code,
+        "exported_keys": exported_keys,
+        "export_reties": exported.lm_head.weight is exported.model.embed_tokens.weight,
+        "export_max_abs_diff": max_diff(trained, exported.state_dict(), "model."),
+    }
+
+
 def group_pretrained_parity() -> Iterator[Case]:
     world = world_size()
     yield Case(f"pretrained_fsdp_{world}", lambda: parity_case("fsdp", attr="net"))
     yield Case(f"pretrained_replicate_{world}", lambda: parity_case("replicate", attr="model"))
     if world == 4:
         yield Case(f"pretrained_2d_{world}", lambda: parity_case("2d", attr="model"))
+        yield Case(f"pretrained_2d_auto_{world}", tied_auto_plan_case)
     yield Case(f"pretrained_pp_{world}", lambda: parity_case("pp", attr="model"))
 
 
