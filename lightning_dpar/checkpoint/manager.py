@@ -20,7 +20,7 @@ from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.errors import CheckpointSaveError
 from lightning_dpar.checkpoint.full import FullFormat
 from lightning_dpar.checkpoint.layout import LoadReport
-from lightning_dpar.checkpoint.resume import RNG_STATES_KEY, ResumeState, capture_rng_state
+from lightning_dpar.checkpoint.resume import RNG_STATES_KEY, ResumeState, align_loop_state, capture_rng_state
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.sharded import ShardedFormat
 from lightning_dpar.checkpoint.storage import Location
@@ -161,6 +161,8 @@ class CheckpointManager:
                 f" {report.unexpected}."
             )
         self.resume.pending = source.record if fitting else {}  # RNG and data position apply to `fit` only
+        if fitting:
+            self.resume.loop_note = align_loop_state(source.rest)  # before Lightning restores its loops from it
         return source.rest
 
     def _held_elsewhere(self, key: str) -> bool:

@@ -653,16 +653,15 @@ class DparStrategy(ParallelStrategy):
             # below (or `skip_seen_batches`'s) says whether this resume is exact instead.
             warnings.filterwarnings("ignore", message=LIGHTNING_RESUME_WARNING, category=PossibleUserWarning)
         how, exact = self.checkpoints.resume.position_loader(dataloader, data_parallel)
-        if mid_epoch and exact:
-            rank_zero_info(how)
-        elif mid_epoch:
-            rank_zero_warn(how)
+        if mid_epoch:
+            self.checkpoints.resume.announcement = (how, exact)  # logged in `on_train_start`, once the loop is set
         return dataloader
 
     def on_train_start(self) -> None:
         """Restore this rank's RNG streams right before training continues (after loaders and sanity checks)."""
         trainer = _attached_trainer(self.lightning_module)
         if trainer is not None:
+            self.checkpoints.resume.announce(trainer)
             skip_seen_batches(self.checkpoints.resume, trainer)
         note = self.checkpoints.resume.restore_rng(self.world_size, self.global_rank)
         if note is not None:
