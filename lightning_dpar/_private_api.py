@@ -68,6 +68,7 @@ __all__ = [
     "metric_step_value",
     "model_checkpoint_dir",
     "optimizers_to_device",
+    "replace_model_checkpoint_link",
     "swap_ddp_optimize_mode",
     "sync_ddp_if_available",
     "transformers_module_initialiser",
@@ -153,6 +154,15 @@ def model_checkpoint_dir(callback: Any, trainer: Any) -> str | None:
     if callback.dirpath is not None:
         return str(callback.dirpath)
     return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+
+
+def replace_model_checkpoint_link(callback: Any, link: Callable[[Any, str, str], None]) -> None:
+    """Make `callback` (a `ModelCheckpoint`) point its `save_last="link"` link with `link(trainer, filepath,
+    linkpath)`. Lightning makes the link in the private static method `_link_checkpoint`, right after the save call
+    returns, and has no public hook for it; with an async save the checkpoint is then still being written, and a
+    kill before it completes would leave the link naming nothing. Set on the instance, `link` shadows the class's
+    method for this callback only."""
+    callback._link_checkpoint = link
 
 
 #: Lightning private names a strategy or launcher subclass must override or set: Lightning's extension points for

@@ -142,6 +142,16 @@ def test_fit_ckpt_path_last(results):
     assert not [name for name in result["dir"] if name.startswith(".")]
 
 
+@pytest.mark.slow
+def test_last_link_names_only_published_checkpoints(results):
+    """With `save_last="link"` and async saves, `last.ckpt` moves to a checkpoint only once it is complete: a kill
+    while the step-2 save is written leaves it naming step 1 (it used to name the unwritten step 2)."""
+    result = results["async_link"]
+    assert result["while_in_flight"] == {"target": "step=1.ckpt", "complete": True}
+    assert result["after_fit"] == "step=3.ckpt"
+    assert result["resumed_first_step"] == 3
+
+
 # ---------------------------------------------------------------------- strict loading and bad input
 @pytest.mark.slow
 def test_strict_loading_false_loads_matching_keys_and_reports_the_rest(results):

@@ -129,6 +129,11 @@ class CheckpointManager:
         """A checkpoint `ModelCheckpoint` no longer keeps; removed only once no save it depends on is in flight."""
         self.writer.remove(Location.parse(str(path)), is_global_zero)
 
+    def link(self, target: Any, link: Any, is_global_zero: bool) -> bool:
+        """Point `link` (`last.ckpt` of `ModelCheckpoint(save_last="link")`) at `target` once `target` is published;
+        returns whether that was deferred to a background save's end (the same on every rank)."""
+        return self.writer.link(Location.parse(str(target)), Location.parse(str(link)), is_global_zero)
+
     def wait(self) -> None:
         self.writer.wait()
 

@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_dpar import FullyShardStrategy
 from lightning_dpar.checkpoint import writer as checkpoint_writer
-from lightning_dpar.checkpoint.layout import inspect_checkpoint
+from lightning_dpar.checkpoint.layout import inspect_checkpoint, is_complete_checkpoint
 from lightning_dpar.checkpoint.resume import capture_rng_state
 from lightning_dpar.checkpoint.storage import Location
 from tests.workers.cases import Case, one_case
@@ -120,6 +120,7 @@ def group_resume() -> Iterator[Case]:
         "resume_fsdp_custom_sampler", lambda: resume_case("fsdp_custom_sampler", "fsdp", sampler=ReversedSampler(128))
     )
     yield Case("async_rng_record", async_rng_record_case)
+    yield Case("async_link", async_link_case)
     for written in RESUME_POINTS:
         yield Case(f"resume_point_{written}", lambda written=written: resume_point_case(written))
 
@@ -341,6 +342,51 @@ def async_rng_record_case() -> dict:
         "recorded_matches": [_same_streams(r, e) for r, e in zip(recorded, every_expected)],
         "restored_matches": [_same_streams(r, e) for r, e in zip(every_restored, every_expected)],
     }
+
+
+# ---------------------------------------------------------------------- save_last="link" with async saves
+class SlowSecondSave(Callback):
+    """Holds the background finishing step of the second save for 2 s and, when the next batch starts (the save
+    still in flight), records on rank 0 where `last.ckpt` points and whether that is a complete checkpoint: what a
+    kill at that moment would leave."""
+
+    def __init__(self, last: Path) -> None:
+        self.last, self.seen = last, None
+        self.original = checkpoint_writer._finish
+        self.saves = 0
+
+    def setup(self, trainer, pl_module, stage):
+        def finish(*args, **kwargs):
+            self.saves += 1
+            if self.saves == 2:
+                time.sleep(2.0)
+            return self.original(*args, **kwargs)
+
+        checkpoint_writer._finish = finish
+
+    def teardown(self, trainer, pl_module, stage):
+        checkpoint_writer._finish = self.original
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2 and trainer.is_global_zero:
+            target = os.readlink(self.last) if os.path.islink(self.last) else None
+            self.seen = {"target": target, "complete": is_complete_checkpoint(Location.parse(str(self.last)))}
+
+
+def async_link_case() -> dict:
+    """`save_last="link"` with `async_save=True`: while a save is being written, `last.ckpt` still names the
+    previous complete checkpoint; once it is published, the new one. An explicit `ckpt_path=".../last.ckpt"` loads."""
+    root = case_dir("async_link")
+    callback = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=-1, save_last="link")
+    probe = SlowSecondSave(root / "last.ckpt")
+    trainer = trainer_for(
+        FullyShardStrategy(async_save=True), max_steps=3, callbacks=[callback, probe], enable_checkpointing=True
+    )
+    trainer.fit(ResumeModule(), train_loader())
+    after_fit = os.readlink(root / "last.ckpt") if dist.get_rank() == 0 else None
+    module = ResumeModule()
+    trainer_for(FullyShardStrategy(), max_steps=4).fit(module, train_loader(), ckpt_path=str(root / "last.ckpt"))
+    return {"while_in_flight": probe.seen, "after_fit": after_fit, "resumed_first_step": module.losses[0][0]}
 
 
 # ---------------------------------------------------------------------- strict loading and bad input
