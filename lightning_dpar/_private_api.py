@@ -47,6 +47,11 @@ from torch.distributed._composable.replicate import replicate as ddp_replicate
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
 from torch.distributed.device_mesh import DeviceMesh
 
+# Which block of a full tensor a DTensor's local shard is (shape and offset per dim): what torch's own full-state-dict
+# loading uses (`_state_dict_utils._distribute_tensors`) to copy each rank's part out of a full tensor every rank holds;
+# it lets a full-format load slice the memory-mapped file instead of scattering whole tensors from rank 0.
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as local_shape_and_offset
+
 __all__ = [
     "IS_INTERACTIVE",
     "LIGHTNING_SUBCLASS_HOOKS",
@@ -65,6 +70,7 @@ __all__ = [
     "functional_all_reduce",
     "init_dist_connection",
     "is_composable_replicated",
+    "local_shape_and_offset",
     "metric_step_value",
     "model_checkpoint_dir",
     "optimizers_to_device",
