@@ -47,6 +47,11 @@ from torch.distributed._composable.replicate import replicate as ddp_replicate
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
 from torch.distributed.device_mesh import DeviceMesh
 
+# Which block of a full tensor a DTensor's local shard is (shape and offset per dim): what torch's own full-state-dict
+# loading uses (`_state_dict_utils._distribute_tensors`) to copy each rank's part out of a full tensor every rank holds;
+# it lets a full-format load slice the memory-mapped file instead of scattering whole tensors from rank 0.
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as local_shape_and_offset
+
 __all__ = [
     "IS_INTERACTIVE",
     "LIGHTNING_SUBCLASS_HOOKS",
@@ -65,9 +70,11 @@ __all__ = [
     "functional_all_reduce",
     "init_dist_connection",
     "is_composable_replicated",
+    "local_shape_and_offset",
     "metric_step_value",
     "model_checkpoint_dir",
     "optimizers_to_device",
+    "replace_model_checkpoint_link",
     "swap_ddp_optimize_mode",
     "sync_ddp_if_available",
     "transformers_module_initialiser",
@@ -153,6 +160,15 @@ def model_checkpoint_dir(callback: Any, trainer: Any) -> str | None:
     if callback.dirpath is not None:
         return str(callback.dirpath)
     return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+
+
+def replace_model_checkpoint_link(callback: Any, link: Callable[[Any, str, str], None]) -> None:
+    """Make `callback` (a `ModelCheckpoint`) point its `save_last="link"` link with `link(trainer, filepath,
+    linkpath)`. Lightning makes the link in the private static method `_link_checkpoint`, right after the save call
+    returns, and has no public hook for it; with an async save the checkpoint is then still being written, and a
+    kill before it completes would leave the link naming nothing. Set on the instance, `link` shadows the class's
+    method for this callback only."""
+    callback._link_checkpoint = link
 
 
 #: Lightning private names a strategy or launcher subclass must override or set: Lightning's extension points for

@@ -224,3 +224,48 @@ def test_resolve_last_with_only_interrupted_saves_raises(tmp_path):
     os.symlink("step=6.ckpt", tmp_path / "last.ckpt")
     with pytest.raises(CheckpointLoadError, match="no complete checkpoint"):
         resolve_last([Location.parse(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        ("meta_truncated", "meta.pt' cannot be read"),
+        ("index_truncated", ".metadata' cannot be read as a dcp index"),
+        ("shard_truncated", "is truncated"),
+        ("shard_missing", "is missing"),
+        ("meta_missing", "lacks 'meta.pt'"),
+    ],
+)
+def test_resolve_last_skips_every_kind_of_damage_naming_it_and_why(tmp_path, damage, why):
+    """Whatever is damaged in the newest checkpoint (a truncated `meta.pt` used to be picked, and its load failed),
+    "last" resolves to the newest intact one, and the line saying so names the skipped one and the damage."""
+    _sharded_checkpoint(tmp_path / "step=1.ckpt", 1000)
+    _sharded_checkpoint(tmp_path / "step=2.ckpt", 2000)
+    newest = tmp_path / "step=2.ckpt"
+    shard = next(newest.glob("*.distcp"))
+    if damage == "meta_truncated":
+        data = (newest / "meta.pt").read_bytes()
+        (newest / "meta.pt").write_bytes(data[: len(data) // 2])
+        os.utime(newest / "meta.pt", (2000, 2000))
+    elif damage == "index_truncated":
+        (newest / ".metadata").write_bytes((newest / ".metadata").read_bytes()[:20])
+    elif damage == "shard_truncated":
+        shard.write_bytes(shard.read_bytes()[:3])
+    elif damage == "shard_missing":
+        shard.unlink()
+    else:
+        (newest / "meta.pt").unlink()
+    path, reason = resolve_last([Location.parse(tmp_path)])
+    assert path == str(tmp_path / "step=1.ckpt")
+    assert f"skipped {str(newest)!r}: " in reason and why in reason.lower(), reason
+
+
+def test_resolve_last_skips_a_damaged_full_format_file(tmp_path):
+    torch.save({"state_dict": {"w": torch.zeros(4)}}, tmp_path / "step=1.ckpt")
+    os.utime(tmp_path / "step=1.ckpt", (1000, 1000))
+    torch.save({"state_dict": {"w": torch.zeros(4)}}, tmp_path / "step=2.ckpt")
+    data = (tmp_path / "step=2.ckpt").read_bytes()
+    (tmp_path / "step=2.ckpt").write_bytes(data[: len(data) - 40])
+    path, reason = resolve_last([Location.parse(tmp_path)])
+    assert path == str(tmp_path / "step=1.ckpt")
+    assert "step=2.ckpt" in reason and "truncated or corrupted" in reason, reason

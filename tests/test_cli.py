@@ -291,3 +291,14 @@ def test_main_job_resumes_from_last(main_job):
     assert _logged_steps(workdir, 2)[0] >= 6  # continues after step 6 instead of starting over at 0
     # 3 more optimizer steps (global step 6 -> 9), and the newest checkpoint replaced the old one (top-1).
     assert sorted(p.name for p in (workdir / "checkpoints" / "gpt").iterdir()) == ["epoch=0-step=9.ckpt", "last.ckpt"]
+
+
+@pytest.mark.slow
+def test_readme_resume_command_continues_exactly(configs_run):
+    """`python -m lightning_dpar fit --trainer.max_steps=3`, then the README's `fit --ckpt_path last
+    --trainer.max_steps=5`: every rank trains on the uninterrupted run's batches from step 3 on and ends with its
+    weights (the checkpoint `fit` writes at its end used to resume in the next epoch, with other batches)."""
+    result = configs_run["readme_resume"]
+    assert result["resumed"] == result["expected"]
+    assert [len(rank) for rank in result["resumed"]] == [2, 2, 2, 2]
+    assert result["same_keys"] and result["weights_max_diff"] == 0.0

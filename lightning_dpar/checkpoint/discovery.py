@@ -5,14 +5,16 @@ there is none. After a kill during a save that is wrong in two ways: with `save_
 checkpoint that was never completed (so it "does not exist" and training silently restarts from step 0), and the
 newest complete checkpoint may carry another name. Here the checkpoint directories of the `ModelCheckpoint`
 callbacks are searched for complete checkpoints: the newest wins, and a directory with only interrupted saves is an
-error rather than a fresh start.
+error rather than a fresh start. Damage of any kind (an interrupted save, a missing or truncated data file, an
+unreadable index, `meta.pt` or full-format file) makes a checkpoint skipped the same way, and the log line that
+names the checkpoint picked names each one skipped and why.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_dpar.checkpoint.layout import PARTIAL_PREFIX, REPLACED_PREFIX, is_complete_checkpoint, written_at
+from lightning_dpar.checkpoint.layout import PARTIAL_PREFIX, REPLACED_PREFIX, checkpoint_problem, written_at
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.storage import Location
 
@@ -25,10 +27,10 @@ LAST_PREFIX = "last"
 
 @dataclass
 class DirectoryScan:
-    """The checkpoints of one directory: complete ones with their modification times, and interrupted ones."""
+    """The checkpoints of one directory: complete ones with their modification times, and the others with why."""
 
     complete: dict[str, float] = field(default_factory=dict)
-    incomplete: list[str] = field(default_factory=list)
+    incomplete: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, directory: Location) -> DirectoryScan:
@@ -36,12 +38,13 @@ class DirectoryScan:
         for name in directory.list_names():
             entry = directory.child(name)
             if name.startswith((PARTIAL_PREFIX, REPLACED_PREFIX)):
-                scan.incomplete.append(entry.url)
+                scan.incomplete[entry.url] = "a save into it was interrupted"
             elif name.endswith(CHECKPOINT_SUFFIX):
-                if is_complete_checkpoint(entry):
+                problem = checkpoint_problem(entry)
+                if problem is None:
                     scan.complete[entry.url] = written_at(entry)
-                else:  # a `save_last="link"` link to a save that never completed, or a directory without metadata
-                    scan.incomplete.append(entry.url)
+                else:
+                    scan.incomplete[entry.url] = problem
         return scan
 
 
@@ -52,20 +55,21 @@ def resolve_last(directories: list[Location]) -> tuple[str | None, str]:
     `ckpt_path="last"` handling applies). Raises `CheckpointLoadError` when they hold only interrupted saves.
     """
     complete: dict[str, float] = {}
-    incomplete: list[str] = []
+    incomplete: dict[str, str] = {}
     for directory in directories:
         scan = DirectoryScan.of(directory)
         complete.update(scan.complete)
-        incomplete.extend(scan.incomplete)
+        incomplete.update(scan.incomplete)
     where = ", ".join(repr(d.url) for d in directories)
     if complete:
         # Ties (a `save_last="link"` link and its target) go to the `last*` name, as Lightning's own "last" would.
         newest = max(complete, key=lambda url: (complete[url], url.rsplit("/", 1)[-1].startswith(LAST_PREFIX)))
-        skipped = f"; skipped the incomplete {sorted(incomplete)}" if incomplete else ""
+        skipped = "".join(f"; skipped {url!r}: {why}" for url, why in sorted(incomplete.items()))
         return newest, f"the newest complete checkpoint in {where}{skipped}"
     if incomplete:
         raise CheckpointLoadError(
-            f"`ckpt_path='last'`: {where} holds no complete checkpoint, only interrupted saves: {sorted(incomplete)}."
+            f"`ckpt_path='last'`: {where} holds no complete checkpoint, only interrupted or damaged"
+            f" ones: {'; '.join(f'{url!r}: {why}' for url, why in sorted(incomplete.items()))}."
             " Training is not restarted from scratch silently. Pass `ckpt_path` of a checkpoint kept elsewhere, or"
             " remove these entries (or pass `ckpt_path=None`) to start from scratch."
         )

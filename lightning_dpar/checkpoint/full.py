@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -20,8 +21,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
+from lightning_dpar._private_api import local_shape_and_offset
 from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.errors import CheckpointSaveError
 from lightning_dpar.checkpoint.layout import (
@@ -32,6 +35,7 @@ from lightning_dpar.checkpoint.layout import (
     partial_name,
     read_with_remedy,
 )
+from lightning_dpar.checkpoint.mapped import MappedFile
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import publish, remove_leftovers, with_per_rank
@@ -117,27 +121,76 @@ def load_full(
     optimizers: Sequence[Optimizer],
     strict: bool,
     elsewhere: Callable[[str], bool] = lambda key: False,
+    release: Callable[[torch.Tensor], None] = lambda tensor: None,
 ) -> LoadReport:
-    """Every rank holds the file's content (`read_full`) and keeps its own shards of model and optimizer state.
-    Takes the model and optimizer states out of `checkpoint`, leaving Lightning's part of it. Keys for which
-    `elsewhere` holds belong to parameters other ranks hold entirely (other pipeline stages): they are skipped."""
-    options = StateDictOptions(full_state_dict=True, strict=strict)
+    """Every rank holds the file's content (`read_full`, memory-mapped) and keeps its own shards of model and
+    optimizer state. Takes the model and optimizer states out of `checkpoint`, leaving Lightning's part of it. Keys
+    for which `elsewhere` holds belong to parameters other ranks hold entirely (other pipeline stages): skipped.
+
+    Memory: each rank copies its own block of every sharded tensor out of the mapped file, one tensor at a time, and
+    then gives that tensor's mapped pages back (`release`, see `checkpoint.mapped`), so its resident set grows by its
+    own shards and one tensor of the file, where torch's full-state-dict path scatters every whole tensor from rank
+    0 (which then holds the whole file and a copy of it for the scatter)."""
     whole_state = checkpoint.pop("state_dict")
     model_state = {k: v for k, v in whole_state.items() if not elsewhere(k)}
+    optimizer_states = checkpoint.pop("optimizer_states", [])
     if optimizers and len(model_state) != len(whole_state):
         raise CheckpointLoadError(
             "A full-format checkpoint keys its optimizer state by the position of each parameter in the unsplit"
             " model, which a pipeline stage cannot map to its own parameters. Resume pipelined runs from sharded"
             " checkpoints (`checkpoint_format='sharded'`, the default); `validate`/`test`/`predict` can load this file."
         )
+    local = model.state_dict()  # this rank's shards (DTensors under FSDP / TP), no copies
     # Computed here: with `strict=False`, `set_model_state_dict` fills what is missing and reports nothing.
-    model_keys = set(model.state_dict())
-    report = LoadReport(missing=sorted(model_keys - set(model_state)), unexpected=sorted(set(model_state) - model_keys))
+    report = LoadReport(missing=sorted(set(local) - set(model_state)), unexpected=sorted(set(model_state) - set(local)))
+    if not all(_sliceable(value) for value in local.values()):  # e.g. strided FSDP x TP shards: torch's own path
+        _load_through_scatter(model_state, optimizer_states, model, optimizers, strict)
+        return report
+    sharded = StateDictOptions(strict=strict)
+    parts = {k: _local_part(v, local.get(k), release) for k, v in model_state.items()}
+    set_model_state_dict(model, parts, options=sharded)
+    del parts
+    params = dict(model.named_parameters())
+    for optimizer, state in zip(optimizers, optimizer_states):
+        named = positions_to_names(state, model, optimizer)
+        named["state"] = {
+            fqn: {key: _local_part(value, params.get(fqn), release) for key, value in values.items()}
+            for fqn, values in named.get("state", {}).items()
+        }
+        set_optimizer_state_dict(model, optimizer, named, options=sharded)
+    return report
+
+
+def _sliceable(value: Any) -> bool:
+    """A local value whose block of the full tensor is a plain slice: not a DTensor, or sharded evenly by `Shard`
+    and `Replicate` placements only."""
+    return not isinstance(value, DTensor) or all(type(p) in (Shard, Replicate) for p in value.placements)
+
+
+def _local_part(full: Any, like: Any, release: Callable[[torch.Tensor], None]) -> Any:
+    """This rank's part of `full` shaped like `like` (a DTensor of the same global shape): a DTensor over a copy of
+    its block of `full`, after which `full`'s mapped pages are given back; anything else unchanged."""
+    if not isinstance(like, DTensor) or not isinstance(full, torch.Tensor) or full.shape != like.shape:
+        return full
+    shape, offset = local_shape_and_offset(full.shape, like.device_mesh, like.placements)
+    block = full[tuple(slice(start, start + size) for size, start in zip(shape, offset))]
+    block = block.to(like.device, copy=True)
+    release(full)
+    return DTensor.from_local(block, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
+
+
+def _load_through_scatter(
+    model_state: dict[str, Any],
+    optimizer_states: list[dict[str, Any]],
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool,
+) -> None:
+    """torch's full-state-dict load: rank 0's copy of every tensor is scattered to the ranks."""
+    options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(model, model_state, options=options)
-    optimizer_states = checkpoint.pop("optimizer_states", [])
     for optimizer, state in zip(optimizers, optimizer_states):
         set_optimizer_state_dict(model, optimizer, positions_to_names(state, model, optimizer), options=options)
-    return report
 
 
 class FullFormat:
@@ -180,18 +233,21 @@ class FullFormat:
         problem = describe_problem(location)
         if problem is not None:
             raise CheckpointLoadError(problem)
-        return FullSource(read_full(location))
+        checkpoint = read_full(location)
+        return FullSource(checkpoint, MappedFile(location.path) if location.is_local else None)
 
 
 class FullSource:
-    """A full-format checkpoint read into memory (every rank keeps only its shards once loaded)."""
+    """A full-format checkpoint, memory-mapped when local (every rank keeps only its shards once loaded)."""
 
-    def __init__(self, checkpoint: dict[str, Any]) -> None:
+    def __init__(self, checkpoint: dict[str, Any], mapped: MappedFile | None = None) -> None:
         self.checkpoint = checkpoint
         self.record: dict[str, Any] = checkpoint.pop(DPAR_KEY, {})
         self.rest = checkpoint
+        self.mapped = mapped
 
     def load(
         self, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool, elsewhere: Callable[[str], bool]
     ) -> LoadReport:
-        return load_full(self.checkpoint, model, optimizers, strict, elsewhere)
+        release = self.mapped.release if self.mapped is not None else lambda tensor: None
+        return load_full(self.checkpoint, model, optimizers, strict, elsewhere, release)

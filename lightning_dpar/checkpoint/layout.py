@@ -45,6 +45,7 @@ __all__ = [
     "LoadReport",
     "check_data_files",
     "check_format_version",
+    "checkpoint_problem",
     "describe_problem",
     "file_checksum",
     "inspect_checkpoint",
@@ -113,26 +114,53 @@ def written_at(checkpoint: Location) -> float:
 
 
 def _is_complete_sharded(location: Location) -> bool:
-    """Index, `meta.pt` (written last) and every data file the index names, each at least as long as it needs."""
-    if not (location.is_dir() and {DCP_INDEX_FILENAME, METADATA_FILENAME} <= set(location.list_names())):
-        return False
+    return location.is_dir() and checkpoint_problem(location) is None
+
+
+def checkpoint_problem(location: Location) -> str | None:
+    """Why `location` is not a complete, readable checkpoint, or None: a sharded directory needs its index and
+    `meta.pt` (written last), both readable, and every data file the index names, each at least as long as the index
+    needs; a full-format file must be readable. A link counts as what it points at, so a link to a save that never
+    completed is a problem. Cheap: the data files are sized, not read (the load checks their checksums)."""
+    if not location.exists():
+        if location.is_local and os.path.islink(location.path):
+            return f"a link to {os.readlink(location.path)!r}, which does not exist (its save never completed)"
+        return "it does not exist"
+    if not location.is_dir():
+        return _unreadable(safe_torch_load, location)
+    names = set(location.list_names())
+    missing = [n for n in (DCP_INDEX_FILENAME, METADATA_FILENAME) if n not in names]
+    if missing:
+        return f"it lacks {', '.join(map(repr, missing))} (a save that did not complete, or not a checkpoint)"
     try:
         index = read_dcp_index(location)
-    except CheckpointLoadError:
-        return False
+    except CheckpointLoadError as error:
+        return str(error)
+    problem = _unreadable(safe_torch_load, location.child(METADATA_FILENAME))
+    if problem is not None:
+        return problem
     needed: dict[str, int] = {}
     for storage in (index.storage_data or {}).values():
         needed[storage.relative_path] = max(needed.get(storage.relative_path, 0), storage.offset + storage.length)
-    names = set(location.list_names())
-    return all(name in names and location.child(name).size() >= size for name, size in needed.items())
+    for name, size in sorted(needed.items()):
+        if name not in names:
+            return f"its data file {name!r} is missing"
+        if (got := location.child(name).size()) < size:
+            return f"its data file {name!r} is truncated: {got} bytes, the index needs at least {size}"
+    return None
+
+
+def _unreadable(read: Callable[[Location], Any], location: Location) -> str | None:
+    try:
+        read(location)
+    except CheckpointLoadError as error:
+        return str(error)
+    return None
 
 
 def is_complete_checkpoint(location: Location) -> bool:
-    """A sharded directory with everything its index names, or an existing checkpoint file (a link counts as what
-    it points at, so a link to a save that never completed is not complete)."""
-    if location.is_dir():
-        return _is_complete_sharded(location)
-    return location.exists()
+    """Whether `checkpoint_problem` finds nothing wrong with `location`."""
+    return checkpoint_problem(location) is None
 
 
 def newest_other_checkpoint(location: Location) -> Location | None:

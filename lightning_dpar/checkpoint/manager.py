@@ -20,7 +20,7 @@ from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.errors import CheckpointSaveError
 from lightning_dpar.checkpoint.full import FullFormat
 from lightning_dpar.checkpoint.layout import LoadReport
-from lightning_dpar.checkpoint.resume import RNG_STATES_KEY, ResumeState, capture_rng_state
+from lightning_dpar.checkpoint.resume import RNG_STATES_KEY, ResumeState, align_loop_state, capture_rng_state
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.sharded import ShardedFormat
 from lightning_dpar.checkpoint.storage import Location
@@ -129,6 +129,11 @@ class CheckpointManager:
         """A checkpoint `ModelCheckpoint` no longer keeps; removed only once no save it depends on is in flight."""
         self.writer.remove(Location.parse(str(path)), is_global_zero)
 
+    def link(self, target: Any, link: Any, is_global_zero: bool) -> bool:
+        """Point `link` (`last.ckpt` of `ModelCheckpoint(save_last="link")`) at `target` once `target` is published;
+        returns whether that was deferred to a background save's end (the same on every rank)."""
+        return self.writer.link(Location.parse(str(target)), Location.parse(str(link)), is_global_zero)
+
     def wait(self) -> None:
         self.writer.wait()
 
@@ -161,6 +166,8 @@ class CheckpointManager:
                 f" {report.unexpected}."
             )
         self.resume.pending = source.record if fitting else {}  # RNG and data position apply to `fit` only
+        if fitting:
+            self.resume.loop_note = align_loop_state(source.rest)  # before Lightning restores its loops from it
         return source.rest
 
     def _held_elsewhere(self, key: str) -> bool:

@@ -15,6 +15,14 @@ remaining sample is still seen once in this epoch, none repeats, and the epoch's
 the same data-parallel size the strategy replays and drops the batches already seen; otherwise the epoch restarts,
 with a warning.
 
+Where `fit` ended. Lightning writes a checkpoint in the `on_train_epoch_end` hook also when `max_steps` stops `fit`
+mid-epoch (the example's `save_on_train_epoch_end=True`), and `trainer.save_checkpoint` after `fit` writes the loops
+as they are once it returned; in both the epoch counts as processed although only some of its batches were trained.
+Lightning's fit loop then starts the next epoch on resume, and the sampler's epoch moves past the saved position.
+`align_loop_state` rewrites such a checkpoint's loop progress, before Lightning restores it, into the state a save at
+the last trained batch's validation end has: the epoch not yet processed, all of its trained batches complete.
+Lightning resumes that state at the next batch of the same epoch (or, after its last batch, with the epoch's end).
+
 RNG streams are restored per rank when the world size is unchanged. After a change of world size there is no
 faithful mapping (two ranks must not share a stream), so the freshly seeded streams are kept and a message says so.
 """
@@ -42,6 +50,7 @@ __all__ = [
     "DataPosition",
     "ResumableDistributedSampler",
     "ResumeState",
+    "align_loop_state",
     "capture_rng_state",
     "make_resumable",
     "restore_rng_state",
@@ -143,6 +152,56 @@ def make_resumable(dataloader: object) -> ResumableDistributedSampler | None:
     return sampler
 
 
+# ---------------------------------------------------------------------- Lightning's loop progress
+FIT_LOOP_KEY = "fit_loop"
+EPOCH_PROGRESS_KEY = "epoch_progress"
+BATCH_PROGRESS_KEY = "epoch_loop.batch_progress"
+
+
+def align_loop_state(checkpoint: dict[str, Any]) -> str | None:
+    """Rewrite the fit loop's progress of a checkpoint Lightning would not resume at its next batch into the state it
+    does (see the module docstring), before Lightning restores its loops from it. Returns a note when the resume
+    cannot be exact even so, else None.
+
+    Two states are rewritten, both into the state of a save at the validation end of the last trained batch (every
+    trained batch complete, the epoch not processed):
+
+    - the epoch's end hooks ran on a partial or whole epoch (the end of `fit`, a save in `on_train_epoch_end`, or
+      any save after `fit` returned): Lightning would count the epoch as done and start the next one;
+    - a save in `on_train_batch_end` of the epoch's last batch: Lightning would skip the epoch's end (its hooks, an
+      `interval="epoch"` scheduler step, the next epoch's loader start). The validation that follows that batch
+      cannot be replayed, so that resume is exact only without one; the note says so.
+    """
+    loop = checkpoint.get("loops", {}).get(FIT_LOOP_KEY)
+    if not isinstance(loop, dict) or EPOCH_PROGRESS_KEY not in loop or BATCH_PROGRESS_KEY not in loop:
+        return None
+    epoch, batches = loop[EPOCH_PROGRESS_KEY], loop[BATCH_PROGRESS_KEY]
+    batch, current = batches["current"], epoch["current"]
+    trained = batch["processed"] == batch["started"] == batch["ready"] > 0
+    if (
+        trained
+        and batch["completed"] == batch["processed"]
+        and current["ready"] == current["started"] == current["processed"]
+    ):
+        for tracker in (epoch["current"], epoch["total"]):
+            tracker["processed"] = tracker["started"] - 1
+            tracker["completed"] = min(tracker["completed"], tracker["processed"])
+        return None
+    if (
+        trained
+        and batch["completed"] == batch["processed"] - 1
+        and batches.get("is_last_batch")
+        and current["processed"] == current["started"] - 1
+    ):
+        for tracker in (batch, batches["total"]):
+            tracker["completed"] = tracker["processed"]
+        return (
+            "it was written at the end of the epoch's last batch, before the validation that may follow that batch;"
+            " that validation is not run again"
+        )
+    return None
+
+
 # ---------------------------------------------------------------------- RNG
 def capture_rng_state() -> dict[str, Any]:
     """This rank's RNG streams (torch CPU and CUDA, Python, NumPy) as weights_only-loadable values."""
@@ -179,6 +238,10 @@ class ResumeState:
         self.pending: dict[str, Any] = {}  # the `dpar` record of the checkpoint just loaded for `fit`
         self.train_sampler: ResumableDistributedSampler | None = None
         self.batches_to_skip = 0
+        #: Why the loaded checkpoint's loop state cannot resume exactly (from `align_loop_state`), or None.
+        self.loop_note: str | None = None
+        #: The line `position_loader` composed for a mid-epoch resume, logged by `announce` once the loop is set.
+        self.announcement: tuple[str, bool] | None = None
 
     def record(self, trainer: Any, strategy_name: str, world_size: int, data_parallel_size: int | None) -> dict:
         """Our part of a checkpoint's metadata: layout and the data position. Local, no collective: every rank's RNG
@@ -191,8 +254,10 @@ class ResumeState:
         }
         if trainer is not None and data_parallel_size is not None:
             batches = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            # The epoch these batches belong to: the last one started (`current_epoch` has moved on after `fit`).
+            epoch = max(trainer.fit_loop.epoch_progress.current.started - 1, 0)
             record["epoch_batches"] = {
-                "epoch": trainer.current_epoch,
+                "epoch": epoch,
                 "batches": batches,
                 "data_parallel_size": data_parallel_size,
             }
@@ -232,6 +297,30 @@ class ResumeState:
             " distributed sampler).",
             False,
         )
+
+    def announce(self, trainer: Any) -> None:
+        """Log how this mid-epoch resume goes, once Lightning's loop has restored its progress (in `on_train_start`):
+        exact only if the loop continues in the epoch the data position belongs to, and nothing it skips is lost."""
+        announcement, self.announcement = self.announcement, None
+        note, self.loop_note = self.loop_note, None
+        if announcement is None:
+            return
+        how, exact = announcement
+        position = self.train_sampler._start if self.train_sampler is not None else None
+        lightning_epoch = trainer.fit_loop.epoch_progress.current.processed  # the epoch its sampler is set to
+        if exact and position is not None and position.epoch != lightning_epoch:
+            how, exact = (
+                f"Resuming not exactly: the checkpoint is in epoch {position.epoch} after {position.batches} batches,"
+                f" but Lightning's loop continues in epoch {lightning_epoch}, so the rest of epoch {position.epoch}"
+                " is not trained and the batches differ from an uninterrupted run's.",
+                False,
+            )
+        if exact and note is not None and trainer.enable_validation:
+            how, exact = f"Resuming not exactly: {note}.", False
+        if exact:
+            rank_zero_info(how)
+        else:
+            rank_zero_warn(how)
 
     def restore_rng(self, world_size: int, global_rank: int) -> str | None:
         """Restore this rank's RNG streams; returns a note when they cannot be mapped to this world size."""

@@ -27,6 +27,7 @@ import copy
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import uuid
@@ -58,7 +59,7 @@ from lightning_dpar.checkpoint.layout import (
 from lightning_dpar.checkpoint.staging import ReusedBufferStager
 from lightning_dpar.checkpoint.storage import Location
 
-__all__ = ["CheckpointWriter", "SaveTiming", "publish", "remove_leftovers", "with_per_rank"]
+__all__ = ["CheckpointWriter", "SaveTiming", "point_link", "publish", "remove_leftovers", "with_per_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class _InFlight:
     done: Future = field(default_factory=Future)
     published: bool = False
     removals: list[Location] = field(default_factory=list)
+    links: list[tuple[Location, Location]] = field(default_factory=list)  # (target, link) to point once published
 
 
 class CheckpointWriter:
@@ -140,7 +142,7 @@ class CheckpointWriter:
                     dcp.save(staged, checkpoint_id=partial.url, process_group=group)
                     _finish(partial, location, metadata, per_rank, group=group)
                 timing.total_s = time.perf_counter() - start
-                self._removals_after_publish(in_flight)
+                self._after_publish(in_flight)
                 in_flight.done.set_result(None)
             except BaseException as error:
                 in_flight.done.set_exception(error)
@@ -161,6 +163,21 @@ class CheckpointWriter:
                     return
         if is_global_zero:
             location.remove()
+
+    def link(self, target: Location, link: Location, is_global_zero: bool) -> bool:
+        """Point `link` at `target` (rank 0; `ModelCheckpoint(save_last="link")`'s `last.ckpt`). While a background
+        save is in flight the link is updated only once that save is published, so a kill before then leaves the
+        link naming the previous complete checkpoint, never one that was not written. Returns whether the link was
+        deferred (the same on every rank: every rank has the same save in flight)."""
+        in_flight = self._in_flight
+        if in_flight is not None:
+            with self._lock:
+                if not in_flight.published:
+                    in_flight.links.append((target, link))
+                    return True
+        if is_global_zero:
+            point_link(target, link)
+        return in_flight is not None
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until the in-flight background save (if any) is complete under its final name; re-raise its
@@ -217,11 +234,15 @@ class CheckpointWriter:
             self._jobs.put(None)
             self._jobs = None
 
-    def _removals_after_publish(self, in_flight: _InFlight) -> None:
+    def _after_publish(self, in_flight: _InFlight) -> None:
+        """Rank 0: point the links that waited for this save, then remove the checkpoints it supersedes."""
         with self._lock:
             in_flight.published = True
             removals, in_flight.removals = in_flight.removals, []
+            links, in_flight.links = in_flight.links, []
         if _rank(None) == 0:
+            for target, link in links:
+                point_link(target, link)
             for superseded in removals:
                 superseded.remove()
 
@@ -382,3 +403,25 @@ def publish(partial: Location, final: Location) -> None:
     partial.rename_to(final)
     if replaced is not None:
         replaced.remove()
+
+
+def point_link(target: Location, link: Location) -> None:
+    """Make `link` a relative symbolic link to `target`, as `ModelCheckpoint(save_last="link")` does, but replacing
+    an existing link in one rename, so a reader never finds it missing. A directory or file standing at `link` (an
+    earlier `save_last=True` copy) is removed first; where links cannot be made, `target` is copied (as Lightning
+    does)."""
+    if not link.is_local or os.path.abspath(link.path) == os.path.abspath(target.path):
+        return
+    if os.path.isdir(link.path) and not os.path.islink(link.path):
+        link.remove()
+    temporary = link.sibling(f".dpar-link-{uuid.uuid4().hex[:8]}")  # hidden, and no `.ckpt`: never a checkpoint
+    try:
+        os.symlink(os.path.relpath(target.path, os.path.dirname(link.path)), temporary.path)
+    except OSError:  # e.g. Windows without the privilege to make links
+        link.remove()
+        if os.path.isdir(target.path):
+            shutil.copytree(target.path, link.path)
+        else:
+            shutil.copy(target.path, link.path)
+        return
+    os.replace(temporary.path, link.path)

@@ -19,6 +19,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -37,6 +38,7 @@ from lightning_dpar._private_api import (
     attach_device_mesh,
     init_dist_connection,
     optimizers_to_device,
+    replace_model_checkpoint_link,
     sync_ddp_if_available,
 )
 from lightning_dpar.checkpoint.hf_export import hf_model_record
@@ -477,6 +479,9 @@ class DparStrategy(ParallelStrategy):
             self._parallelized_module = module
             self._load_pretrained(module, trainer)
         self.model_to_device()
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                replace_model_checkpoint_link(callback, self._point_last_link)
         self._sync_metrics_over_data_parallel(module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -637,6 +642,11 @@ class DparStrategy(ParallelStrategy):
         checkpoint.update(hf_model_record(self.lightning_module))  # for `consolidate --format hf`
         self.checkpoints.save(checkpoint, filepath, record)
 
+    def _point_last_link(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
+        """`ModelCheckpoint(save_last="link")`'s link, made only once the checkpoint it names is published."""
+        if not self.checkpoints.link(filepath, linkpath, trainer.is_global_zero):
+            self.barrier()  # as Lightning's: no rank reads the link before rank 0 made it
+
     def remove_checkpoint(self, filepath: Any) -> None:
         """Called by `ModelCheckpoint` for superseded checkpoints; kept until a save in flight is complete."""
         self.checkpoints.remove(filepath, self.is_global_zero)
@@ -669,16 +679,15 @@ class DparStrategy(ParallelStrategy):
             # below (or `skip_seen_batches`'s) says whether this resume is exact instead.
             warnings.filterwarnings("ignore", message=LIGHTNING_RESUME_WARNING, category=PossibleUserWarning)
         how, exact = self.checkpoints.resume.position_loader(dataloader, data_parallel)
-        if mid_epoch and exact:
-            rank_zero_info(how)
-        elif mid_epoch:
-            rank_zero_warn(how)
+        if mid_epoch:
+            self.checkpoints.resume.announcement = (how, exact)  # logged in `on_train_start`, once the loop is set
         return dataloader
 
     def on_train_start(self) -> None:
         """Restore this rank's RNG streams right before training continues (after loaders and sanity checks)."""
         trainer = _attached_trainer(self.lightning_module)
         if trainer is not None:
+            self.checkpoints.resume.announce(trainer)
             skip_seen_batches(self.checkpoints.resume, trainer)
         note = self.checkpoints.resume.restore_rng(self.world_size, self.global_rank)
         if note is not None:

@@ -8,6 +8,7 @@ load what it left, in the directory the test's fixture passes (`checkpoint_commo
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import random
 import shutil
@@ -24,21 +25,25 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_dpar import FullyShardStrategy
 from lightning_dpar.checkpoint import writer as checkpoint_writer
-from lightning_dpar.checkpoint.layout import inspect_checkpoint
+from lightning_dpar.checkpoint.layout import inspect_checkpoint, is_complete_checkpoint
 from lightning_dpar.checkpoint.resume import capture_rng_state
 from lightning_dpar.checkpoint.storage import Location
 from tests.workers.cases import Case, one_case
 from tests.workers.checkpoint_common import (
+    IndexedData,
     ResumeModule,
     case_dir,
     error_of,
+    flat_tensors,
+    full_optimizer,
     gather,
+    max_diff,
     saved_by,
     strategy_for,
     train_loader,
     val_loader,
 )
-from tests.workers.common import full_params, trainer_for
+from tests.workers.common import BATCH, full_params, trainer_for
 
 
 # ---------------------------------------------------------------------- Lightning's flow + exact resume
@@ -115,6 +120,9 @@ def group_resume() -> Iterator[Case]:
         "resume_fsdp_custom_sampler", lambda: resume_case("fsdp_custom_sampler", "fsdp", sampler=ReversedSampler(128))
     )
     yield Case("async_rng_record", async_rng_record_case)
+    yield Case("async_link", async_link_case)
+    for written in RESUME_POINTS:
+        yield Case(f"resume_point_{written}", lambda written=written: resume_point_case(written))
 
 
 def resume_last_case() -> dict:
@@ -133,6 +141,144 @@ def resume_last_case() -> dict:
         "final_step": trainer2.global_step,
         "dir": sorted(os.listdir(root)),
     }
+
+
+# ---------------------------------------------------------------------- exact resume from every kind of save
+#: 32 samples / batch 4 / 2 data-parallel ranks: 4 batches an epoch, so 10 steps cross two epoch ends.
+POINTS_SAMPLES, POINTS_STEPS = 32, 10
+
+
+def points_loader() -> torch.utils.data.DataLoader:
+    """Shuffled (Lightning's sampler then shuffles per epoch): a wrong epoch or position shows in the batches."""
+    return torch.utils.data.DataLoader(IndexedData(n=POINTS_SAMPLES), batch_size=BATCH, shuffle=True)
+
+
+class RaisesAtStep(ResumeModule):
+    """Raises in `training_step` at `raise_at` (before training on that batch), as a crash would."""
+
+    def __init__(self, raise_at: int) -> None:
+        super().__init__()
+        self.raise_at = raise_at
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.raise_at:
+            raise RuntimeError(f"crash at step {self.raise_at}")
+        return super().training_step(batch, batch_idx)
+
+
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _points_fit(module, max_steps: int, callbacks=(), ckpt_path=None) -> tuple[object, list[str]]:
+    """Fit `module` on the points data with validation every 2 batches; the Trainer and rank 0's resume lines."""
+    trainer = trainer_for(
+        FullyShardStrategy(),
+        max_steps=max_steps,
+        callbacks=list(callbacks),
+        enable_checkpointing=bool(callbacks),
+        val_check_interval=2,
+        limit_val_batches=1,
+    )
+    records = _Messages()
+    logging.getLogger("lightning.pytorch").addHandler(records)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, points_loader(), val_loader(), ckpt_path=ckpt_path)
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(records)
+    lines = records.messages + [str(w.message) for w in caught]
+    return trainer, [line for line in lines if "Resuming" in line or "resume" in line.lower()]
+
+
+def _steps(module) -> list[list]:
+    """(global step, loss, sample indices) of every batch `module` trained on, on this rank."""
+    return [[step, loss, module.seen[i * BATCH : (i + 1) * BATCH]] for i, (step, loss) in enumerate(module.losses)]
+
+
+def _final_state(trainer) -> dict[str, torch.Tensor]:
+    params = full_params(trainer)
+    optimizer = flat_tensors("optimizer", full_optimizer(trainer).get("state", {}))  # on rank 0 only
+    return {**{f"model.{k}": v for k, v in params.items()}, **optimizer}
+
+
+@functools.cache
+def _points_reference() -> tuple[list[list], list[list], dict[str, torch.Tensor]]:
+    """The uninterrupted run (every rank's batches, and the final state on rank 0), saving along the way: every 4
+    steps, at validation end on a monitored metric, and at each epoch's end."""
+    root = case_dir("points")
+    callbacks = [
+        ModelCheckpoint(dirpath=root / "every", filename="{step}", every_n_train_steps=4, save_top_k=-1),
+        ModelCheckpoint(dirpath=root / "monitor", filename="{step}", monitor="val_loss", save_top_k=-1),
+        ModelCheckpoint(
+            dirpath=root / "epoch", filename="{step}", every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True
+        ),
+    ]
+    module = ResumeModule()
+    trainer, _ = _points_fit(module, POINTS_STEPS, callbacks)
+    return gather(_steps(module)), _final_state(trainer)
+
+
+def _resume_point(written: str) -> tuple[int, str]:
+    """Write the checkpoint the way `written` names (or find the reference run's); its global step and path."""
+    root = case_dir("points")
+    if written.startswith(("every/", "monitor/", "epoch/")):
+        _points_reference()
+        return int(written.split("step=")[1].split(".")[0]), str(root / written)
+    directory = root / written
+    if written in ("fit_end_mid_epoch", "fit_end_epoch_end"):  # the README's flow: `fit` ends on `max_steps`
+        steps = 3 if written == "fit_end_mid_epoch" else 4
+        callback = ModelCheckpoint(dirpath=directory, save_last="link", save_on_train_epoch_end=True)
+        _points_fit(ResumeModule(), steps, [callback])
+        return steps, str(directory / "last.ckpt")
+    if written == "save_checkpoint_after_fit":
+        trainer, _ = _points_fit(ResumeModule(), 3)
+        trainer.save_checkpoint(directory / "saved.ckpt")
+        return 3, str(directory / "saved.ckpt")
+    if written == "exception":
+        callback = ModelCheckpoint(dirpath=directory, filename="crash", save_on_exception=True, save_top_k=0)
+        error = error_of(lambda: _points_fit(RaisesAtStep(3), POINTS_STEPS, [callback]))
+        assert error is not None and "crash at step 3" in error, error
+        return 3, str(directory / "crash.ckpt")
+    raise ValueError(written)
+
+
+def resume_point_case(written: str) -> dict:
+    """Resume from a checkpoint written the way `written` names and train to the reference run's last step: every
+    rank's batches (step, loss, samples), the final weights and optimizer state, and what the log said."""
+    reference_steps, reference_state = _points_reference()
+    step, path = _resume_point(written)
+    module = ResumeModule()
+    trainer, lines = _points_fit(module, POINTS_STEPS, ckpt_path=path)
+    resumed_steps, state = gather(_steps(module)), _final_state(trainer)
+    expected = [[entry for entry in rank_steps if entry[0] >= step] for rank_steps in reference_steps]
+    if dist.get_rank() != 0:
+        return None
+    return {
+        "same_batches": resumed_steps == expected,
+        "resumed_batches": [entry[::2] for entry in resumed_steps[0]],
+        "expected_batches": [entry[::2] for entry in expected[0]],
+        "state_max_diff": max_diff(state, reference_state),
+        "lines": lines,
+    }
+
+
+RESUME_POINTS = [
+    "every/step=4.ckpt",
+    "monitor/step=2.ckpt",
+    "monitor/step=4.ckpt",
+    "epoch/step=4.ckpt",
+    "fit_end_mid_epoch",
+    "fit_end_epoch_end",
+    "save_checkpoint_after_fit",
+    "exception",
+]
 
 
 # ---------------------------------------------------------------------- every rank's RNG streams, async
@@ -196,6 +342,51 @@ def async_rng_record_case() -> dict:
         "recorded_matches": [_same_streams(r, e) for r, e in zip(recorded, every_expected)],
         "restored_matches": [_same_streams(r, e) for r, e in zip(every_restored, every_expected)],
     }
+
+
+# ---------------------------------------------------------------------- save_last="link" with async saves
+class SlowSecondSave(Callback):
+    """Holds the background finishing step of the second save for 2 s and, when the next batch starts (the save
+    still in flight), records on rank 0 where `last.ckpt` points and whether that is a complete checkpoint: what a
+    kill at that moment would leave."""
+
+    def __init__(self, last: Path) -> None:
+        self.last, self.seen = last, None
+        self.original = checkpoint_writer._finish
+        self.saves = 0
+
+    def setup(self, trainer, pl_module, stage):
+        def finish(*args, **kwargs):
+            self.saves += 1
+            if self.saves == 2:
+                time.sleep(2.0)
+            return self.original(*args, **kwargs)
+
+        checkpoint_writer._finish = finish
+
+    def teardown(self, trainer, pl_module, stage):
+        checkpoint_writer._finish = self.original
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2 and trainer.is_global_zero:
+            target = os.readlink(self.last) if os.path.islink(self.last) else None
+            self.seen = {"target": target, "complete": is_complete_checkpoint(Location.parse(str(self.last)))}
+
+
+def async_link_case() -> dict:
+    """`save_last="link"` with `async_save=True`: while a save is being written, `last.ckpt` still names the
+    previous complete checkpoint; once it is published, the new one. An explicit `ckpt_path=".../last.ckpt"` loads."""
+    root = case_dir("async_link")
+    callback = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=-1, save_last="link")
+    probe = SlowSecondSave(root / "last.ckpt")
+    trainer = trainer_for(
+        FullyShardStrategy(async_save=True), max_steps=3, callbacks=[callback, probe], enable_checkpointing=True
+    )
+    trainer.fit(ResumeModule(), train_loader())
+    after_fit = os.readlink(root / "last.ckpt") if dist.get_rank() == 0 else None
+    module = ResumeModule()
+    trainer_for(FullyShardStrategy(), max_steps=4).fit(module, train_loader(), ckpt_path=str(root / "last.ckpt"))
+    return {"while_in_flight": probe.seen, "after_fit": after_fit, "resumed_first_step": module.losses[0][0]}
 
 
 # ---------------------------------------------------------------------- strict loading and bad input

@@ -20,7 +20,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dpar import FullyShardStrategy
@@ -28,7 +28,7 @@ from lightning_dpar.checkpoint.full import read_full
 from lightning_dpar.checkpoint.safe_io import SafeLoadPlanner, safe_storage_reader, translate_dcp_errors
 from lightning_dpar.checkpoint.storage import Location
 from tests import malicious
-from tests.workers.cases import Case, one_case
+from tests.workers.cases import Case
 from tests.workers.checkpoint_common import ResumeModule, case_dir, gather, train_loader
 from tests.workers.common import full_params, trainer_for
 
@@ -250,4 +250,44 @@ def mmap_case() -> dict:
     }
 
 
-GROUPS = {"safety_fit": group_fit, "safety_mmap": one_case("safety_mmap", mmap_case)}
+class AdamWide(Wide):
+    """`Wide` trained with Adam: a full-format checkpoint then holds the weights and twice as much optimizer state."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def mmap_resume_case() -> dict:
+    """Peak RSS growth of each rank's load when `fit` resumes from a full-format file with Adam state."""
+    root = case_dir("safety_mmap_resume")
+    data = DataLoader(TensorDataset(torch.randn(8, 1024)), batch_size=2)
+    trainer = trainer_for(FullyShardStrategy(checkpoint_format="full"), max_steps=1)
+    trainer.fit(AdamWide(), data)
+    file = root / "wide_adam.ckpt"
+    trainer.save_checkpoint(file)
+    reference = {**full_params(trainer), **{f"optimizer.{k}": v for k, v in _full_optimizer(trainer).items()}}
+    strategy = MeasuredLoad(checkpoint_format="full")
+    resumed = trainer_for(strategy, max_steps=1)  # loads, then stops: `max_steps` is reached already
+    resumed.fit(AdamWide(), data, ckpt_path=str(file))
+    loaded = {**full_params(resumed), **{f"optimizer.{k}": v for k, v in _full_optimizer(resumed).items()}}
+    per_rank = gather(strategy.load_growth_mib)
+    if dist.get_rank() != 0:
+        return None
+    return {
+        "file_mib": file.stat().st_size / 2**20,
+        "load_growth_mib": per_rank,
+        "max_diff": max((loaded[k] - reference[k]).abs().max().item() for k in reference),
+    }
+
+
+def _full_optimizer(trainer) -> dict[str, torch.Tensor]:
+    """The optimizer's state tensors, gathered (on rank 0), by parameter name and state name."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_optimizer_state_dict(trainer.lightning_module, trainer.optimizers[0], options=options)
+    return {f"{fqn}.{key}": v for fqn, values in state.get("state", {}).items() for key, v in values.items()}
+
+
+GROUPS = {
+    "safety_fit": group_fit,
+    "safety_mmap": lambda: [Case("safety_mmap", mmap_case), Case("safety_mmap_resume", mmap_resume_case)],
+}

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
 from tests.workers.cases import Case
+from tests.workers.common import full_params
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 STEPS = 4
@@ -70,11 +72,54 @@ def run_config(name: str, args: list[str] | None = None) -> dict:
     }
 
 
+class BatchRecorder(Callback):
+    """Each training batch's global step and token sum on this rank: what the README's resume must reproduce."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        tensors = batch if isinstance(batch, (list, tuple)) else [batch]
+        self.batches.append([trainer.global_step, sum(int(t.sum()) for t in tensors)])
+
+
+def _fit(workdir: Path, *args: str) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+    """`python -m lightning_dpar fit` on the tiny settings plus `args` in `workdir`: every rank's batches, and the
+    full final weights on rank 0."""
+    from lightning_dpar.cli import cli_main
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    os.chdir(workdir)
+    cli = cli_main(["fit", *TINY, "--trainer.callbacks+=tests.workers.cli.BatchRecorder", *args])
+    recorder = next(c for c in cli.trainer.callbacks if isinstance(c, BatchRecorder))
+    every_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, recorder.batches)
+    return every_rank, full_params(cli.trainer)
+
+
+def readme_resume_case() -> dict | None:
+    """The README's resume: `fit` to step 3, then `fit --ckpt_path last --trainer.max_steps=5`, against one `fit` to
+    step 5: the same batches on every rank from step 3 on, and the same final weights."""
+    root = Path(sys.argv[2]).parent / "cli" / "readme_resume"
+    full_batches, full_weights = _fit(root / "uninterrupted", "--trainer.max_steps=5")
+    _fit(root / "interrupted", "--trainer.max_steps=3")
+    resumed_batches, resumed_weights = _fit(root / "interrupted", "--ckpt_path", "last", "--trainer.max_steps=5")
+    if dist.get_rank() != 0:
+        return None
+    return {
+        "expected": [[b for b in rank if b[0] >= 3] for rank in full_batches],
+        "resumed": resumed_batches,
+        "weights_max_diff": max((full_weights[k] - resumed_weights[k]).abs().max().item() for k in full_weights),
+        "same_keys": sorted(full_weights) == sorted(resumed_weights),
+    }
+
+
 def example_configs() -> Iterator[Case]:
     for config in sorted(CONFIGS.glob("*.yaml")):
         yield Case(f"config_{config.stem}", lambda name=config.stem: run_config(name))
     # The README's 3D command: the registered name on the example's defaults.
     yield Case("strategy_dpar_3d", lambda: run_config("dpar_3d", ["--trainer.strategy=dpar_3d"]))
+    yield Case("readme_resume", readme_resume_case)
 
 
 GROUPS = {"example_configs": example_configs}
