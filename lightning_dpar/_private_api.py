@@ -94,8 +94,12 @@ def is_composable_replicated(module: nn.Module) -> bool:
 
 
 # DCP's reader for fsspec URLs (`s3://`, `memory://`). DCP picks it itself from a URL `checkpoint_id`, but to read the
-# index without `pickle.load` (see `checkpoint.safe_io`) we subclass it, which needs the class.
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: E402
+# index without `pickle.load` (see `checkpoint.safe_io`) we subclass it, which needs the class. torch 2.15 made its
+# module public (`fsspec_filesystem`) and deprecated the private one; torch 2.11-2.14 only have the private one.
+try:
+    from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader
+except ImportError:  # torch < 2.15
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 
 def unfetched_training_iterator(trainer: Any) -> Any | None:

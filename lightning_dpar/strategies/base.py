@@ -35,7 +35,6 @@ from lightning_dpar._private_api import (
     IS_INTERACTIVE,
     StrategyRegistryType,
     attach_device_mesh,
-    init_dist_connection,
     optimizers_to_device,
     sync_ddp_if_available,
 )
@@ -64,6 +63,7 @@ from lightning_dpar.plan import (
 from lightning_dpar.precision import DparPrecision, to_dpar_precision
 from lightning_dpar.pretrained import PretrainedSpec, load_pretrained, to_pretrained_weights
 from lightning_dpar.pretrained import describe as describe_pretrained
+from lightning_dpar.process_group import start_process_group
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -262,7 +262,7 @@ class DparStrategy(ParallelStrategy):
                 self.root_device
             )
             assert self.cluster_environment is not None
-            init_dist_connection(
+            start_process_group(  # destroyed when the process exits; one that existed before is left alone
                 self.cluster_environment,
                 self._process_group_backend,
                 timeout=self._timeout,
