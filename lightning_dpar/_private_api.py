@@ -73,6 +73,7 @@ __all__ = [
     "transformers_module_initialiser",
     "transformers_tp_plan_attribute",
     "unfetched_training_iterator",
+    "view_base",
 ]
 
 
@@ -201,3 +202,9 @@ def metric_step_value(metric: Any) -> Any:
     """The value a torchmetrics `Metric`'s last `forward` returned, which Lightning logs for `on_step` (private
     `_forward_cache`; no public accessor)."""
     return metric._forward_cache
+
+
+def view_base(tensor: Any) -> Any:
+    """The tensor `tensor` is an autograd-recorded view of, or None (`Tensor._base`): the only way to tell such a
+    view, which FSDP warns about when a unit returns one (it reads `_base` itself), from a tensor of its own."""
+    return tensor._base
