@@ -476,9 +476,12 @@ class DparStrategy(ParallelStrategy):
         if trainer.ckpt_path is not None:
             rank_zero_info(f"Resuming from {trainer.ckpt_path!r}: the pretrained weights are not read.")
             return
-        mapping = load_pretrained(module, self._pretrained, self.checkpoints.keys_held_elsewhere)
-        if mapping.missing or mapping.unexpected:
-            rank_zero_warn(f"Loaded {self._pretrained.path!r} with `strict=False`: {describe_pretrained(mapping)}.")
+        loaded = load_pretrained(module, self._pretrained, self.checkpoints.keys_held_elsewhere)
+        rank_zero_info(loaded.summary())
+        if loaded.mapping.missing or loaded.mapping.unexpected:
+            rank_zero_warn(
+                f"Loaded {self._pretrained.path!r} with `strict=False`: {describe_pretrained(loaded.mapping)}."
+            )
 
     # ------------------------------------------------------------------ steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
