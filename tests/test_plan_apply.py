@@ -4,6 +4,8 @@ gloo ranks), plus the pure checks that run before any collective."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -101,6 +103,28 @@ def test_devices_3_with_default_2d_sizes_names_the_size_module_and_dimension(cap
     assert main(["--world-size", "3", "--trainer.strategy=dpar_2d"]) == 1
     err = capsys.readouterr().err
     assert "`tensor_parallel_size=3` does not divide" in err and "of module 'model.blocks.0.attn.q'" in err
+
+
+def test_heads_not_dividing_the_default_size_show_the_yaml_and_python_that_fix_it(capsys, tmp_path):
+    """`dpar_2d` on 4 devices defaults to tensor parallel 4; 6 heads do not divide by it. The error shows the class
+    form with a size that fits the model and the world (2), as YAML and as Python; both are checked to work."""
+    model = ["--model.n_head=6", "--model.n_embd=96"]
+    assert main(["--world-size", "4", "--trainer.strategy=dpar_2d", *model]) == 1
+    err = capsys.readouterr().err
+    assert "`tensor_parallel_size=4` does not divide the 6 heads of 'model.blocks.0.attn.q'" in err
+    yaml = err[err.index("trainer:") :]
+    assert yaml.startswith(
+        "trainer:\n  strategy:\n    class_path: lightning_dpar.FSDPTensorParallelStrategy\n    init_args:\n"
+        "      tensor_parallel_size: 2\n"
+    )
+    (tmp_path / "fix.yaml").write_text(yaml)
+    assert main(["--world-size", "4", "--config", str(tmp_path / "fix.yaml"), *model]) == 0
+    python = re.search(r"in Python `strategy=(.*?)`", err).group(1)
+    assert python == "lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2)"
+    assert eval(python).resolve_dims(4, 4, 1).tensor_parallel == 2
+    # `dpar_3d` keeps its pipeline size in the fix.
+    assert main(["--world-size", "4", "--trainer.strategy=dpar_3d", "--model.n_head=3", "--model.n_embd=96"]) == 1
+    assert "FSDPTensorParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=1)" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -54,11 +54,13 @@ from lightning_dpar.plan import (
     ModulePlan,
     ModuleSelector,
     PlanStyle,
+    TensorParallelSizeError,
     TPPlanSpec,
     parse_tp_plan,
     repeated_blocks,
     resolve_activation_checkpointing,
     resolve_tp_plan,
+    tensor_parallel_size_fix,
 )
 from lightning_dpar.precision import DparPrecision, to_dpar_precision
 from lightning_dpar.pretrained import PretrainedSpec, load_pretrained, to_pretrained_weights
@@ -330,7 +332,7 @@ class DparStrategy(ParallelStrategy):
             shard_units = self._shard_units(module)
             return ModulePlan({}, [], shard_units, compile_units(module, shard_units), adopted=True)
         tp_plan = self._tp_plan_for(module, dims)
-        tensor_parallel = resolve_tp_plan(module, tp_plan, dims.tensor_parallel) if tp_plan else {}
+        tensor_parallel = self._resolve_tp_plan(module, tp_plan, dims) if tp_plan else {}
         shard_units = self._shard_units(module)
         parallelize.data_parallel_roots(module)  # refuses containers holding parameters of their own
         check_initialisable(module)
@@ -366,7 +368,7 @@ class DparStrategy(ParallelStrategy):
         tp_plan = self._tp_plan_for(module, dims)
         check_initialisable(module)
         whole = ModulePlan(
-            tensor_parallel=resolve_tp_plan(module, tp_plan, dims.tensor_parallel) if tp_plan else {},
+            tensor_parallel=self._resolve_tp_plan(module, tp_plan, dims) if tp_plan else {},
             activation_checkpointing=resolve_activation_checkpointing(
                 module, self._activation_checkpointing, shard_units
             ),
@@ -374,6 +376,21 @@ class DparStrategy(ParallelStrategy):
             compile_units=compile_units(module, shard_units),
         )
         return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
+
+    def _resolve_tp_plan(self, module: nn.Module, tp_plan: dict[str, PlanStyle], dims: ParallelDims) -> dict[str, Any]:
+        """`resolve_tp_plan`; a size that does not divide the model says how to set one that does, for this class."""
+        try:
+            return resolve_tp_plan(module, tp_plan, dims.tensor_parallel)
+        except TensorParallelSizeError as error:
+            kept = {"pipeline_parallel_size": self._pipeline_parallel_size, "replicate_size": self._replicate_size}
+            kept = {name: value for name, value in kept.items() if value != 1}
+            per_size = dims.pipeline * dims.replicate  # ranks per tensor-parallel rank outside the shard dim
+
+            def tiles(size: int) -> bool:
+                return dims.world_size % (size * per_size) == 0
+
+            fix = tensor_parallel_size_fix(type(self).__name__, error.valid_sizes, tiles, kept)
+            raise TensorParallelSizeError(f"{error}{fix}", error.valid_sizes) from None
 
     def _tp_plan_for(self, module: nn.Module, dims: ParallelDims) -> dict[str, PlanStyle] | None:
         """The plan's source, first found: the strategy's `tp_plan` argument, the LightningModule's `tp_plan`
