@@ -302,7 +302,9 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return [_map_tensors(v, fn) for v in value]
     if isinstance(value, tuple):
         items = [_map_tensors(v, fn) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        if all(new is old for new, old in zip(items, value)):
+            return value
+        return tuple(items) if type(value) is tuple else type(value)(*items)  # a named tuple takes its fields
     if isinstance(value, dict):
         for key, item in value.items():
             new = _map_tensors(item, fn)
