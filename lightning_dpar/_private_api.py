@@ -80,6 +80,7 @@ __all__ = [
     "transformers_module_initialiser",
     "transformers_tp_plan_attribute",
     "unfetched_training_iterator",
+    "view_base",
 ]
 
 
@@ -101,8 +102,12 @@ def is_composable_replicated(module: nn.Module) -> bool:
 
 
 # DCP's reader for fsspec URLs (`s3://`, `memory://`). DCP picks it itself from a URL `checkpoint_id`, but to read the
-# index without `pickle.load` (see `checkpoint.safe_io`) we subclass it, which needs the class.
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # noqa: E402
+# index without `pickle.load` (see `checkpoint.safe_io`) we subclass it, which needs the class. torch 2.15 made its
+# module public (`fsspec_filesystem`) and deprecated the private one; torch 2.11-2.14 only have the private one.
+try:
+    from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader
+except ImportError:  # torch < 2.15
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 
 def unfetched_training_iterator(trainer: Any) -> Any | None:
@@ -213,3 +218,9 @@ def metric_step_value(metric: Any) -> Any:
     """The value a torchmetrics `Metric`'s last `forward` returned, which Lightning logs for `on_step` (private
     `_forward_cache`; no public accessor)."""
     return metric._forward_cache
+
+
+def view_base(tensor: Any) -> Any:
+    """The tensor `tensor` is an autograd-recorded view of, or None (`Tensor._base`): the only way to tell such a
+    view, which FSDP warns about when a unit returns one (it reads `_base` itself), from a tensor of its own."""
+    return tensor._base

@@ -9,10 +9,14 @@ Any LightningModule / LightningDataModule can replace the example through `model
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from pathlib import Path
+from typing import Any
 
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import Strategy
 
@@ -46,6 +50,22 @@ class DparCLI(LightningCLI):
       Lightning then rejects as an unknown registered name; such a string is turned into `class_path` form when it
       names a `Strategy` subclass (by class name or import path).
     """
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """With `rich` installed and no progress bar configured, `DparRichProgressBar` instead of Lightning's default
+        rich bar, which reads `Epoch 0/-2` and `v_num: 0.000` in a run bounded by `max_steps`."""
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        configured = kwargs.get("callbacks", config.get("trainer.callbacks"))  # a list, one callback, or None
+        callbacks = list(configured) if isinstance(configured, (list, tuple)) else [configured] if configured else []
+        if (
+            importlib.util.find_spec("rich") is not None
+            and config.get("trainer.enable_progress_bar") is not False
+            and not any(isinstance(callback, ProgressBar) for callback in callbacks)
+        ):
+            from lightning_dpar.progress import DparRichProgressBar
+
+            kwargs["callbacks"] = [*callbacks, DparRichProgressBar()]
+        return super().instantiate_trainer(**kwargs)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config

@@ -29,6 +29,7 @@ __all__ = [
     "ModuleSelector",
     "StyleSpec",
     "TPPlanSpec",
+    "TensorParallelSizeError",
     "fqn_matches",
     "parse_tp_plan",
     "repeated_blocks",
@@ -36,6 +37,7 @@ __all__ = [
     "resolve_blocks",
     "resolve_tp_plan",
     "select_modules",
+    "tensor_parallel_size_fix",
 ]
 
 StyleSpec = Union[str, ParallelStyle]
@@ -181,14 +183,41 @@ def _sharded_dim(module: nn.Module, style: ParallelStyle) -> tuple[str, int] | N
     return None
 
 
+class TensorParallelSizeError(ValueError):
+    """The tensor-parallel size does not divide a dimension the plan splits (a weight dimension or a head count).
+    `valid_sizes`: the sizes that divide it; the strategy adds how to set one (`strategies.base`)."""
+
+    def __init__(self, message: str, valid_sizes: Sequence[int]) -> None:
+        super().__init__(message)
+        self.valid_sizes = list(valid_sizes)
+
+
+def tensor_parallel_size_fix(
+    strategy_class: str, valid_sizes: Sequence[int], tiles: Callable[[int], bool], other_args: Mapping[str, object]
+) -> str:
+    """How to set a tensor-parallel size that fits, as Python and as LightningCLI YAML: the largest of
+    `valid_sizes` that still `tiles` the world (1, no tensor parallelism, always does), with the strategy's
+    `other_args` that must stay (e.g. `pipeline_parallel_size` of `dpar_3d`)."""
+    size = max([s for s in valid_sizes if tiles(s)] or [1])
+    args = {**other_args, "tensor_parallel_size": size}
+    python = ", ".join(f"{name}={value!r}" for name, value in args.items())
+    yaml = "".join(f"\n      {name}: {value}" for name, value in args.items())
+    return (
+        f" For example, {size}: in Python `strategy=lightning_dpar.{strategy_class}({python})`; in a LightningCLI"
+        f" config (`python -m lightning_dpar fit --config FILE`):\n\ntrainer:\n  strategy:\n    class_path:"
+        f" lightning_dpar.{strategy_class}\n    init_args:{yaml}\n"
+    )
+
+
 def _check_divisible(fqn: str, module: nn.Module, style: ParallelStyle, tensor_parallel_size: int) -> None:
     sharded = _sharded_dim(module, style)
     if sharded is not None and sharded[1] % tensor_parallel_size:
         attribute, size = sharded
-        raise ValueError(
+        raise TensorParallelSizeError(
             f"`tensor_parallel_size={tensor_parallel_size}` does not divide {attribute}={size} of module {fqn!r},"
             f" which {type(style).__name__} splits across the tensor-parallel ranks. Use a tensor-parallel size among"
-            f" {_divisors(size)} (for `dpar_2d` the default is the devices of one node), or change the model."
+            f" {_divisors(size)} (for `dpar_2d` the default is the devices of one node), or change the model.",
+            _divisors(size),
         )
 
 
@@ -213,10 +242,11 @@ def _check_head_counts(root: nn.Module, resolved: Mapping[str, ParallelStyle], t
         if keeps_heads_split and isinstance(module, nn.Linear) and isinstance(head_dim, int):
             heads, rest = divmod(module.out_features, head_dim)
             if not rest and heads % tensor_parallel_size:
-                raise ValueError(
+                raise TensorParallelSizeError(
                     f"`tensor_parallel_size={tensor_parallel_size}` does not divide the {heads} heads of {fqn!r}"
                     f" (out_features {module.out_features} = {heads} heads x head_dim {head_dim}): each rank must hold"
-                    f" whole heads. Use a tensor-parallel size among {_divisors(heads)}."
+                    f" whole heads. Use a tensor-parallel size among {_divisors(heads)}.",
+                    _divisors(heads),
                 )
     for fqn, module in root.named_modules():
         config = getattr(module, "config", None)
@@ -225,10 +255,11 @@ def _check_head_counts(root: nn.Module, resolved: Mapping[str, ParallelStyle], t
         for attribute in HEAD_COUNT_ATTRIBUTES:
             count = getattr(config, attribute, None)
             if isinstance(count, int) and not isinstance(count, bool) and count % tensor_parallel_size:
-                raise ValueError(
+                raise TensorParallelSizeError(
                     f"`tensor_parallel_size={tensor_parallel_size}` does not divide {attribute}={count} of the"
                     f" {type(module).__name__} at {fqn or '<root>'!r}: column-wise attention projections must give"
-                    f" each rank whole heads. Use a tensor-parallel size among {_divisors(count)}."
+                    f" each rank whole heads. Use a tensor-parallel size among {_divisors(count)}.",
+                    _divisors(count),
                 )
 
 

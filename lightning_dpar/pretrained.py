@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,9 +30,11 @@ from lightning_dpar.ties import tied_parameters
 
 __all__ = [
     "KeyMapping",
+    "PretrainedLoad",
     "PretrainedLoadError",
     "PretrainedSpec",
     "PretrainedWeights",
+    "checkpoint_item_sizes",
     "checkpoint_shapes",
     "describe",
     "infer_prefix",
@@ -208,22 +211,43 @@ def map_keys(
     return mapping
 
 
+@dataclass
+class PretrainedLoad:
+    """What one rank's `load_pretrained` did: which keys it matched, and what it read in how long."""
+
+    weights: PretrainedWeights
+    prefix: str
+    mapping: KeyMapping
+    bytes_read: int  # this rank's slices of the tensors, in the checkpoint's dtypes
+    seconds: float
+
+    def summary(self) -> str:
+        """The one line the strategy logs on rank 0."""
+        where = f" into `{self.prefix.rstrip('.')}`" if self.prefix else ""
+        return (
+            f"Loaded pretrained weights {self.weights.path!r}{where}: {len(self.mapping.to_model)} tensors in"
+            f" {self.seconds:.2f} s; this rank read {_size(self.bytes_read)} of them (its shards)."
+        )
+
+
 def load_pretrained(
     module: nn.Module,
     weights: PretrainedWeights,
     held_elsewhere: Sequence[str] = (),
     tied: Sequence[Sequence[str]] | None = None,
-) -> KeyMapping:
+) -> PretrainedLoad:
     """Read `weights` into the parallelised `module` in place; every rank calls it (DCP plans collectively).
 
     `held_elsewhere` names the units other ranks hold entirely (other pipeline stages): the checkpoint's weights for
     them are neither read here nor unexpected. `tied` is the model's tied names as found before parallelism (the
     plan's); default: the parameters `module` shares now. Raises `PretrainedLoadError` on every rank, before any
-    tensor is read, if the keys do not fit (strict), a shape differs, or nothing matches. Returns the mapping, whose
-    `missing`/`unexpected` say what a non-strict load left out.
+    tensor is read, if the keys do not fit (strict), a shape differs, or nothing matches. Returns what was loaded: the
+    mapping, whose `missing`/`unexpected` say what a non-strict load left out, and the bytes this rank read and how
+    long it took.
     """
     import torch.distributed.checkpoint as dcp
 
+    start = time.perf_counter()
     checkpoint = checkpoint_shapes(weights.path)
     state = module.state_dict()  # DTensor shards / local tensors sharing storage with the parameters
     model_shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
@@ -242,7 +266,39 @@ def load_pretrained(
     targets = {key: state[model_key] for key, model_key in mapping.to_model.items()}
     with torch.no_grad():
         dcp.load(targets, storage_reader=dcp.HuggingFaceStorageReader(str(weights.path)))
-    return mapping
+    item_sizes = checkpoint_item_sizes(weights.path)
+    read = sum(_local_numel(target) * item_sizes[key] for key, target in targets.items())
+    return PretrainedLoad(weights, prefix, mapping, read, time.perf_counter() - start)
+
+
+#: Bytes per element of each safetensors dtype.
+SAFETENSORS_ITEM_SIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2}
+SAFETENSORS_ITEM_SIZES |= {"I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def checkpoint_item_sizes(path: str | os.PathLike) -> dict[str, int]:
+    """Every tensor's bytes per element as stored, from the safetensors headers only."""
+    from safetensors import safe_open
+
+    sizes: dict[str, int] = {}
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                sizes[key] = SAFETENSORS_ITEM_SIZES.get(f.get_slice(key).get_dtype(), 4)
+    return sizes
+
+
+def _local_numel(tensor: torch.Tensor) -> int:
+    """Elements of the tensor this rank holds (a DTensor's local shard)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local().numel() if to_local is not None else tensor.numel()
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def _sample(keys: Sequence[str], limit: int = 3) -> str:

@@ -203,3 +203,24 @@ def test_async_save_that_cannot_stage_names_the_checkpoint_and_writes_nothing(tm
         checkpoint_writer.save(unreadable, {}, str(tmp_path / "step=1.ckpt"))
     assert os.listdir(tmp_path) == []
     checkpoint_writer.close()
+
+
+def test_close_ends_the_writers_thread_and_process_group(tmp_path):
+    """What an async save starts (its thread and its gloo group) ends at teardown: alive at interpreter shutdown,
+    either could abort a process that trained successfully. The next async save starts them again."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        checkpoint_writer = writer.CheckpointWriter(async_save=True)
+        for step in (1, 2):
+            checkpoint_writer.save({"w": torch.ones(3) * step}, {}, str(tmp_path / f"step={step}.ckpt"))
+            group, thread = checkpoint_writer._group, checkpoint_writer._thread
+            assert group is not None and thread is not None and thread.is_alive()
+            checkpoint_writer.close()
+            assert (tmp_path / f"step={step}.ckpt" / layout.METADATA_FILENAME).exists()
+            assert not thread.is_alive() and checkpoint_writer._group is None
+            with pytest.raises(ValueError, match="not registered"):
+                dist.get_rank(group)  # destroyed
+    finally:
+        dist.destroy_process_group()

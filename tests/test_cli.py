@@ -43,6 +43,41 @@ def test_defaults_are_the_example_on_4_cpu_ranks_with_tp2_fsdp2():
     assert checkpoint.dirpath.endswith("checkpoints/gpt") and checkpoint.save_last == "link"
 
 
+def test_main_job_progress_bar_reads_epoch_0_and_the_integer_version(tmp_path):
+    """With `rich`, Lightning's bar read `Epoch 0/-2` (`max_epochs - 1` of a `max_steps` run) and `v_num: 0.000`.
+    The CLI's bar (checked through a real single-process fit, as the main job draws it) reads `Epoch 0`, `v_num: 0`."""
+    pytest.importorskip("rich")
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_dpar.progress import DparRichProgressBar
+    from tests.models import ParityModule, RegressionData, loader
+
+    assert type(parse().trainer.progress_bar_callback) is DparRichProgressBar
+    assert (
+        type(parse("--trainer.callbacks=TQDMProgressBar").trainer.progress_bar_callback).__name__ == "TQDMProgressBar"
+    )
+
+    class Shown(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            bar = trainer.progress_bar_callback
+            self.title = bar.progress.tasks[bar.train_progress_bar_id].description.strip()
+            self.metrics = bar.get_metrics(trainer, pl_module)
+
+    shown = Shown()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=CSVLogger(tmp_path),
+        callbacks=[DparRichProgressBar(), shown],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(ParityModule(), loader(RegressionData(), 4))
+    assert shown.title == "Epoch 0" and shown.metrics["v_num"] == "0"
+
+
 @pytest.mark.parametrize(
     ("arg", "expected"),
     [
@@ -266,7 +301,8 @@ def test_main_job_trains_with_a_progress_bar_and_saves_a_sharded_checkpoint(main
     workdir, first, _, _ = main_job
     assert first.returncode == 0, first.stderr[-4000:]
     # Lightning draws tqdm's bar, or rich's when `rich` is installed (the `[hf]` extra brings it, via typer).
-    assert re.search(r"Epoch 0(: 100%|/\S+ \S+ 6/6)", first.stdout) and "`max_steps=6` reached" in first.stderr
+    assert re.search(r"Epoch 0(: 100%| \S+ 6/6)", first.stdout) and "`max_steps=6` reached" in first.stderr
+    assert "Epoch 0/-2" not in first.stdout and "v_num: 0.000" not in first.stdout  # rich's bar read both
     assert "PerformanceMonitor summary" in first.stdout and "tokens/s (global)" in first.stdout
     last = workdir / "checkpoints" / "gpt" / "last.ckpt"
     assert last.is_symlink() and (last / "meta.pt").is_file()

@@ -45,7 +45,9 @@ def world4(tmp_path_factory):
 @pytest.mark.parametrize("world", ["world2", "world4"])
 @pytest.mark.parametrize("case", CASES)
 def test_llama_with_gqa_matches_single_process_training(world, case, request):
-    assert request.getfixturevalue(world)[case]["max_abs_diff"] < ATOL
+    result = request.getfixturevalue(world)[case]
+    assert result["max_abs_diff"] < ATOL
+    assert result["view_warnings"] == []  # FSDP's "returned a view tensor" (tensor-parallel logits), on every rank
 
 
 @pytest.mark.slow

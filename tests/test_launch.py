@@ -26,6 +26,31 @@ def test_launch_without_torchrun(tmp_path, interactive):
     assert result["launcher"] == ("InteractiveLauncher" if interactive else "ScriptLauncher")
     # Interactive: the parent process's module holds the full trained weights the ranks sent back.
     assert result["max_abs_diff"] < 1e-5
+    if not interactive:  # forked ranks leave through `os._exit`, without the interpreter's shutdown
+        _assert_ended_what_the_strategy_started(out, world=2, user_group=False)
+
+
+def _assert_ended_what_the_strategy_started(out, world: int, user_group: bool) -> None:
+    """Every rank exited with the strategy's checkpoint thread ended, its own process groups destroyed (a group the
+    user created still alive for the user to end), and the save still in flight at exit complete."""
+    for rank in range(world):
+        state = json.loads(out.with_name(f"{out.name}.exit{rank}").read_text())
+        assert state["process_group_alive"] is user_group, (rank, state)
+        assert "dpar-checkpoint" not in state["threads"], (rank, state)
+    assert (out.parent / "after_fit.ckpt" / "meta.pt").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_with_the_users_process_group(tmp_path):
+    """torchrun started the ranks and the script its own process group: the strategy uses it and leaves it alone."""
+    out = tmp_path / "result.json"
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = run_script([*cmd, str(WORKERS / "launch_script.py"), str(out), "1", "user_group"], tmp_path)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["environment"] == "TorchElasticEnvironment" and result["launcher"] == "InPlaceLauncher"
+    assert result["max_abs_diff"] < 1e-5
+    _assert_ended_what_the_strategy_started(out, world=2, user_group=True)
 
 
 def _free_port() -> int:
@@ -82,3 +107,4 @@ def test_slurm_tasks(tmp_path, num_nodes):
     assert result["launcher"] == "InPlaceLauncher"  # srun created the processes; nothing is re-launched
     assert result["mesh"]["replicate"] == num_nodes and result["mesh"]["shard"] == world // num_nodes
     assert result["max_abs_diff"] < 1e-5
+    _assert_ended_what_the_strategy_started(out, world=world, user_group=False)

@@ -4,6 +4,8 @@ gloo ranks), plus the pure checks that run before any collective."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -103,6 +105,28 @@ def test_devices_3_with_default_2d_sizes_names_the_size_module_and_dimension(cap
     assert "`tensor_parallel_size=3` does not divide" in err and "of module 'model.blocks.0.attn.q'" in err
 
 
+def test_heads_not_dividing_the_default_size_show_the_yaml_and_python_that_fix_it(capsys, tmp_path):
+    """`dpar_2d` on 4 devices defaults to tensor parallel 4; 6 heads do not divide by it. The error shows the class
+    form with a size that fits the model and the world (2), as YAML and as Python; both are checked to work."""
+    model = ["--model.n_head=6", "--model.n_embd=96"]
+    assert main(["--world-size", "4", "--trainer.strategy=dpar_2d", *model]) == 1
+    err = capsys.readouterr().err
+    assert "`tensor_parallel_size=4` does not divide the 6 heads of 'model.blocks.0.attn.q'" in err
+    yaml = err[err.index("trainer:") :]
+    assert yaml.startswith(
+        "trainer:\n  strategy:\n    class_path: lightning_dpar.FSDPTensorParallelStrategy\n    init_args:\n"
+        "      tensor_parallel_size: 2\n"
+    )
+    (tmp_path / "fix.yaml").write_text(yaml)
+    assert main(["--world-size", "4", "--config", str(tmp_path / "fix.yaml"), *model]) == 0
+    python = re.search(r"in Python `strategy=(.*?)`", err).group(1)
+    assert python == "lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2)"
+    assert eval(python).resolve_dims(4, 4, 1).tensor_parallel == 2
+    # `dpar_3d` keeps its pipeline size in the fix.
+    assert main(["--world-size", "4", "--trainer.strategy=dpar_3d", "--model.n_head=3", "--model.n_embd=96"]) == 1
+    assert "FSDPTensorParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=1)" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_mid_epoch_resume_says_in_one_line_that_it_is_exact(world2):
     result = world2["resume_message"]
@@ -110,3 +134,45 @@ def test_a_mid_epoch_resume_says_in_one_line_that_it_is_exact(world2):
     assert result["resuming_lines"] == [
         "Resuming epoch 0 after 3 batches: exact (the distributed sampler continues from the checkpoint's position)."
     ]
+
+
+def test_a_unit_ending_in_a_tensor_parallel_layer_trains_exactly_without_fsdps_view_warning():
+    """A tensor-parallel layer's local output is a view (`DTensor.to_local`), and FSDP warns on every step that a unit
+    returning a view may "silently drop the pre-backward hook" (every HF model with a gathered `lm_head`). The unit's
+    outputs are made plain aliases: no warning, no copy, the same gradients, also through an in-place op (which
+    autograd refused on the view)."""
+    import copy
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from lightning_dpar.parallelize import apply_fully_shard
+
+    torch.manual_seed(0)
+    reference = nn.Module()
+    reference.net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 6))
+    model = copy.deepcopy(reference)
+    x = torch.randn(3, 4)
+    want = reference.net(x)
+    want += 1
+    (want**2).sum().backward()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        parallelize_module(model.net[1], mesh["tensor_parallel"], ColwiseParallel(output_layouts=Replicate()))
+        apply_fully_shard(model, mesh["data_parallel"], [], lambda top_level: MixedPrecisionPolicy())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = model.net(x)
+        assert not [w for w in caught if "view tensor" in str(w.message)]
+        got += 1
+        (got**2).sum().backward()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=1e-6, msg=name)
+    finally:
+        dist.destroy_process_group()

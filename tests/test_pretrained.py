@@ -159,6 +159,29 @@ def test_strip_prefix_refuses_names_outside_it():
         hf_export.strip_prefix(["net.a", "head.w"], "net.")
 
 
+def test_a_load_reports_what_it_loaded_how_many_bytes_this_rank_read_and_how_long_it_took(tmp_path):
+    """The strategy logs `summary()` on rank 0: `pretrained=` printed nothing before."""
+    import lightning as L
+    from safetensors.torch import save_file
+
+    from lightning_dpar.pretrained import load_pretrained
+
+    torch.manual_seed(0)
+    saved = Net().state_dict()
+    half = {k: v.half() for k, v in saved.items()}  # bytes read count the checkpoint's dtype, not the model's
+    save_file(half, tmp_path / "model.safetensors")
+    module = L.LightningModule()
+    module.net = Net()
+    loaded = load_pretrained(module, PretrainedWeights(str(tmp_path)))
+    assert all(torch.equal(module.net.state_dict()[k], v.float()) for k, v in half.items())
+    assert loaded.prefix == "net." and len(loaded.mapping.to_model) == len(saved)
+    assert loaded.bytes_read == sum(v.numel() * 2 for v in saved.values()) and loaded.seconds > 0
+    line = loaded.summary()
+    assert f"{str(tmp_path)!r} into `net`: {len(saved)} tensors in " in line
+    number, unit = re.search(r"this rank read ([\d.]+) (B|KiB|MiB)", line).groups()
+    assert float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[unit] == pytest.approx(loaded.bytes_read, rel=0.05)
+
+
 # ---------------------------------------------------------------------- through real Trainers
 LOAD_CASES = [("fsdp", 2), ("replicate", 2), ("pp", 2), ("fsdp", 4), ("replicate", 4), ("2d", 4), ("pp", 4)]
 
@@ -244,6 +267,10 @@ def test_finetune_example_runs_end_to_end(tmp_path):
     proc = run_script([str(ROOT / "examples" / "finetune" / "run.py"), "--max-steps", "6"], tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "from_pretrained('finetuned'): missing keys [], unexpected keys []" in proc.stdout
+    loaded = re.findall(
+        r"Loaded pretrained weights .*: \d+ tensors in [\d.]+ s; this rank read", proc.stdout + proc.stderr
+    )
+    assert len(loaded) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # one line, from rank 0
     before, after = map(float, re.search(r"pretrained ([\d.]+) -> fine-tuned ([\d.]+)", proc.stdout).groups())
     assert after < before - 0.1  # the export holds the fine-tuned weights, not the pretrained (or random) ones
     assert {"config.json", "generation_config.json", "model.safetensors"} <= {

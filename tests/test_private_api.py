@@ -156,3 +156,15 @@ def test_every_listed_subclass_hook_is_a_real_lightning_name():
 
     lightning_names = _private_names_of(Strategy) | _private_names_of(MultiProcessingLauncher)
     assert set(LIGHTNING_SUBCLASS_HOOKS) <= lightning_names
+
+
+def test_fsspec_reader_comes_from_the_public_module_where_torch_has_one():
+    """torch 2.15 made DCP's fsspec module public and deprecates the private one (importing it warns, which the
+    suite's warning policy turns into an error at collection); torch 2.11-2.14 only have the private one."""
+    import importlib.util
+
+    from lightning_dpar._private_api import FsspecReader
+
+    public = "torch.distributed.checkpoint.fsspec_filesystem"
+    expected = public if importlib.util.find_spec(public) else "torch.distributed.checkpoint._fsspec_filesystem"
+    assert FsspecReader.__module__ == expected

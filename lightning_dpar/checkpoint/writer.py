@@ -23,6 +23,7 @@ checkpoint is untouched.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import os
@@ -97,6 +98,7 @@ class CheckpointWriter:
         self._stager: ReusedBufferStager | None = None
         self._lock = threading.Lock()  # guards `_in_flight.published` / `.removals` against the background thread
         self._jobs: queue.SimpleQueue | None = None  # the background thread's work, one save's finishing at a time
+        self._thread: threading.Thread | None = None
         self.timings: deque[SaveTiming] = deque(maxlen=100)  # recent saves, for benchmarks and logs
 
     # ------------------------------------------------------------------ public
@@ -189,7 +191,10 @@ class CheckpointWriter:
     def close(self) -> None:
         """Teardown, also after an error: wait for the in-flight save at most the collective timeout plus a margin
         (a rank that stopped responding makes the background collectives fail within the timeout), and log rather
-        than raise, so an earlier exception stays the one the user sees."""
+        than raise, so an earlier exception stays the one the user sees. Then end what the writer started: its
+        background thread and its process group (a later async save starts both again). Also runs when the process
+        exits with a save still in flight (e.g. `trainer.save_checkpoint` after `fit`): a live thread or group at
+        interpreter shutdown can abort the process."""
         bound = (self.timeout.total_seconds() if self.timeout is not None else 1800.0) + CLOSE_MARGIN_S
         in_flight = self._in_flight
         try:
@@ -200,11 +205,13 @@ class CheckpointWriter:
                 f"Checkpoint {in_flight.target.url!r} was still being written {bound:.0f} s after the end of training"
                 " and is abandoned; it stays incomplete (hidden) and the previous checkpoint is the last complete one."
             )
-            return  # the abandoned upload may still read the staging buffers: they go with the process
+            atexit.unregister(self.close)  # the abandoned thread keeps its buffers and group: they go with the process
+            return
         except CheckpointSaveError as error:
             log.error(str(error))
         self._release_staging_buffers()
         self._stop_background_thread()
+        self._destroy_group()
 
     def _staging_buffers(self) -> ReusedBufferStager:
         """The stager of every async save of this strategy: it keeps the CPU copies of the shards between saves
@@ -226,13 +233,26 @@ class CheckpointWriter:
         must never keep the interpreter from exiting."""
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
-            threading.Thread(target=_run_jobs, args=(self._jobs,), name="dpar-checkpoint", daemon=True).start()
+            self._thread = threading.Thread(target=_run_jobs, args=(self._jobs,), name="dpar-checkpoint", daemon=True)
+            self._thread.start()
+            atexit.register(self.close)
         self._jobs.put(job)
 
     def _stop_background_thread(self) -> None:
+        """End the thread (its last job is done: `close` waited for it) and the exit hook that would close it."""
         if self._jobs is not None:
             self._jobs.put(None)
             self._jobs = None
+            atexit.unregister(self.close)
+        if self._thread is not None:
+            self._thread.join(timeout=CLOSE_MARGIN_S)
+            self._thread = None
+
+    def _destroy_group(self) -> None:
+        """Destroy the writer's own process group (the default group's destruction, at exit, would take it too)."""
+        if self._group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = None
 
     def _after_publish(self, in_flight: _InFlight) -> None:
         """Rank 0: point the links that waited for this save, then remove the checkpoints it supersedes."""

@@ -36,7 +36,6 @@ from lightning_dpar._private_api import (
     IS_INTERACTIVE,
     StrategyRegistryType,
     attach_device_mesh,
-    init_dist_connection,
     optimizers_to_device,
     replace_model_checkpoint_link,
     sync_ddp_if_available,
@@ -57,15 +56,18 @@ from lightning_dpar.plan import (
     ModulePlan,
     ModuleSelector,
     PlanStyle,
+    TensorParallelSizeError,
     TPPlanSpec,
     parse_tp_plan,
     repeated_blocks,
     resolve_activation_checkpointing,
     resolve_tp_plan,
+    tensor_parallel_size_fix,
 )
 from lightning_dpar.precision import DparPrecision, to_dpar_precision
 from lightning_dpar.pretrained import PretrainedSpec, load_pretrained, to_pretrained_weights
 from lightning_dpar.pretrained import describe as describe_pretrained
+from lightning_dpar.process_group import start_process_group
 from lightning_dpar.ties import check_tied_layouts, tied_parameters
 
 if TYPE_CHECKING:
@@ -267,7 +269,7 @@ class DparStrategy(ParallelStrategy):
                 self.root_device
             )
             assert self.cluster_environment is not None
-            init_dist_connection(
+            start_process_group(  # destroyed when the process exits; one that existed before is left alone
                 self.cluster_environment,
                 self._process_group_backend,
                 timeout=self._timeout,
@@ -336,7 +338,7 @@ class DparStrategy(ParallelStrategy):
             return ModulePlan({}, [], shard_units, compile_units(module, shard_units), adopted=True)
         tied = tied_parameters(module)
         tp_plan = self._tp_plan_for(module, dims)
-        tensor_parallel = resolve_tp_plan(module, tp_plan, dims.tensor_parallel) if tp_plan else {}
+        tensor_parallel = self._resolve_tp_plan(module, tp_plan, dims) if tp_plan else {}
         check_tied_layouts(module, tied, tensor_parallel)
         shard_units = self._shard_units(module)
         roots = parallelize.data_parallel_roots(module)  # refuses containers holding parameters of their own
@@ -375,7 +377,7 @@ class DparStrategy(ParallelStrategy):
         tp_plan = self._tp_plan_for(module, dims)
         check_initialisable(module)
         tied = tied_parameters(module)
-        tensor_parallel = resolve_tp_plan(module, tp_plan, dims.tensor_parallel) if tp_plan else {}
+        tensor_parallel = self._resolve_tp_plan(module, tp_plan, dims) if tp_plan else {}
         check_tied_layouts(module, tied, tensor_parallel)
         whole = ModulePlan(
             tensor_parallel=tensor_parallel,
@@ -387,6 +389,21 @@ class DparStrategy(ParallelStrategy):
             tied=tied,
         )
         return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
+
+    def _resolve_tp_plan(self, module: nn.Module, tp_plan: dict[str, PlanStyle], dims: ParallelDims) -> dict[str, Any]:
+        """`resolve_tp_plan`; a size that does not divide the model says how to set one that does, for this class."""
+        try:
+            return resolve_tp_plan(module, tp_plan, dims.tensor_parallel)
+        except TensorParallelSizeError as error:
+            kept = {"pipeline_parallel_size": self._pipeline_parallel_size, "replicate_size": self._replicate_size}
+            kept = {name: value for name, value in kept.items() if value != 1}
+            per_size = dims.pipeline * dims.replicate  # ranks per tensor-parallel rank outside the shard dim
+
+            def tiles(size: int) -> bool:
+                return dims.world_size % (size * per_size) == 0
+
+            fix = tensor_parallel_size_fix(type(self).__name__, error.valid_sizes, tiles, kept)
+            raise TensorParallelSizeError(f"{error}{fix}", error.valid_sizes) from None
 
     def _tp_plan_for(self, module: nn.Module, dims: ParallelDims) -> dict[str, PlanStyle] | None:
         """The plan's source, first found: the strategy's `tp_plan` argument, the LightningModule's `tp_plan`
@@ -497,9 +514,12 @@ class DparStrategy(ParallelStrategy):
         if trainer.ckpt_path is not None:
             rank_zero_info(f"Resuming from {trainer.ckpt_path!r}: the pretrained weights are not read.")
             return
-        mapping = load_pretrained(module, self._pretrained, self.checkpoints.keys_held_elsewhere, self._tied)
-        if mapping.missing or mapping.unexpected:
-            rank_zero_warn(f"Loaded {self._pretrained.path!r} with `strict=False`: {describe_pretrained(mapping)}.")
+        loaded = load_pretrained(module, self._pretrained, self.checkpoints.keys_held_elsewhere, self._tied)
+        rank_zero_info(loaded.summary())
+        if loaded.mapping.missing or loaded.mapping.unexpected:
+            rank_zero_warn(
+                f"Loaded {self._pretrained.path!r} with `strict=False`: {describe_pretrained(loaded.mapping)}."
+            )
 
     # ------------------------------------------------------------------ steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
