@@ -282,14 +282,14 @@ RESUME_POINTS = [
 
 
 # ---------------------------------------------------------------------- every rank's RNG streams, async
-class RngAtEpochStart(Callback):
-    """This rank's RNG streams when the resumed run's epoch starts: after the strategy restored them, before any
-    training step draws from them."""
+class RngAtFirstBatch(Callback):
+    """This rank's RNG streams when the resumed run's first batch starts: after the strategy restored them, before
+    any training step draws from them (the run resumes mid-epoch, so no epoch start comes first)."""
 
     def __init__(self) -> None:
         self.state = None
 
-    def on_train_epoch_start(self, trainer, pl_module):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.state is None:
             self.state = capture_rng_state()
 
@@ -331,7 +331,7 @@ def async_rng_record_case() -> dict:
         trainer.save_checkpoint(path)
     trainer.strategy.wait_for_checkpoint()
     recorded = inspect_checkpoint(Location.parse(path)).dpar_record["rng_states"]
-    probe = RngAtEpochStart()
+    probe = RngAtFirstBatch()
     resumed = trainer_for(FullyShardStrategy(), max_steps=3, callbacks=[probe])
     resumed.fit(ResumeModule(), train_loader(), ckpt_path=str(path))
     every_expected, every_restored = gather(expected), gather(probe.state)
