@@ -47,6 +47,7 @@ from lightning_dpar.hf_plan import transformers_tp_plan
 from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
 from lightning_dpar.materialize import check_initialisable
 from lightning_dpar.mesh import PIPELINE, TENSOR_PARALLEL, MeshLayout, ParallelDims, SizeArg, build_device_mesh
+from lightning_dpar.optimizers import ParameterLayout, check_optimizers
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.runtime import PipelineRuntime
 from lightning_dpar.pipeline.split import local_plan, resolve_split
@@ -465,6 +466,9 @@ class DparStrategy(ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            # Before the first step, alike on every rank: an update that needs whole tensors is refused on shards.
+            assert self.dims is not None
+            check_optimizers(self.optimizers, ParameterLayout.of(self.dims), type(self).__name__)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
