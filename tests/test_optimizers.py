@@ -38,7 +38,7 @@ def launch(tmp_path_factory) -> LaunchResults:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["replicate_adafactor", "replicate_lars", "fsdp_adamw"])
+@pytest.mark.parametrize("case", ["replicate_adafactor", "replicate_lars", "fsdp_adamw", "tp_adamw"])
 def test_replicate_trains_any_optimizer_and_fsdp_adamw_exactly(launch, case):
     result = launch[case]
     assert result["moved"] > 1e-3  # the steps did something
@@ -189,9 +189,7 @@ def test_exactness_summary_lines():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["fsdp_muon", "tp_muon"])
-def test_muon_on_shards_is_refused_before_the_first_step(launch, case):
-    errors = launch[case]
-    assert len({e["message"] for e in errors}) == 1, errors
-    assert errors[0]["global_step"] == 0
-    for fragment in ("Muon", "orthogonalises each whole weight matrix", "strategy='dpar_replicate'"):
-        assert fragment in errors[0]["message"], errors[0]["message"]
+def test_muon_on_shards_trains_exactly_as_under_ddp(launch, case):
+    result = launch[case]
+    assert result["moved"] > 1e-2  # lr 0.02: Muon's steps are large
+    assert result["max_abs_diff"] < ATOL, result

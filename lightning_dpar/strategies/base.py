@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightning_dpar import parallelize
+from lightning_dpar import distributed_muon, parallelize
 from lightning_dpar._private_api import (
     IS_INTERACTIVE,
     StrategyRegistryType,
@@ -468,10 +468,19 @@ class DparStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             # Before the first step, alike on every rank: an update that needs whole tensors is refused on shards.
             assert self.dims is not None
-            check_optimizers(self.optimizers, ParameterLayout.of(self.dims), type(self).__name__)
+            layout = ParameterLayout.of(self.dims)
+            check_optimizers(self.optimizers, layout, type(self).__name__, self._computes_whole_updates)
+            for optimizer in self.optimizers:
+                if layout.split_by and self._computes_whole_updates(optimizer):
+                    distributed_muon.install(optimizer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def _computes_whole_updates(self, optimizer: Optimizer) -> bool:
+        """Whether this strategy computes `optimizer`'s per-tensor updates on whole tensors when parameters are
+        split across ranks (`lightning_dpar.distributed_muon`)."""
+        return distributed_muon.supports(optimizer)
 
     def _load_pretrained(self, module: nn.Module, trainer: pl.Trainer) -> None:
         """Fill the parallelised parameters from `pretrained`, unless a checkpoint about to be loaded replaces them."""
