@@ -193,3 +193,21 @@ def test_muon_on_shards_trains_exactly_as_under_ddp(launch, case):
     result = launch[case]
     assert result["moved"] > 1e-2  # lr 0.02: Muon's steps are large
     assert result["max_abs_diff"] < ATOL, result
+
+
+@pytest.mark.slow
+def test_muon_state_resumes_exactly_from_a_sharded_checkpoint(launch):
+    assert launch["tp_muon_resume"]["max_abs_diff"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def launch4(tmp_path_factory) -> LaunchResults:
+    return run_workers(4, "optimizers4", tmp_path_factory.mktemp("optimizers4"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["hsdp_muon", "2d_muon"])
+def test_muon_on_two_dim_meshes_trains_exactly(launch4, case):
+    result = launch4[case]
+    assert result["moved"] > 1e-2
+    assert result["max_abs_diff"] < ATOL, result

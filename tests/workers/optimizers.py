@@ -10,11 +10,13 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_dpar import FSDPTensorParallelStrategy, ReplicateStrategy
+from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
 from tests.models import IN_DIM, RegressionData, global_batches, loader
 from tests.workers.cases import Case
+from tests.workers.checkpoint_common import case_dir
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
 
 #: Column- then row-wise, as a user would shard the MLP's two matrices.
@@ -112,6 +114,21 @@ def parity_with_ddp(strategy: Callable[[], Any], optimizer: str, dp: int | None 
     }
 
 
+def resumes_exactly(strategy: Callable[[], Any], optimizer: str) -> dict[str, float] | None:
+    """3 steps saving at step 2, then a new Trainer resuming there for the 3rd: the same parameters, bit for bit?"""
+    root = case_dir(f"resume_{optimizer}")
+    every = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    continuous = trainer_for(strategy(), enable_checkpointing=True, callbacks=[every])
+    continuous.fit(MLPModule(optimizer), loader(RegressionData(), BATCH))
+    want = full_params(continuous)
+    resumed = trainer_for(strategy())
+    resumed.fit(MLPModule(optimizer), loader(RegressionData(), BATCH), ckpt_path=str(root / "step=2.ckpt"))
+    got = full_params(resumed)
+    if resumed.global_rank != 0:
+        return None
+    return {"max_abs_diff": max((want[k] - got[k]).abs().max().item() for k in want)}
+
+
 def refused(strategy: Callable[[], Any], optimizer: str) -> dict[str, Any]:
     """The error each rank raised (every rank must raise), and whether any step ran first."""
     trainer = trainer_for(strategy())
@@ -151,9 +168,20 @@ def group_optimizers() -> Iterator[Case]:
     yield Case("fsdp_muon", lambda: parity_with_ddp(fsdp, "muon"))
     yield Case("tp_muon", lambda: parity_with_ddp(tensor_parallel, "muon", dp=world_size() // 2))
     yield Case("tp_adamw", lambda: parity_with_ddp(tensor_parallel, "adamw", dp=world_size() // 2))
+    yield Case("tp_muon_resume", lambda: resumes_exactly(tensor_parallel, "muon"))
     yield Case("fsdp_adafactor", lambda: gathered(refused(fsdp, "adafactor")))
     yield Case("tp_adafactor", lambda: gathered(refused(tensor_parallel, "adafactor")))
     yield Case("fsdp_lars", lambda: gathered(refused(fsdp, "lars")))
 
 
-GROUPS = {"optimizers": group_optimizers}
+def hsdp() -> FullyShardStrategy:
+    return FullyShardStrategy(replicate_size=2)
+
+
+def group_optimizers4() -> Iterator[Case]:
+    """Meshes of two dims of size 2: the update travels along both (`distributed_muon._broadcast_from`)."""
+    yield Case("hsdp_muon", lambda: parity_with_ddp(hsdp, "muon"))
+    yield Case("2d_muon", lambda: parity_with_ddp(tensor_parallel, "muon", dp=world_size() // 2))
+
+
+GROUPS = {"optimizers": group_optimizers, "optimizers4": group_optimizers4}
