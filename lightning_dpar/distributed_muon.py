@@ -42,7 +42,6 @@ def supports(optimizer: torch.optim.Optimizer) -> bool:
 
 def install(optimizer: torch.optim.Muon) -> None:
     """Make `optimizer.step` compute the update of each sharded matrix whole, on one owner rank."""
-    owners: dict[DeviceMesh, int] = {}  # the next owner, per mesh: matrices take turns over each mesh's ranks
 
     def group_step(group: MutableMapping, params: list[Tensor], grads: list[Tensor], buffers: list[Tensor]) -> bool:
         mine: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
@@ -56,7 +55,7 @@ def install(optimizer: torch.optim.Muon) -> None:
                 grads.append(grad)
                 buffers.append(buffer)
         if sharded:
-            _step_sharded(group, sharded, owners)
+            _step_sharded(group, sharded)
         return has_complex
 
     replace_muon_group_step(optimizer, group_step)
@@ -68,38 +67,41 @@ def _is_split(param: Tensor) -> bool:
     )
 
 
-def _step_sharded(group: MutableMapping, items: list[tuple[Tensor, Tensor, Tensor]], owners: dict[DeviceMesh, int]):
-    """Muon's update (`torch.optim._muon._single_tensor_muon`) for sharded matrices, each orthogonalised whole."""
+def _step_sharded(group: MutableMapping, items: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+    """Muon's update (`torch.optim._muon._single_tensor_muon`) for sharded matrices, each orthogonalised whole.
+
+    The matrices of a mesh go in rounds of as many matrices as the mesh has ranks: the round's updates are gathered
+    (every rank holds at most one round's whole matrices), the `j`-th rank orthogonalises the `j`-th matrix, all at
+    once, and each result is broadcast from its owner.
+    """
     lr = group["lr"].item() if isinstance(group["lr"], Tensor) else group["lr"]
     momentum, weight_decay = group["momentum"], group["weight_decay"]
-    # Elementwise on each shard, as Muon does on the whole tensor; then the whole updates, gathered.
-    updates = []
-    for _, grad, buffer in items:
+    by_mesh: dict[DeviceMesh, list[tuple[Tensor, Tensor]]] = {}
+    for param, grad, buffer in items:  # elementwise on each shard, as Muon does on the whole tensor
         if grad.ndim != 2:
             raise ValueError("Param gradient must be a 2D matrix")
         buffer.lerp_(grad, 1 - momentum)
-        updates.append(grad.lerp(buffer, momentum) if group["nesterov"] else buffer)
-    assigned = []
-    for param, _, _ in items:
-        mesh = param.device_mesh
-        owner = owners.get(mesh, 0)
-        owners[mesh] = (owner + 1) % mesh.size()
-        assigned.append(_coordinate(mesh, owner))
-    results = []
-    for (param, _, _), update, owner in zip(items, updates, assigned):
-        whole = update.full_tensor()  # every rank of the matrix's mesh takes part; only the owner computes
-        mesh = param.device_mesh
-        if list(mesh.get_coordinate() or ()) == owner:
-            result = muon_newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"]).contiguous()
-        else:
-            result = torch.empty(whole.shape, dtype=torch.bfloat16, device=whole.device)
-        results.append(result)
-    for (param, _, _), result, owner in zip(items, results, assigned):
-        _broadcast_from(result, param.device_mesh, owner)
-        mine = DTensor.from_local(result, param.device_mesh, [Replicate()] * param.device_mesh.ndim, run_check=False)
-        local = mine.redistribute(param.device_mesh, param.placements).to_local()  # a slice: no communication
-        param.to_local().mul_(1 - lr * weight_decay)
-        param.to_local().add_(local, alpha=-muon_adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
+        update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+        by_mesh.setdefault(param.device_mesh, []).append((param, update))
+    for mesh, pairs in by_mesh.items():
+        here = list(mesh.get_coordinate() or ())
+        for start in range(0, len(pairs), mesh.size()):
+            round_ = pairs[start : start + mesh.size()]
+            wholes = [update.full_tensor() for _, update in round_]
+            results = []
+            for owner, whole in enumerate(wholes):
+                if _coordinate(mesh, owner) == here:
+                    ns = muon_newton_schulz(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                    results.append(ns.contiguous())
+                else:
+                    results.append(torch.empty(whole.shape, dtype=torch.bfloat16, device=whole.device))
+            del wholes
+            for owner, ((param, _), result) in enumerate(zip(round_, results)):
+                _broadcast_from(result, mesh, _coordinate(mesh, owner))
+                replicated = DTensor.from_local(result, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                local = replicated.redistribute(mesh, param.placements).to_local()  # a slice: no communication
+                param.to_local().mul_(1 - lr * weight_decay)
+                param.to_local().add_(local, alpha=-muon_adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
 
 
 def _coordinate(mesh: DeviceMesh, index: int) -> list[int]:

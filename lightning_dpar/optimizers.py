@@ -222,6 +222,11 @@ def _refusal(optimizer: Optimizer, found: Classification, layout: ParameterLayou
     if found.kind is UpdateKind.PER_TENSOR and not layout.pipelined and type(optimizer) is not torch.optim.Muon:
         message += ", or torch.optim.Muon (the strategy computes its update on whole matrices)"
     message += "."
+    if type(optimizer) is torch.optim.Muon:
+        message += (
+            " The strategy computes Muon's update on whole matrices under FSDP, HSDP and tensor parallelism, but not"
+            " with `cpu_offload=True` or pipeline parallelism."
+        )
     if found.source == "probe":
         message += (
             " If the probe is wrong about it (its update reads only each element's own value, gradient and state),"
@@ -294,10 +299,11 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def _probe_group(optimizer: Optimizer, hyper: dict[str, Any]) -> tuple[UpdateKind, str]:
     generator = torch.Generator().manual_seed(0)
     shape = PROBE_SHAPE
-    start = torch.randn(shape, generator=generator, dtype=torch.float64)
+    cpu = {"dtype": torch.float64, "device": "cpu"}  # also inside the dry run's `torch.device("meta")`
+    start = torch.randn(shape, generator=generator, **cpu)
     # Rows and columns of different scales, so that statistics of a piece differ from the whole's.
-    scale = torch.logspace(-1, 1, shape[0], dtype=torch.float64)[:, None] * torch.linspace(0.5, 2, shape[1])
-    grads = [torch.randn(shape, generator=generator, dtype=torch.float64) * scale for _ in range(PROBE_STEPS)]
+    scale = torch.logspace(-1, 1, shape[0], **cpu)[:, None] * torch.linspace(0.5, 2, shape[1], **cpu)
+    grads = [torch.randn(shape, generator=generator, **cpu) * scale for _ in range(PROBE_STEPS)]
     whole = _run(optimizer, hyper, [start], [[g] for g in grads])[0]
     size = (whole - start).abs().max().item()
     tolerance = PROBE_RTOL * size + 1e-300

@@ -4,6 +4,7 @@ ranks each trains exactly as under Lightning's DDP or is refused on every rank b
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ from lightning_dpar.optimizers import (
     probe_update_kind,
 )
 from tests.conftest import LaunchResults, run_workers
-from tests.workers.optimizers import LARSLike
+from tests.workers.optimizers import OPTIMIZERS, LARSLike
 
 ATOL = 1e-5
 
@@ -211,3 +212,41 @@ def test_muon_on_two_dim_meshes_trains_exactly(launch4, case):
     result = launch4[case]
     assert result["moved"] > 1e-2
     assert result["max_abs_diff"] < ATOL, result
+
+
+class BiasFree(L.LightningModule):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 8, bias=False))
+        self.optimizer = optimizer
+
+    def configure_optimizers(self):
+        return OPTIMIZERS[self.optimizer](self.parameters())
+
+
+@pytest.mark.usefixtures("no_pytest_argv")
+@pytest.mark.parametrize(
+    ("strategy", "optimizer", "line"),
+    [
+        ("fsdp", "adamw", "AdamW: exact (elementwise update)"),
+        ("fsdp", "muon", "Muon: exact, each whole matrix's update computed by one rank and sent to the others"),
+        ("fsdp", "adafactor", "Adafactor: refused under this layout, its update is per-tensor (it factors"),
+        ("offload", "muon", "Muon: refused under this layout"),
+        ("replicate", "adafactor", "Adafactor: exact (per-tensor update)"),
+        ("replicate", "lars", "LARSLike: exact (per-tensor update)"),
+    ],
+)
+def test_plan_dry_run_lists_which_optimizers_are_exact(strategy, optimizer, line):
+    import lightning_dpar
+    from lightning_dpar.plan_report import plan
+
+    strategies = {
+        "fsdp": lightning_dpar.FullyShardStrategy,
+        "offload": lambda: lightning_dpar.FullyShardStrategy(cpu_offload=True),
+        "replicate": lightning_dpar.ReplicateStrategy,
+    }
+    with torch.device("meta"):
+        module = BiasFree(optimizer)
+    report = plan(strategies[strategy](), module, world_size=4)
+    assert report.optimizer_exactness[0].startswith(line), report.optimizer_exactness
+    assert "Optimizers under this layout" in report.render()
