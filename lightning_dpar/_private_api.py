@@ -10,6 +10,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 # The type of Lightning's strategy registry, which `Strategy.register_strategies(registry)` receives: the public
@@ -73,8 +74,12 @@ __all__ = [
     "local_shape_and_offset",
     "metric_step_value",
     "model_checkpoint_dir",
+    "muon_adjusted_lr",
+    "muon_init_group",
+    "muon_newton_schulz",
     "optimizers_to_device",
     "replace_model_checkpoint_link",
+    "replace_muon_group_step",
     "swap_ddp_optimize_mode",
     "sync_ddp_if_available",
     "transformers_module_initialiser",
@@ -224,3 +229,26 @@ def view_base(tensor: Any) -> Any:
     """The tensor `tensor` is an autograd-recorded view of, or None (`Tensor._base`): the only way to tell such a
     view, which FSDP warns about when a unit returns one (it reads `_base` itself), from a tensor of its own."""
     return tensor._base
+
+
+# torch.optim.Muon's own Newton-Schulz iteration and learning-rate adjustment: the distributed step
+# (`lightning_dpar.distributed_muon`) calls the very functions `Muon.step` calls, so it computes bit for bit what
+# Muon computes on the whole matrix under DDP. torch has no public functional form of them.
+from torch.optim._muon import _adjust_lr as muon_adjusted_lr  # noqa: E402
+from torch.optim._muon import _zeropower_via_newtonschulz as muon_newton_schulz  # noqa: E402
+
+
+def replace_muon_group_step(optimizer: torch.optim.Muon, group_step: Callable[..., bool]) -> None:
+    """Make `optimizer.step` call `group_step` in place of `Muon._init_group` for each param group.
+
+    `Muon.step` calls `self._init_group(group, params, grads, momentum_buffers)` and then steps what it appended to
+    those lists; an instance attribute of that name is found first. Unlike replacing `step` itself, this keeps what
+    wraps `step` working (torch's step hooks and profiler, an LR scheduler's step counter, Lightning's closure).
+    `group_step` does the sharded parameters' whole update and appends only the others.
+    """
+    optimizer._init_group = group_step  # type: ignore[method-assign]
+
+
+def muon_init_group(optimizer: torch.optim.Muon, group: Any, params: list, grads: list, buffers: list) -> bool:
+    """torch's own `Muon._init_group`: checks each parameter and creates its momentum buffer, as `step` would."""
+    return torch.optim.Muon._init_group(optimizer, group, params, grads, buffers)

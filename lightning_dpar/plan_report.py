@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 from lightning_dpar import memory, parallelize
 from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
 from lightning_dpar.mesh import TENSOR_PARALLEL, MeshLayout, ParallelDims, build_device_mesh, init_fake_process_group
+from lightning_dpar.optimizers import ParameterLayout, exactness_summary
 from lightning_dpar.pipeline.split import PipelineSplit
 from lightning_dpar.plan import ModulePlan
 from lightning_dpar.strategies.base import DparStrategy
@@ -153,6 +154,7 @@ class PlanReport:
     pipeline: PipelineReport | None = None
     model_params: int | None = None  # the whole model's, when this rank holds only some pipeline stages
     tied: list[str] = field(default_factory=list)  # one line per parameter reachable under several names
+    optimizer_exactness: list[str] = field(default_factory=list)  # per optimizer: exact here, or refused and why
 
     def render(self, all_params: bool = False) -> str:
         d = self.dims
@@ -201,6 +203,9 @@ class PlanReport:
             fqn, size = self.largest_unit
             lines.append(f"  + the largest FSDP unit all-gathered for compute: {memory.format_bytes(size)} ({fqn})")
         lines.append("  not included: activations, communication buffers, allocator overhead")
+        if self.optimizer_exactness:
+            lines += ["", "Optimizers under this layout (exact as under DDP, or refused before training)"]
+            lines += [f"  {line}" for line in self.optimizer_exactness]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -452,6 +457,9 @@ def _plan_on_fake_world(
         pipeline=pipeline,
         model_params=model_params if pipeline is not None else None,
         tied=[_describe_tie(module, group, plan_) for group in plan_.tied],
+        optimizer_exactness=exactness_summary(
+            optimizers, ParameterLayout.of(dims), type(strategy).__name__, strategy._computes_whole_updates
+        ),
     )
 
 

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightning_dpar import parallelize
+from lightning_dpar import distributed_muon, parallelize
 from lightning_dpar._private_api import (
     IS_INTERACTIVE,
     StrategyRegistryType,
@@ -48,6 +48,7 @@ from lightning_dpar.hf_plan import transformers_tp_plan
 from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
 from lightning_dpar.materialize import check_initialisable
 from lightning_dpar.mesh import PIPELINE, TENSOR_PARALLEL, MeshLayout, ParallelDims, SizeArg, build_device_mesh
+from lightning_dpar.optimizers import ParameterLayout, check_optimizers
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.runtime import PipelineRuntime
 from lightning_dpar.pipeline.split import local_plan, resolve_split
@@ -503,9 +504,21 @@ class DparStrategy(ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            # Before the first step, alike on every rank: an update that needs whole tensors is refused on shards.
+            assert self.dims is not None
+            layout = ParameterLayout.of(self.dims)
+            check_optimizers(self.optimizers, layout, type(self).__name__, self._computes_whole_updates)
+            for optimizer in self.optimizers:
+                if layout.split_by and self._computes_whole_updates(optimizer):
+                    distributed_muon.install(optimizer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def _computes_whole_updates(self, optimizer: Optimizer) -> bool:
+        """Whether this strategy computes `optimizer`'s per-tensor updates on whole tensors when parameters are
+        split across ranks (`lightning_dpar.distributed_muon`)."""
+        return distributed_muon.supports(optimizer)
 
     def _load_pretrained(self, module: nn.Module, trainer: pl.Trainer) -> None:
         """Fill the parallelised parameters from `pretrained`, unless a checkpoint about to be loaded replaces them."""

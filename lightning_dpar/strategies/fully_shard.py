@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.optim import Optimizer
 
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType
@@ -90,6 +91,10 @@ class FullyShardStrategy(DparStrategy):
     def cpu_offload(self) -> bool:
         """Whether sharded parameters, gradients and optimizer state live in CPU memory."""
         return self._cpu_offload
+
+    def _computes_whole_updates(self, optimizer: Optimizer) -> bool:
+        # Offloaded shards live in CPU memory, which the accelerator's collectives do not gather from.
+        return not self._cpu_offload and super()._computes_whole_updates(optimizer)
 
     def _shard_units(self, module: nn.Module) -> list[str]:
         return resolve_blocks(module, self._shard_modules, "shard_modules")
