@@ -68,6 +68,7 @@ __all__ = [
     "metric_step_value",
     "model_checkpoint_dir",
     "optimizers_to_device",
+    "privateuse1_backend_name",
     "swap_ddp_optimize_mode",
     "sync_ddp_if_available",
     "transformers_module_initialiser",
@@ -83,6 +84,14 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     `self.device_mesh["data_parallel"]`) resolve to; torch's own trainers (torchtitan) use it for the same reason.
     """
     return mesh._flatten(name)
+
+
+def privateuse1_backend_name() -> str:
+    """The out-of-tree device backend's name (`"privateuseone"` unless renamed): `SyncBatchNorm.forward` accepts it
+    besides cuda/hpu/xpu, and torch exposes it only through `torch._C`."""
+    import torch
+
+    return torch._C._get_privateuse1_backend_name()
 
 
 def is_composable_replicated(module: nn.Module) -> bool:

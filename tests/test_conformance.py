@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conformance_harness import STRATEGY_IDS, ConformanceLaunches, expect_parity
+from tests.conformance_harness import STRATEGY_IDS, ConformanceLaunches, expect_parity, expect_refused
+from tests.workers.conformance import FEATURES
 
 
 @pytest.fixture(scope="session")
@@ -14,9 +15,35 @@ def conformance(request, tmp_path_factory) -> ConformanceLaunches:
     return ConformanceLaunches("conformance", __name__, request, tmp_path_factory)
 
 
-@pytest.mark.conformance("buffers")
-@pytest.mark.parametrize("strategy", STRATEGY_IDS)
-def test_buffers_kept_as_ddp_keeps_them(conformance, strategy, request):
-    """DDP broadcasts rank 0's buffers before each forward that follows a training forward: every rank evaluates
-    with the same statistics and differs from rank 0 only by its last step's update."""
-    expect_parity(request, conformance.cell("buffers", strategy))
+SYNC_BN = r"ValueError: `Trainer\(sync_batchnorm=True\)` converts \['model.norm'\] to `torch.nn.SyncBatchNorm`"
+REFUSED: dict[tuple[str, str], str] = {
+    **{("sync_batchnorm", s): SYNC_BN for s in STRATEGY_IDS},
+    ("buffers", "pipeline"): r"has BatchNorm layers \['model.norm'\], and `pipeline_parallel_size=2`",
+    ("manual_optimization", "pipeline"): r"sets `automatic_optimization = False`, and `pipeline_parallel_size=2`",
+    **{
+        ("use_distributed_sampler_false_world_sampler", s): r"`DistributedSampler` splits the data into 4 shards, but"
+        r" only 2 of the 4 ranks"
+        for s in ("dpar_2d",)
+    },
+    ("use_distributed_sampler_false_world_sampler", "pipeline"): r"splits the data into 2 shards, but only 1 of the 2",
+    **{
+        ("scale_batch_size", s): "Tuning the batch size is currently not supported with distributed strategies"
+        for s in STRATEGY_IDS
+    },
+}
+
+CELLS = [
+    pytest.param(feature, strategy, id=f"{feature}-{strategy}", marks=pytest.mark.conformance(feature))
+    for feature in FEATURES
+    for strategy in STRATEGY_IDS
+]
+
+
+@pytest.mark.parametrize(("feature", "strategy"), CELLS)
+def test_cell(conformance, feature, strategy, request):
+    cell = conformance.cell(feature, strategy)
+    refusal = REFUSED.get((feature, strategy))
+    if refusal is not None:
+        expect_refused(request, cell, refusal)
+    else:
+        expect_parity(request, cell)
