@@ -61,6 +61,7 @@ __all__ = [
     "checkpoint_activations",
     "compiled_autograd",
     "ddp_replicate",
+    "detect_anomaly_requested",
     "flatten_mesh",
     "functional_all_reduce",
     "init_dist_connection",
@@ -84,6 +85,12 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     `self.device_mesh["data_parallel"]`) resolve to; torch's own trainers (torchtitan) use it for the same reason.
     """
     return mesh._flatten(name)
+
+
+def detect_anomaly_requested(trainer: Any) -> bool:
+    """Whether the Trainer was made with `detect_anomaly=True`: Lightning keeps the flag only as `_detect_anomaly`
+    and turns anomaly mode on around the training stage, after the strategy's setup, where it must be refused."""
+    return bool(getattr(trainer, "_detect_anomaly", False))
 
 
 def privateuse1_backend_name() -> str:
@@ -174,6 +181,8 @@ LIGHTNING_SUBCLASS_HOOKS = {
     "_strategy": "the strategy a `_MultiProcessingLauncher` subclass launches, stored by its base class.",
     "_collect_rank_zero_results": "the launcher's hook for what rank 0 hands back to the interactive process; ours"
     " gathers the sharded weights (Lightning's sends rank 0's shards only).",
+    "_layer_sync": "where Lightning's connector puts `Trainer(sync_batchnorm=True)` for every `ParallelStrategy`; its"
+    " strategies read it in `setup`, as ours does.",
 }
 
 

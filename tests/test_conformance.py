@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conformance_harness import STRATEGY_IDS, ConformanceLaunches, expect_parity, expect_refused
+from tests.conformance_harness import STRATEGY_IDS, ConformanceLaunches, compare, expect_parity, expect_refused
 from tests.workers.conformance import FEATURES
 
 
@@ -19,6 +19,7 @@ SYNC_BN = r"ValueError: `Trainer\(sync_batchnorm=True\)` converts \['model.norm'
 REFUSED: dict[tuple[str, str], str] = {
     **{("sync_batchnorm", s): SYNC_BN for s in STRATEGY_IDS},
     ("buffers", "pipeline"): r"has BatchNorm layers \['model.norm'\], and `pipeline_parallel_size=2`",
+    ("detect_anomaly", "dpar_2d"): r"`Trainer\(detect_anomaly=True\)` cannot run with `tensor_parallel_size=2`",
     ("manual_optimization", "pipeline"): r"sets `automatic_optimization = False`, and `pipeline_parallel_size=2`",
     **{
         ("use_distributed_sampler_false_world_sampler", s): r"`DistributedSampler` splits the data into 4 shards, but"
@@ -32,8 +33,17 @@ REFUSED: dict[tuple[str, str], str] = {
     },
 }
 
+#: The cells the suite runs outside the slow lane: the reported bugs, on one 2-rank launch (`dpar_fsdp` and its
+#: Lightning-DDP reference). The whole matrix: `python -m benchmarks.conformance`.
+FAST = {("buffers", "dpar_fsdp"), ("sync_batchnorm", "dpar_fsdp"), ("lr_find", "dpar_fsdp")}
+
 CELLS = [
-    pytest.param(feature, strategy, id=f"{feature}-{strategy}", marks=pytest.mark.conformance(feature))
+    pytest.param(
+        feature,
+        strategy,
+        id=f"{feature}-{strategy}",
+        marks=[pytest.mark.conformance(feature), *(() if (feature, strategy) in FAST else (pytest.mark.slow,))],
+    )
     for feature in FEATURES
     for strategy in STRATEGY_IDS
 ]
@@ -41,9 +51,43 @@ CELLS = [
 
 @pytest.mark.parametrize(("feature", "strategy"), CELLS)
 def test_cell(conformance, feature, strategy, request):
+    """The feature under the strategy ends as under Lightning's DDP, or is refused on every rank with the message
+    `REFUSED` gives (before any collective: the refusals are raised in `setup_environment` or on the loader)."""
     cell = conformance.cell(feature, strategy)
     refusal = REFUSED.get((feature, strategy))
     if refusal is not None:
         expect_refused(request, cell, refusal)
     else:
         expect_parity(request, cell)
+
+
+# ---------------------------------------------------------------------------------------------------- the pieces
+def test_compare_reports_each_difference_beyond_atol():
+    want = {"state": {"w": [1.0, 2.0]}, "logged": {"loss": 0.5}, "left_behind": []}
+    assert compare({"state": {"w": [1.0, 2.0 + 5e-6]}, "logged": {"loss": 0.5}, "left_behind": []}, want) == []
+    problems = compare({"state": {"w": [1.0, 2.1]}, "logged": {}, "left_behind": [".lr_find_x.ckpt"]}, want)
+    assert problems == [
+        ".state.w[1]: got 2.1, want 2.0 (difference 0.1 > atol 1e-05)",
+        ".logged.loss: missing",
+        '.left_behind: got [".lr_find_x.ckpt"], want []',
+    ]
+
+
+def test_matrix_table_keeps_the_cells_a_partial_run_did_not_touch():
+    from benchmarks.conformance import START, Collector, read_table, update_doc
+
+    first = Collector()
+    for strategy, outcome in (("dpar_fsdp", "parity"), ("pipeline", "refused")):
+        first.add("buffers", strategy, outcome)
+    text = update_doc("# Title\n", first, ["dpar_fsdp", "pipeline"], "Last run: one.")
+    assert text.startswith("# Title\n") and START in text
+    second = Collector()
+    second.add("lr_find", "dpar_fsdp", "parity")
+    second.add("lr_find", "dpar_fsdp", "failed")  # two tests of one cell: the worst outcome counts
+    rows, columns, cells = read_table(update_doc(text, second, ["dpar_fsdp", "pipeline"], "Last run: two."))
+    assert rows == ["buffers", "lr_find"] and columns == ["dpar_fsdp", "pipeline"]
+    assert cells == {
+        ("buffers", "dpar_fsdp"): "parity",
+        ("buffers", "pipeline"): "refused",
+        ("lr_find", "dpar_fsdp"): "failed",
+    }
