@@ -5,6 +5,7 @@ table is `docs/lightning-conformance.md`, written by `python -m benchmarks.confo
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conformance_harness import STRATEGY_IDS, ConformanceLaunches, compare, expect_parity, expect_refused
 from tests.workers.conformance import FEATURES
@@ -91,3 +92,28 @@ def test_matrix_table_keeps_the_cells_a_partial_run_did_not_touch():
         ("buffers", "pipeline"): "refused",
         ("lr_find", "dpar_fsdp"): "failed",
     }
+
+
+def test_refusals_name_the_flag_and_what_to_do():
+    from torch import nn
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from lightning_dpar.batchnorm import check_no_batch_norm_in_pipeline, check_sync_batchnorm_supported
+    from lightning_dpar.sampling import check_sampler_shards
+    from tests.models import RegressionData
+
+    with_norm = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    with pytest.raises(
+        ValueError, match=r"sync_batchnorm=True\)` converts \['1'\].*not on 'cpu'.*sync_batchnorm=False"
+    ):
+        check_sync_batchnorm_supported(with_norm, torch.device("cpu"))
+    check_sync_batchnorm_supported(nn.Linear(2, 2), torch.device("cpu"))  # nothing to convert: as under DDP
+    with pytest.raises(ValueError, match=r"BatchNorm layers \['1'\].*`pipeline_parallel_size=2`.*nn.LayerNorm"):
+        check_no_batch_norm_in_pipeline(with_norm, 2)
+    data = RegressionData(16)
+    world = DataLoader(data, sampler=DistributedSampler(data, num_replicas=4, rank=1))
+    with pytest.raises(
+        ValueError, match=r"splits the data into 4 shards, but only 2 of the 4 ranks.*distributed_sampler"
+    ):
+        check_sampler_shards(world, num_replicas=2, world_size=4)
+    check_sampler_shards(DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=1)), 2, 4)
