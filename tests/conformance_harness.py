@@ -3,8 +3,9 @@ fingerprint compared between them, and how a test reports its cell (parity, refu
 
 A row of the matrix is a feature (a Trainer flag, a callback); a column is a strategy (`STRATEGY_IDS`). A feature is
 a function `feature(strategy, column) -> value` run on every rank of a worker launch: it builds a Trainer with
-`strategy` (a fresh strategy object, or Lightning's `"ddp"` for the reference), trains, and returns, on rank 0, a
-JSON value, usually `fingerprint(trainer, ...)`. A refusal is the feature raising on every rank.
+`strategy` (a fresh strategy object: ours for a column, Lightning's `DDPStrategy` for a reference), trains, and
+returns, on rank 0, a JSON value, usually `fingerprint(trainer, ...)`. A refusal is the feature raising on every rank.
+Each worker module uses its own prefix: worker group names are global (`tests/workers/run.py`).
 
 Worker side (`tests/workers/<module>.py`)::
 
