@@ -67,6 +67,7 @@ __all__ = [
     "checkpoint_activations",
     "compiled_autograd",
     "ddp_replicate",
+    "detect_anomaly_requested",
     "flatten_mesh",
     "functional_all_reduce",
     "init_dist_connection",
@@ -78,6 +79,7 @@ __all__ = [
     "muon_init_group",
     "muon_newton_schulz",
     "optimizers_to_device",
+    "privateuse1_backend_name",
     "replace_model_checkpoint_link",
     "replace_muon_group_step",
     "swap_ddp_optimize_mode",
@@ -96,6 +98,20 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     `self.device_mesh["data_parallel"]`) resolve to; torch's own trainers (torchtitan) use it for the same reason.
     """
     return mesh._flatten(name)
+
+
+def detect_anomaly_requested(trainer: Any) -> bool:
+    """Whether the Trainer was made with `detect_anomaly=True`: Lightning keeps the flag only as `_detect_anomaly`
+    and turns anomaly mode on around the training stage, after the strategy's setup, where it must be refused."""
+    return bool(getattr(trainer, "_detect_anomaly", False))
+
+
+def privateuse1_backend_name() -> str:
+    """The out-of-tree device backend's name (`"privateuseone"` unless renamed): `SyncBatchNorm.forward` accepts it
+    besides cuda/hpu/xpu, and torch exposes it only through `torch._C`."""
+    import torch
+
+    return torch._C._get_privateuse1_backend_name()
 
 
 def is_composable_replicated(module: nn.Module) -> bool:
@@ -191,6 +207,8 @@ LIGHTNING_SUBCLASS_HOOKS = {
     "_strategy": "the strategy a `_MultiProcessingLauncher` subclass launches, stored by its base class.",
     "_collect_rank_zero_results": "the launcher's hook for what rank 0 hands back to the interactive process; ours"
     " gathers the sharded weights (Lightning's sends rank 0's shards only).",
+    "_layer_sync": "where Lightning's connector puts `Trainer(sync_batchnorm=True)` for every `ParallelStrategy`; its"
+    " strategies read it in `setup`, as ours does.",
 }
 
 

@@ -187,3 +187,48 @@ def global_batches(data: RegressionData, dp: int, batch_size: int, steps: int, a
 
 def loader(data: Dataset, batch_size: int) -> DataLoader:
     return DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
+class ConformanceNet(Net):
+    """`Net` with a `BatchNorm1d` after the input layer (or none): a model with buffers that change in training."""
+
+    def __init__(self, batchnorm: bool = True) -> None:
+        super().__init__(dim=16)
+        self.norm = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.norm(self.inp(x)))
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+class ConformanceModule(L.LightningModule):
+    """The Lightning conformance matrix's model (`tests/conformance_harness.py`)."""
+
+    tp_plan = TP_PLAN
+
+    def __init__(self, batchnorm: bool = True, lr: float = 0.05) -> None:
+        super().__init__()
+        self.lr = lr
+        torch.manual_seed(0)
+        self.model = ConformanceNet(batchnorm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

@@ -126,6 +126,7 @@ def load_sharded(
             )
         optimizer_state = sharded_optimizer_state(model, optimizer)
         optimizer_state["state"] = {k: v for k, v in optimizer_state["state"].items() if k in stored}
+        optimizer_state["param_groups"] = _groups_as_saved(info, key, optimizer_state["param_groups"])
         state[key] = optimizer_state
     with translate_dcp_errors(info.location):  # DCP's CheckpointException is a BaseException
         dcp.load(
@@ -138,6 +139,21 @@ def load_sharded(
     for index, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, state[optimizer_key(index)], options=options)
     return report
+
+
+def _groups_as_saved(info: CheckpointInfo, key: str, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The optimizer's param groups with the settings the checkpoint saved for them, no more, no fewer: what
+    `Optimizer.load_state_dict` restores (it replaces each group by the saved one). A setting added since the save,
+    such as the `initial_lr` of a scheduler made after it (the `Tuner`'s `lr_find` does that), is dropped; one
+    saved but missing now is loaded. DCP stores each group's settings as `<key>.param_groups.<i>.<name>`."""
+    saved: dict[int, set[str]] = {}
+    for name in info.keys_under(f"{key}.param_groups"):
+        index, _, setting = name.partition(".")
+        if index.isdigit() and setting:
+            saved.setdefault(int(index), set()).add(setting)
+    if not saved:
+        return groups
+    return [{name: group.get(name) for name in saved.get(i, group.keys())} for i, group in enumerate(groups)]
 
 
 def _top_keys(info: CheckpointInfo) -> set[str]:

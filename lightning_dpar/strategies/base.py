@@ -36,10 +36,17 @@ from lightning_dpar._private_api import (
     IS_INTERACTIVE,
     StrategyRegistryType,
     attach_device_mesh,
+    detect_anomaly_requested,
     optimizers_to_device,
     replace_model_checkpoint_link,
     sync_ddp_if_available,
 )
+from lightning_dpar.batchnorm import (
+    check_no_batch_norm_in_pipeline,
+    check_sync_batchnorm_supported,
+    convert_sync_batchnorm,
+)
+from lightning_dpar.buffers import BufferSync
 from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.checkpoint.resume import skip_seen_batches
@@ -69,6 +76,7 @@ from lightning_dpar.precision import DparPrecision, to_dpar_precision
 from lightning_dpar.pretrained import PretrainedSpec, load_pretrained, to_pretrained_weights
 from lightning_dpar.pretrained import describe as describe_pretrained
 from lightning_dpar.process_group import start_process_group
+from lightning_dpar.sampling import check_sampler_shards
 from lightning_dpar.ties import check_tied_layouts, tied_parameters
 
 if TYPE_CHECKING:
@@ -177,6 +185,9 @@ class DparStrategy(ParallelStrategy):
         self._data_parallel_mesh: DeviceMesh | None = None
         # Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
         self._grad_sync_modules: list[nn.Module] = []
+        self._backward_sync_blocked = False
+        #: DDP's buffer broadcast (`lightning_dpar.buffers`); made in `setup`, as DDP makes its own when wrapping.
+        self._buffer_sync: BufferSync | None = None
         self._parallelized_module: nn.Module | None = None
         #: The model's tied parameters, found before parallelism (`ModulePlan.tied`), for the pretrained load.
         self._tied: list[tuple[str, ...]] = []
@@ -263,6 +274,10 @@ class DparStrategy(ParallelStrategy):
         self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
         if self.dims.pipeline > 1:
             self._pipeline_config.check(self.dims.pipeline)
+            self._check_pipeline_optimization(self.dims.pipeline)
+        if self.lightning_module is not None:
+            self._check_layer_sync(self.lightning_module)
+            self._check_anomaly_detection(self.dims.tensor_parallel)
         self._check_plan_before_collectives()
         if not dist.is_initialized():
             reset_seed()
@@ -294,6 +309,36 @@ class DparStrategy(ParallelStrategy):
         ):
             assert self.dims is not None
             self.module_plan(module, self.dims)
+
+    def _check_pipeline_optimization(self, pipeline_parallel_size: int) -> None:
+        """Manual optimisation cannot be pipelined: the schedule runs each microbatch's forward and backward itself."""
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            raise ValueError(
+                f"{type(module).__name__} sets `automatic_optimization = False`, and `pipeline_parallel_size="
+                f"{pipeline_parallel_size}` runs `training_step` through a pipeline schedule that"
+                " does each microbatch's forward and backward itself, so `manual_backward` and your own optimizer"
+                " steps cannot run inside it. Use automatic optimisation, or `pipeline_parallel_size=1`."
+            )
+
+    def _check_anomaly_detection(self, tensor_parallel_size: int) -> None:
+        """`Trainer(detect_anomaly=True)` with tensor parallelism: torch's anomaly mode checks every gradient with an
+        operator DTensor has no sharding rule for, so the first backward would fail on every rank."""
+        trainer = _attached_trainer(self.lightning_module)
+        if tensor_parallel_size > 1 and detect_anomaly_requested(trainer):
+            raise ValueError(
+                f"`Trainer(detect_anomaly=True)` cannot run with `tensor_parallel_size={tensor_parallel_size}`: torch's"
+                " anomaly mode checks each gradient with `aten._is_any_true`, which tensor-parallel (DTensor)"
+                " gradients do not support. Use `detect_anomaly=False`, or look for the anomaly with"
+                " `tensor_parallel_size=1` (e.g. `strategy='dpar_fsdp'`)."
+            )
+
+    def _check_layer_sync(self, module: nn.Module) -> None:
+        """`Trainer(sync_batchnorm=True)` when fitting: refused where torch's `SyncBatchNorm` cannot run (before the
+        process group for a model that exists already; in `setup` for one built in `configure_model`)."""
+        trainer = _attached_trainer(module)
+        if self._layer_sync is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            check_sync_batchnorm_supported(module, self.root_device)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -365,6 +410,7 @@ class DparStrategy(ParallelStrategy):
             )
         config = self._pipeline_config
         config.check(dims.pipeline)
+        check_no_batch_norm_in_pipeline(module, dims.pipeline)
         shard_units = self._shard_units(module)
         split = resolve_split(
             module,
@@ -493,6 +539,11 @@ class DparStrategy(ParallelStrategy):
         assert module is not None
         if self._parallelized_module is not module:
             module = self.precision_plugin.convert_module(module)
+            if self._layer_sync is not None and trainer.state.fn == TrainerFn.FITTING:
+                # As Lightning's DDP, when fitting. The layers stay `SyncBatchNorm` afterwards: DDP swaps them back in
+                # teardown, but a swapped module would lose its FSDP2 parameter management.
+                self._check_layer_sync(module)
+                convert_sync_batchnorm(module, self.data_parallel_group)
             self._parallelize(module)
             self._parallelized_module = module
             self._load_pretrained(module, trainer)
@@ -500,6 +551,7 @@ class DparStrategy(ParallelStrategy):
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 replace_model_checkpoint_link(callback, self._point_last_link)
+        self._buffer_sync = BufferSync(module, self.data_parallel_group)
         self._sync_metrics_over_data_parallel(module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -535,16 +587,32 @@ class DparStrategy(ParallelStrategy):
             )
 
     # ------------------------------------------------------------------ steps
+    @contextmanager
+    def _step_forward(self, training: bool) -> Generator[None, None, None]:
+        """Around each step's forward, as DDP's wrapper does: rank 0's buffers are broadcast to the data-parallel
+        peers first if a training forward ran since the last broadcast (`lightning_dpar.buffers`)."""
+        if self._buffer_sync is not None:
+            self._buffer_sync.before_forward()
+        yield
+        if self._buffer_sync is not None:
+            module = self.lightning_module
+            # Under manual optimisation Lightning's DDP switches its gradient sync off around the step's forward
+            # (`_DDPForwardRedirection`), so that forward does not mark buffers for the next broadcast either.
+            manual = module is not None and not module.automatic_optimization
+            synced = training and torch.is_grad_enabled() and not self._backward_sync_blocked and not manual
+            self._buffer_sync.after_forward(synced)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """With pipeline parallelism: one schedule step over the batch's microbatches, forward and backward (see
         `lightning_dpar.pipeline.runtime`); returns the loss on every rank."""
-        if self._pipeline is None:
-            return super().training_step(*args, **kwargs)
-        trainer = _attached_trainer(self.lightning_module)
-        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-        batch, *step_args = args
-        with self.precision_plugin.train_step_context():
-            return self._pipeline.train_step(batch, tuple(step_args), accumulate)
+        with self._step_forward(training=True):
+            if self._pipeline is None:
+                return super().training_step(*args, **kwargs)
+            trainer = _attached_trainer(self.lightning_module)
+            accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+            batch, *step_args = args
+            with self.precision_plugin.train_step_context():
+                return self._pipeline.train_step(batch, tuple(step_args), accumulate)
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """With pipeline parallelism the schedule already ran every microbatch's backward inside `training_step`;
@@ -560,22 +628,25 @@ class DparStrategy(ParallelStrategy):
         return closure_loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().validation_step(*args, **kwargs)
-        with self.precision_plugin.val_step_context():
-            return self._pipeline.eval_step("validation_step", args[0], tuple(args[1:]))
+        with self._step_forward(training=False):
+            if self._pipeline is None:
+                return super().validation_step(*args, **kwargs)
+            with self.precision_plugin.val_step_context():
+                return self._pipeline.eval_step("validation_step", args[0], tuple(args[1:]))
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().test_step(*args, **kwargs)
-        with self.precision_plugin.test_step_context():
-            return self._pipeline.eval_step("test_step", args[0], tuple(args[1:]))
+        with self._step_forward(training=False):
+            if self._pipeline is None:
+                return super().test_step(*args, **kwargs)
+            with self.precision_plugin.test_step_context():
+                return self._pipeline.eval_step("test_step", args[0], tuple(args[1:]))
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is None:
-            return super().predict_step(*args, **kwargs)
-        with self.precision_plugin.predict_step_context():
-            return self._pipeline.eval_step("predict_step", args[0], tuple(args[1:]))
+        with self._step_forward(training=False):
+            if self._pipeline is None:
+                return super().predict_step(*args, **kwargs)
+            with self.precision_plugin.predict_step_context():
+                return self._pipeline.eval_step("predict_step", args[0], tuple(args[1:]))
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -595,9 +666,11 @@ class DparStrategy(ParallelStrategy):
         """Skip gradient all-reduce / reduce-scatter on non-final micro-batches of gradient accumulation."""
         for module in self._grad_sync_modules:
             module.set_requires_gradient_sync(False)
+        self._backward_sync_blocked = True
         try:
             yield
         finally:
+            self._backward_sync_blocked = False
             for module in self._grad_sync_modules:
                 module.set_requires_gradient_sync(True)
 
@@ -649,8 +722,11 @@ class DparStrategy(ParallelStrategy):
         return False  # `load_checkpoint` loads optimizer shards itself
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state to save; its unsharded buffers are rank 0's (of each data-parallel group), as in a DDP
+        checkpoint, whichever rank writes them."""
         assert self.model is not None
-        return self.checkpoints.model_state(self.model)
+        state = self.checkpoints.model_state(self.model)
+        return self._buffer_sync.first_rank_copies(state) if self._buffer_sync is not None else state
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
@@ -706,6 +782,8 @@ class DparStrategy(ParallelStrategy):
         if self._pipeline is not None:
             self._pipeline.check_batches(dataloader)  # before training, not at the epoch's last batch
         data_parallel = self.dims.data_parallel if self.dims is not None else None
+        if data_parallel is not None:
+            check_sampler_shards(dataloader, data_parallel, self.world_size)
         mid_epoch = self.checkpoints.resume.pending.get("epoch_batches", {}).get("batches", 0) > 0
         if mid_epoch:
             # Lightning judges resumability by the loader's own `state_dict`, which ours does not need; the one line

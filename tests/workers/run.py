@@ -45,6 +45,7 @@ MODULES = [
         "lit_gpt_models",
         "pipeline",
         "optimizers",
+        "conformance",
     )
 ]
 
