@@ -197,3 +197,15 @@ def metric_step_value(metric: Any) -> Any:
     """The value a torchmetrics `Metric`'s last `forward` returned, which Lightning logs for `on_step` (private
     `_forward_cache`; no public accessor)."""
     return metric._forward_cache
+
+
+def averaged_copy(callback: Any) -> nn.Module | None:
+    """The module holding a Lightning weight-averaging callback's averaged weights, or None before its `setup`.
+
+    `WeightAveraging` (and `EMAWeightAveraging`) keep a `torch.optim.swa_utils.AveragedModel` in `_average_model`,
+    whose `module` is the copy; `StochasticWeightAveraging` keeps the copied LightningModule itself there. Neither
+    exposes it, and the strategy must lay the copy out like the parallelised model (`weight_averaging`)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    average = callback._average_model
+    return average.module if isinstance(average, AveragedModel) else average

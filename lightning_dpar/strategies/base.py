@@ -64,6 +64,7 @@ from lightning_dpar.plan import (
 from lightning_dpar.precision import DparPrecision, to_dpar_precision
 from lightning_dpar.pretrained import PretrainedSpec, load_pretrained, to_pretrained_weights
 from lightning_dpar.pretrained import describe as describe_pretrained
+from lightning_dpar.weight_averaging import is_weight_averaging, lay_out_averaged_copies, reshard
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -172,6 +173,8 @@ class DparStrategy(ParallelStrategy):
         # Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
         self._grad_sync_modules: list[nn.Module] = []
         self._parallelized_module: nn.Module | None = None
+        # Weight-averaging callbacks swap the averaged shards in and out around validation (`weight_averaging`).
+        self._reshard_after_validation_step = False
         # Checkpointing (see the checkpointing section below).
         #: The single owner of save, load, async writes, removal and the resume state (`checkpoint.manager`).
         self.checkpoints = CheckpointManager(checkpoint_format, async_save, timeout)
@@ -460,6 +463,9 @@ class DparStrategy(ParallelStrategy):
             self._parallelize(module)
             self._parallelized_module = module
             self._load_pretrained(module, trainer)
+        # Lightning's weight-averaging callbacks copied the model in their `setup`, before it was parallelised.
+        lay_out_averaged_copies(trainer.callbacks, module)
+        self._reshard_after_validation_step = any(is_weight_averaging(c) for c in trainer.callbacks)
         self.model_to_device()
         self._sync_metrics_over_data_parallel(module)
         self.barrier()
@@ -507,7 +513,10 @@ class DparStrategy(ParallelStrategy):
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
-            return super().validation_step(*args, **kwargs)
+            output = super().validation_step(*args, **kwargs)
+            if self._reshard_after_validation_step:
+                reshard(self._grad_sync_modules)
+            return output
         with self.precision_plugin.val_step_context():
             return self._pipeline.eval_step("validation_step", args[0], tuple(args[1:]))
 
