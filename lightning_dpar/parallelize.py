@@ -155,6 +155,19 @@ def data_parallel_roots(root: nn.Module) -> list[str]:
     return roots
 
 
+def reshard(modules: Sequence[nn.Module]) -> None:
+    """Free the unsharded parameters of the FSDP modules among `modules`, registering their shards again.
+
+    An FSDP root keeps its parameters unsharded after forward (backward follows at once in training) until its
+    post-backward hook reshards them, which never runs after an evaluation step, nor for a root whose parameters are
+    all frozen. Between steps, `parameters()` must yield the shards: callbacks pair them with averaged shards
+    (weight averaging) or add them to the optimizer (finetuning), and an unsharded parameter would be a whole plain
+    tensor that the next all-gather overwrites."""
+    for module in modules:
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def apply_fully_shard(
     root: nn.Module,
     mesh: DeviceMesh,

@@ -21,12 +21,11 @@ from typing import Any
 
 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_dpar._private_api import averaged_copy
 
-__all__ = ["is_weight_averaging", "lay_out_averaged_copies", "lay_out_like", "reshard"]
+__all__ = ["is_weight_averaging", "lay_out_averaged_copies", "lay_out_like"]
 
 WEIGHT_AVERAGING_CALLBACKS = (WeightAveraging, StochasticWeightAveraging)
 
@@ -34,17 +33,6 @@ WEIGHT_AVERAGING_CALLBACKS = (WeightAveraging, StochasticWeightAveraging)
 def is_weight_averaging(callback: Any) -> bool:
     """Whether `callback` is one of Lightning's weight-averaging callbacks (or a subclass)."""
     return isinstance(callback, WEIGHT_AVERAGING_CALLBACKS)
-
-
-def reshard(modules: list[nn.Module]) -> None:
-    """Free the unsharded parameters of the FSDP modules among `modules`, registering their shards again.
-
-    FSDP roots keep their parameters unsharded after a forward pass (training follows it with backward at once), so
-    after an evaluation step `parameters()` would yield whole plain tensors for them, which the weight-averaging
-    callbacks' swap at the end of validation cannot pair with the averaged shards."""
-    for module in modules:
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def lay_out_averaged_copies(callbacks: list[Any], model: nn.Module) -> None:

@@ -32,6 +32,13 @@ from lightning_dpar.checkpoint.layout import (
     partial_name,
     read_with_remedy,
 )
+from lightning_dpar.checkpoint.model_shaped import (
+    distribute_like,
+    gather_whole,
+    holds_dtensors,
+    keyed_like,
+    model_shaped_entries,
+)
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import publish, remove_leftovers, with_per_rank
@@ -156,6 +163,8 @@ class FullFormat:
     ) -> None:
         """Rank 0 writes to its `path`; every rank raises the same `CheckpointSaveError` if that fails. Never in the
         background. `per_rank` is gathered to rank 0 first (the full state was just gathered there too)."""
+        for container, key, _ in list(model_shaped_entries(checkpoint, holds_dtensors)):
+            container[key] = gather_whole(container[key])  # averaged weights: gathered like the model
         problem = None
         gathered: list[Any] | None = [per_rank]
         if dist.is_initialized():
@@ -194,4 +203,11 @@ class FullSource:
     def load(
         self, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool, elsewhere: Callable[[str], bool]
     ) -> LoadReport:
-        return load_full(self.checkpoint, model, optimizers, strict, elsewhere)
+        report = load_full(self.checkpoint, model, optimizers, strict, elsewhere)
+        model_state = get_model_state_dict(model)
+        places = list(model_shaped_entries(self.rest, keyed_like(set(model_state))))
+        for container, key, _ in places:  # averaged or set-aside weights: laid out like the model
+            container[key] = distribute_like(container[key], model_state)
+        if places:
+            self.rest["state_dict"] = model_state
+        return report

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from abc import abstractmethod
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -64,7 +64,7 @@ from lightning_dpar.plan import (
 from lightning_dpar.precision import DparPrecision, to_dpar_precision
 from lightning_dpar.pretrained import PretrainedSpec, load_pretrained, to_pretrained_weights
 from lightning_dpar.pretrained import describe as describe_pretrained
-from lightning_dpar.weight_averaging import is_weight_averaging, lay_out_averaged_copies, reshard
+from lightning_dpar.weight_averaging import lay_out_averaged_copies
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -173,8 +173,6 @@ class DparStrategy(ParallelStrategy):
         # Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
         self._grad_sync_modules: list[nn.Module] = []
         self._parallelized_module: nn.Module | None = None
-        # Weight-averaging callbacks swap the averaged shards in and out around validation (`weight_averaging`).
-        self._reshard_after_validation_step = False
         # Checkpointing (see the checkpointing section below).
         #: The single owner of save, load, async writes, removal and the resume state (`checkpoint.manager`).
         self.checkpoints = CheckpointManager(checkpoint_format, async_save, timeout)
@@ -465,7 +463,6 @@ class DparStrategy(ParallelStrategy):
             self._load_pretrained(module, trainer)
         # Lightning's weight-averaging callbacks copied the model in their `setup`, before it was parallelised.
         lay_out_averaged_copies(trainer.callbacks, module)
-        self._reshard_after_validation_step = any(is_weight_averaging(c) for c in trainer.callbacks)
         self.model_to_device()
         self._sync_metrics_over_data_parallel(module)
         self.barrier()
@@ -498,6 +495,14 @@ class DparStrategy(ParallelStrategy):
         with self.precision_plugin.train_step_context():
             return self._pipeline.train_step(batch, tuple(step_args), accumulate)
 
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """The step, then every FSDP root's parameters sharded again: a root no backward went through (all its
+        parameters frozen) keeps them unsharded, and callbacks between steps must see the shards
+        (`parallelize.reshard`)."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        parallelize.reshard(self._grad_sync_modules)
+        return output
+
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """With pipeline parallelism the schedule already ran every microbatch's backward inside `training_step`;
         its gradients are added here, between the hooks around backward."""
@@ -514,8 +519,7 @@ class DparStrategy(ParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             output = super().validation_step(*args, **kwargs)
-            if self._reshard_after_validation_step:
-                reshard(self._grad_sync_modules)
+            parallelize.reshard(self._grad_sync_modules)  # see `optimizer_step`
             return output
         with self.precision_plugin.val_step_context():
             return self._pipeline.eval_step("validation_step", args[0], tuple(args[1:]))
