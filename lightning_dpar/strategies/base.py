@@ -39,6 +39,7 @@ from lightning_dpar._private_api import (
     optimizers_to_device,
     sync_ddp_if_available,
 )
+from lightning_dpar.callback_checks import refuse_unsupported_callbacks
 from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.checkpoint.resume import skip_seen_batches
@@ -257,6 +258,9 @@ class DparStrategy(ParallelStrategy):
         if self.dims.pipeline > 1:
             self._pipeline_config.check(self.dims.pipeline)
         self._check_plan_before_collectives()
+        trainer = _attached_trainer(self.lightning_module)
+        if trainer is not None:
+            refuse_unsupported_callbacks(trainer.callbacks, type(self).__name__, self.holds_whole_parameters(self.dims))
         if not dist.is_initialized():
             reset_seed()
             self._process_group_backend = self._process_group_backend or dist.get_default_backend_for_device(
@@ -287,6 +291,11 @@ class DparStrategy(ParallelStrategy):
         ):
             assert self.dims is not None
             self.module_plan(module, self.dims)
+
+    def holds_whole_parameters(self, dims: ParallelDims) -> bool:
+        """Whether every rank holds every parameter as a plain tensor on a world of `dims` (no sharding, tensor or
+        pipeline parallelism): what callbacks that re-register parameters need (`callback_checks`)."""
+        return False
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

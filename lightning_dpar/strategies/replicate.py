@@ -111,6 +111,9 @@ class ReplicateStrategy(DparStrategy):
             self._check_tp_compatible_options()  # a configuration error: before the plan is even looked at
         return ParallelDims(world_size, replicate=dims.data_parallel, shard=1, tensor_parallel=dims.tensor_parallel)
 
+    def holds_whole_parameters(self, dims: ParallelDims) -> bool:
+        return dims.tensor_parallel == 1
+
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.dims is not None
         if self.dims.tensor_parallel == 1:

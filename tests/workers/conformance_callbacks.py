@@ -1,16 +1,14 @@
-"""Cases for `tests/test_conformance_callbacks.py`: Lightning's built-in callbacks under each strategy column,
-compared with Lightning's own DDP on the same global batches in the same launch.
+"""Features for `tests/test_conformance_callbacks.py`: Lightning's built-in callbacks, the callback rows of the
+conformance matrix (`tests/conformance_harness.py`). Each feature runs under a strategy column and under its Lightning
+DDP reference, and returns what must agree between them: the final weights (`fingerprint`), and the callback's own
+state (averaged weights, logged learning rates, the step training stopped at).
 
-One group per column (`cb_dpar_replicate`, `cb_dpar_fsdp`, `cb_dpar_hsdp`, `cb_dpar_2d`, `cb_pipeline`); each callback
-is a case of that group. DDP runs on every rank of the launch with `BATCH * dp / world` samples per rank, so its
-global batches are exactly the strategy's (Lightning's sampler shuffles one permutation, whatever the number of
-replicas, and each step takes the next `BATCH * dp` indices of it).
+One worker group per column (`callbacks_<column>`, `callbacks_ddp<N>`), each callback a case of it.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -31,14 +29,11 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
+from tests.conformance_harness import BATCH, Column, column_groups, conformance_trainer, fingerprint, make_strategy
 from tests.models import Net, RegressionData, loader
-from tests.workers.cases import Case
 from tests.workers.checkpoint_common import case_dir
-from tests.workers.common import BATCH, trainer_for, world_size
+from tests.workers.common import world_size
 
-#: Tensor parallelism inside the backbone's blocks (the head stays replicated).
-TP_PLAN = {"backbone.layers.*.fc1": "colwise", "backbone.layers.*.fc2": "rowwise"}
 #: Batches per epoch (epoch-based callbacks: SWA, BackboneFinetuning, GradientAccumulationScheduler).
 EPOCH_BATCHES = 2
 
@@ -46,6 +41,8 @@ EPOCH_BATCHES = 2
 class BackboneModule(L.LightningModule):
     """A backbone (`Net`: a linear, two residual blocks, a linear) and a head; the optimizer takes the trainable
     parameters only, as Lightning's finetuning docs ask."""
+
+    tp_plan = {"backbone.layers.*.fc1": "colwise", "backbone.layers.*.fc2": "rowwise"}
 
     def __init__(self, lr: float = 0.05, step_lr: bool = False) -> None:
         super().__init__()
@@ -75,39 +72,27 @@ class BackboneModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-# ---------------------------------------------------------------------------------------------------- columns
-COLUMNS: dict[str, tuple[int, Callable[[], Any]]] = {
-    # column: (data-parallel size as a function of the world, strategy factory)
-    "dpar_replicate": (1, lambda: ReplicateStrategy()),
-    "dpar_fsdp": (1, lambda: FullyShardStrategy()),
-    "dpar_hsdp": (1, lambda: FullyShardStrategy(replicate_size=2)),
-    "dpar_2d": (2, lambda: FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN)),
-    "pipeline": (2, lambda: FullyShardStrategy(pipeline_parallel_size=2)),
-}
-
-
-def data_parallel(column: str) -> int:
-    return world_size() // COLUMNS[column][0]
+# ---------------------------------------------------------------------------------------------------- helpers
+VAL = dict(n=16, seed=5)
 
 
 def fit(
     strategy: Any,
+    column: Column,
     callbacks: list,
-    batch: int,
-    val_loader: Any = None,
+    validate: bool = False,
     ckpt_path: str | None = None,
     module_kwargs: dict | None = None,
     **kwargs: Any,
 ) -> tuple[L.Trainer, BackboneModule]:
     module = BackboneModule(**(module_kwargs or {}))
-    defaults: dict[str, Any] = dict(max_steps=4, callbacks=callbacks)
-    defaults.update(kwargs)
-    trainer = trainer_for(strategy, **defaults)
-    trainer.fit(module, loader(RegressionData(), batch), val_loader, ckpt_path=ckpt_path)
+    trainer = conformance_trainer(strategy, column, callbacks=callbacks, **kwargs)
+    val = loader(RegressionData(**VAL), BATCH) if validate else None
+    trainer.fit(module, loader(RegressionData(), BATCH), val, ckpt_path=ckpt_path)
     return trainer, module
 
 
-def gathered(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def whole(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Whole tensors of a state dict of DTensors (each pipeline stage's part, merged on every rank); collective."""
     local = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone() for k, v in state.items()}
     parts: list[Any] = [None] * world_size()
@@ -115,42 +100,19 @@ def gathered(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for part in parts for k, v in part.items()}
 
 
-def max_diff(got: Any, want: Any) -> float:
-    """The largest difference between two state dicts, or two lists of numbers (of the same length)."""
-    if not isinstance(want, dict):
-        assert len(got) == len(want), (got, want)
-        return max((abs(a - b) for a, b in zip(got, want)), default=0.0)
+def as_json(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {k: v.tolist() for k, v in state.items()}
+
+
+def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     assert set(got) == set(want), (sorted(got), sorted(want))
     return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
 
 
-def weights(module: nn.Module) -> dict[str, torch.Tensor]:
-    return gathered({k: v for k, v in module.state_dict().items()})
+def prefixed(average: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {f"average.{k}": v for k, v in average.items()}
 
 
-def compare(
-    column: str,
-    make_callbacks: Callable[[], list],
-    read: Callable[[L.Trainer, BackboneModule, list], dict],
-    **fit_kwargs: Any,
-) -> dict:
-    """Fit under the column's strategy and under Lightning's DDP with fresh callbacks; `read` returns named whole
-    state dicts (or lists of numbers); the result is, per name, the largest difference."""
-    callbacks = make_callbacks()
-    trainer, module = fit(COLUMNS[column][1](), callbacks, BATCH, **fit_kwargs)
-    ours = read(trainer, module, callbacks)
-    ddp_callbacks = make_callbacks()
-    ddp_trainer, ddp_module = fit("ddp", ddp_callbacks, ddp_batch(column), **fit_kwargs)
-    theirs = read(ddp_trainer, ddp_module, ddp_callbacks)
-    return {name: max_diff(ours[name], theirs[name]) for name in theirs}
-
-
-def ddp_batch(column: str) -> int:
-    """DDP's batch per rank for the column's global batch (DDP's data-parallel size is the whole world)."""
-    return BATCH * data_parallel(column) // world_size()
-
-
-# ---------------------------------------------------------------------------------------------------- cases
 def averaged_state(callback: Any) -> dict[str, torch.Tensor]:
     """The averaged weights a weight-averaging callback holds, keyed like the LightningModule's state dict."""
     average = callback._average_model
@@ -160,195 +122,150 @@ def averaged_state(callback: Any) -> dict[str, torch.Tensor]:
 
 
 def laid_out_like_model(callback: Any, module: nn.Module) -> bool:
-    """Every averaged tensor has its parameter's type, and a DTensor's mesh and placements."""
-    params = dict(module.named_parameters())
+    """Every averaged tensor is of its parameter's kind, a DTensor with the parameter's mesh and placements."""
     averaged = averaged_state(callback)
-    return all(
-        type(averaged[name]) is type(p.data)
-        and (
-            not isinstance(p, DTensor)
-            or (averaged[name].placements, averaged[name].device_mesh)
-            == (
-                p.placements,
-                p.device_mesh,
-            )
-        )
-        for name, p in params.items()
-    )
+    for name, parameter in module.named_parameters():
+        average = averaged[name]
+        if isinstance(parameter, DTensor) != isinstance(average, DTensor):
+            return False
+        if isinstance(parameter, DTensor) and (average.device_mesh, average.placements) != (
+            parameter.device_mesh,
+            parameter.placements,
+        ):
+            return False
+    return True
 
 
-def ema_case(column: str) -> dict:
-    layouts = []
-
-    def read(trainer, module, callbacks):
-        layouts.append(laid_out_like_model(callbacks[0], module))
-        return {"model": weights(module), "average": gathered(averaged_state(callbacks[0]))}
-
-    # Validation every 2 steps swaps the averaged weights in and out (Lightning's `_swap_models`).
-    val = loader(RegressionData(n=16, seed=5), BATCH)
-    result = compare(column, lambda: [EMAWeightAveraging(decay=0.7)], read, val_check_interval=2, val_loader=val)
-    return {**result, "laid_out_like_model": layouts[0]}
+# ---------------------------------------------------------------------------------------------------- features
+def ema(strategy: Any, column: Column) -> Any:
+    """EMA of the weights; validation every 2 steps runs on the averaged weights (swapped in and out)."""
+    callback = EMAWeightAveraging(decay=0.7)
+    trainer, module = fit(strategy, column, [callback], validate=True, val_check_interval=2)
+    laid_out = laid_out_like_model(callback, module)
+    return fingerprint(trainer, average=as_json(whole(averaged_state(callback))), laid_out_like_model=laid_out)
 
 
-def swa_case(column: str) -> dict:
-    def read(trainer, module, callbacks):
-        return {"model": weights(module), "average": gathered(averaged_state(callbacks[0]))}
-
-    def callbacks():
-        return [StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=2, annealing_epochs=1)]
-
-    val = loader(RegressionData(n=16, seed=5), BATCH)
-    return compare(
-        column, callbacks, read, max_steps=-1, max_epochs=3, limit_train_batches=EPOCH_BATCHES, val_loader=val
-    )
+SWA_OPTIONS = dict(max_steps=-1, max_epochs=3, limit_train_batches=EPOCH_BATCHES)
 
 
-def resume_case(column: str, make_callback: Callable[[], Any], resume_step: int = 2, **fit_kwargs: Any) -> dict:
-    """Fit with a checkpoint at every step; fit again from the middle one; the resumed run's model and averaged
-    weights must equal the uninterrupted run's exactly."""
-    directory = case_dir(f"resume_{column}_{make_callback().__class__.__name__}")
-    checkpoints = ModelCheckpoint(directory, save_top_k=-1, every_n_train_steps=1, filename="{step}")
-    whole = make_callback()
-    _, module = fit(COLUMNS[column][1](), [whole, checkpoints], BATCH, enable_checkpointing=True, **fit_kwargs)
-    want = {"model": weights(module), "average": gathered(averaged_state(whole))}
-    resumed = make_callback()
-    middle = str(directory / f"step={resume_step}.ckpt")
-    _, module = fit(COLUMNS[column][1](), [resumed], BATCH, ckpt_path=middle, **fit_kwargs)
-    got = {"model": weights(module), "average": gathered(averaged_state(resumed))}
-    return {name: max_diff(got[name], want[name]) for name in want}
+def swa(strategy: Any, column: Column) -> Any:
+    """SWA from the second epoch (its SWALR schedule included); validation each epoch."""
+    callback = StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=2, annealing_epochs=1)
+    trainer, _ = fit(strategy, column, [callback], validate=True, **SWA_OPTIONS)
+    return fingerprint(trainer, average=as_json(whole(averaged_state(callback))))
 
 
-def finetuning_case(column: str) -> dict:
-    """The backbone unfreezes at epoch 1 and joins the optimizer in a group of its own. Compared with one process on
-    the same global batches (DDP never all-reduces parameters that were frozen when it wrapped the model, so its
-    ranks' backbones drift apart), and the ranks' copies with each other."""
+def resumed(make_callback: Callable[[], Any], resume_step: int, **options: Any) -> Callable[[Any, Column], Any]:
+    """Fit with a checkpoint after every step; fit again from step `resume_step`'s. The resumed run's weights and
+    averaged weights must equal the uninterrupted run's (`resume_gap`) and DDP's."""
 
-    def callbacks():
+    def feature(strategy: Any, column: Column) -> Any:
+        directory = case_dir(f"{type(make_callback()).__name__}_{column.id}")
+        checkpoints = ModelCheckpoint(directory, save_top_k=-1, every_n_train_steps=1, filename="{step}")
+        callback = make_callback()
+        _, module = fit(strategy, column, [callback, checkpoints], enable_checkpointing=True, **options)
+        want = {**whole(module.state_dict()), **prefixed(whole(averaged_state(callback)))}
+        callback = make_callback()
+        middle = str(directory / f"step={resume_step}.ckpt")
+        trainer, module = fit(make_strategy(column.id), column, [callback], ckpt_path=middle, **options)
+        average = whole(averaged_state(callback))
+        got = {**whole(module.state_dict()), **prefixed(average)}
+        return fingerprint(trainer, average=as_json(average), resume_gap=max_diff(got, want))
+
+    return feature
+
+
+def backbone_finetuning(strategy: Any, column: Column) -> Any:
+    """The backbone unfreezes at epoch 1 and joins the optimizer in a parameter group of its own.
+
+    The reference is one process on the same global batches, not DDP: DDP never all-reduces the gradients of
+    parameters that were frozen when it wrapped the model, so under Lightning's DDP each rank's backbone trains on
+    its own batches only and the ranks' weights drift apart (`ddp_rank_spread` below, measured by this feature)."""
+    options = dict(max_steps=-1, max_epochs=3, limit_train_batches=EPOCH_BATCHES)
+
+    def callbacks() -> list:
         return [BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.02)]
 
-    options = dict(max_steps=-1, max_epochs=3, limit_train_batches=EPOCH_BATCHES)
-    _, module = fit(COLUMNS[column][1](), callbacks(), BATCH, **options)
-    ours = weights(module)
-    _, ddp_module = fit("ddp", callbacks(), ddp_batch(column), **options)
-    reference = single_process_fit(column, callbacks(), **options)
-    return {
-        "model": max_diff(ours, reference),
-        "ddp_vs_one_process": max_diff(weights(ddp_module), reference),
-        "ddp_rank_spread": rank_spread(ddp_module),
-        "rank_spread": rank_spread(module),
-    }
+    if column.is_reference:
+        ddp_trainer, ddp_module = fit(strategy, column, callbacks(), **options)
+        spread = rank_spread(ddp_module)
+        state = one_process_fit(column, callbacks(), **options)
+        if ddp_trainer.global_rank != 0:
+            return None
+        return {"state": as_json(state), "rank_spread": 0.0, "ddp_rank_spread": spread}
+    trainer, module = fit(strategy, column, callbacks(), **options)
+    spread = rank_spread(module)
+    state = whole(module.state_dict())
+    return None if trainer.global_rank != 0 else {"state": as_json(state), "rank_spread": spread}
 
 
-def single_process_fit(column: str, callbacks: list, **kwargs: Any) -> dict[str, torch.Tensor]:
-    """The same fit on one process (on every rank, no collective), on the column's global batches in Lightning's
-    distributed-sampler order."""
+def one_process_fit(column: Column, callbacks: list, **kwargs: Any) -> dict[str, torch.Tensor]:
+    """The same fit in this process alone (no collective), on the column's global batches in the order Lightning's
+    distributed sampler gives them (one permutation, whatever the number of replicas)."""
     from lightning.pytorch.strategies import SingleDeviceStrategy
     from torch.utils.data import DataLoader, DistributedSampler
 
     data = RegressionData()
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
     module = BackboneModule()
-    trainer = trainer_for(SingleDeviceStrategy("cpu"), devices=1, callbacks=callbacks, **kwargs)
-    trainer.fit(module, DataLoader(data, batch_size=BATCH * data_parallel(column), sampler=sampler))
+    trainer = conformance_trainer(SingleDeviceStrategy("cpu"), column, devices=1, callbacks=callbacks, **kwargs)
+    trainer.fit(module, DataLoader(data, batch_size=BATCH * column.data_parallel, sampler=sampler))
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def rank_spread(module: nn.Module) -> float:
-    """The largest difference between ranks' whole copies of the same parameter."""
-    local = {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in module.state_dict().items()
-    }
+    """The largest difference between ranks' whole copies of the same parameter; collective."""
+    state = module.state_dict()
+    local = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
     parts: list[Any] = [None] * world_size()
     dist.all_gather_object(parts, local)
     return max((p[k] - q[k]).abs().max().item() for p in parts for q in parts for k in p if k in q)
 
 
-def accumulation_case(column: str) -> dict:
-    def read(trainer, module, callbacks):
-        return {"model": weights(module), "steps": [float(trainer.global_step)]}
-
-    return compare(
-        column,
-        lambda: [GradientAccumulationScheduler(scheduling={0: 1, 1: 2})],
-        read,
-        max_steps=-1,
-        max_epochs=2,
-        limit_train_batches=4,
-    )
+def accumulation_scheduler(strategy: Any, column: Column) -> Any:
+    """Accumulate 1 batch in epoch 0, 2 from epoch 1."""
+    callback = GradientAccumulationScheduler(scheduling={0: 1, 1: 2})
+    trainer, _ = fit(strategy, column, [callback], max_steps=-1, max_epochs=2, limit_train_batches=4)
+    return fingerprint(trainer, global_step=trainer.global_step)
 
 
-def lr_monitor_case(column: str) -> dict:
-    def read(trainer, module, callbacks):
-        (values,) = callbacks[0].lrs.values()
-        return {"model": weights(module), "lrs": values}
-
-    return compare(
-        column,
-        lambda: [LearningRateMonitor(logging_interval="step")],
-        read,
-        module_kwargs={"step_lr": True},
-        logger=CSVLogger(case_dir(f"lr_{column}")),
-        log_every_n_steps=1,
-    )
+def lr_monitor(strategy: Any, column: Column) -> Any:
+    """A step-wise StepLR schedule, logged every step."""
+    callback = LearningRateMonitor(logging_interval="step")
+    logger = CSVLogger(case_dir(f"lr_monitor_{column.id}"))
+    trainer, _ = fit(strategy, column, [callback], module_kwargs={"step_lr": True}, logger=logger, log_every_n_steps=1)
+    return fingerprint(trainer, lrs=callback.lrs)
 
 
-def early_stopping_case(column: str) -> dict:
-    def read(trainer, module, callbacks):
-        return {"model": weights(module), "stopped_at": [float(trainer.global_step)]}
-
-    # Each validation must improve by 10: the second one never does, so training stops after two epochs.
-    val = loader(RegressionData(n=16, seed=5), BATCH)
-    return compare(
-        column,
-        lambda: [EarlyStopping(monitor="val_loss", patience=0, min_delta=10.0)],
-        read,
-        max_steps=-1,
-        max_epochs=5,
-        limit_train_batches=EPOCH_BATCHES,
-        val_loader=val,
-    )
+def early_stopping(strategy: Any, column: Column) -> Any:
+    """Each validation must improve `val_loss` by 10: the second never does, so training stops after 2 epochs."""
+    callback = EarlyStopping(monitor="val_loss", patience=0, min_delta=10.0)
+    options = dict(max_steps=-1, max_epochs=5, limit_train_batches=EPOCH_BATCHES)
+    trainer, _ = fit(strategy, column, [callback], validate=True, **options)
+    return fingerprint(trainer, global_step=trainer.global_step, stopped_epoch=callback.stopped_epoch)
 
 
-def pruning_case(column: str) -> dict:
-    def read(trainer, module, callbacks):
-        return {"model": weights(module)}
-
-    return compare(
-        column,
-        lambda: [ModelPruning("l1_unstructured", amount=0.3)],
-        read,
-        max_steps=-1,
-        max_epochs=2,
-        limit_train_batches=EPOCH_BATCHES,
-    )
+def model_pruning(strategy: Any, column: Column) -> Any:
+    """L1-unstructured pruning of 30% of the weights after each epoch."""
+    callback = ModelPruning("l1_unstructured", amount=0.3)
+    trainer, _ = fit(strategy, column, [callback], max_steps=-1, max_epochs=2, limit_train_batches=EPOCH_BATCHES)
+    return fingerprint(trainer)
 
 
-CASES: dict[str, Callable[[str], Any]] = {
-    "ema": ema_case,
-    "ema_resume": lambda column: resume_case(column, lambda: EMAWeightAveraging(decay=0.7)),
-    "swa": swa_case,
-    "swa_resume": lambda column: resume_case(
-        column,
+FEATURES: dict[str, Callable[[Any, Column], Any]] = {
+    "ema": ema,
+    "ema_resume": resumed(lambda: EMAWeightAveraging(decay=0.7), resume_step=2),
+    "swa": swa,
+    "swa_resume": resumed(
         lambda: StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=1, annealing_epochs=1),
-        max_steps=-1,
-        max_epochs=3,
-        limit_train_batches=EPOCH_BATCHES,
         resume_step=3,
+        **SWA_OPTIONS,
     ),
-    "backbone_finetuning": finetuning_case,
-    "gradient_accumulation_scheduler": accumulation_case,
-    "lr_monitor": lr_monitor_case,
-    "early_stopping": early_stopping_case,
-    "model_pruning": pruning_case,
+    "backbone_finetuning": backbone_finetuning,
+    "gradient_accumulation_scheduler": accumulation_scheduler,
+    "lr_monitor": lr_monitor,
+    "early_stopping": early_stopping,
+    "model_pruning": model_pruning,
 }
 
-
-def column_group(column: str) -> Callable[[], Iterator[Case]]:
-    def group() -> Iterator[Case]:
-        for name, case in CASES.items():
-            yield Case(f"cb_{column}_{name}", functools.partial(case, column))
-
-    return group
-
-
-GROUPS = {f"cb_{column}": column_group(column) for column in COLUMNS}
+GROUPS = column_groups("callbacks", FEATURES)
