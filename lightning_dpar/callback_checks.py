@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lightning.pytorch.callbacks import ModelPruning
+from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning
+from torch import nn
 
-__all__ = ["refuse_unsupported_callbacks"]
+__all__ = ["optimizer_problem", "refuse_unsupported_callbacks"]
 
 
 def refuse_unsupported_callbacks(callbacks: Sequence[Any], strategy: str, whole_parameters: bool) -> None:
@@ -30,3 +31,20 @@ def refuse_unsupported_callbacks(callbacks: Sequence[Any], strategy: str, whole_
                 " parameters on every rank, no tensor parallelism) to prune while training, or prune the trained"
                 " model after consolidating it (`python -m lightning_dpar consolidate`)."
             )
+
+
+def optimizer_problem(error: Exception, stage: nn.Module | None, callbacks: Sequence[Any], rank: int) -> str:
+    """What to say on every rank when `configure_optimizers` raised `error` on this pipeline rank: a stage whose
+    parameters are all frozen (a finetuning callback froze the backbone) gets an empty parameter list when the
+    optimizer takes the trainable parameters only, as Lightning's finetuning docs recommend."""
+    problem = f"`configure_optimizers` failed on pipeline rank {rank}: {type(error).__name__}: {error}."
+    finetuning = [type(c).__name__ for c in callbacks if isinstance(c, BaseFinetuning)]
+    if stage is not None and not any(p.requires_grad for p in stage.parameters()):
+        frozen_by = f" ({', '.join(finetuning)} froze them before training)" if finetuning else ""
+        problem += (
+            f" Every parameter this rank's pipeline stage holds is frozen{frozen_by}, so an optimizer over the"
+            " trainable parameters has none. Split the pipeline so that every stage holds parameters trained from"
+            " the start (`pipeline_split`), or build the optimizer over all parameters (frozen ones get no"
+            " gradient and are skipped), or train without pipeline parallelism."
+        )
+    return problem

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from lightning_dpar import parallelize
@@ -39,7 +40,8 @@ from lightning_dpar._private_api import (
     optimizers_to_device,
     sync_ddp_if_available,
 )
-from lightning_dpar.callback_checks import refuse_unsupported_callbacks
+from lightning_dpar.callback_checks import optimizer_problem, refuse_unsupported_callbacks
+from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.checkpoint.resume import skip_seen_batches
@@ -173,6 +175,8 @@ class DparStrategy(ParallelStrategy):
         self._data_parallel_mesh: DeviceMesh | None = None
         # Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
         self._grad_sync_modules: list[nn.Module] = []
+        # Every FSDP unit: resharded between steps (`optimizer_step`).
+        self._fsdp_modules: list[FSDPModule] = []
         self._parallelized_module: nn.Module | None = None
         # Checkpointing (see the checkpointing section below).
         #: The single owner of save, load, async writes, removal and the resume state (`checkpoint.manager`).
@@ -453,6 +457,7 @@ class DparStrategy(ParallelStrategy):
             materialize_on=self.root_device,
         )
         self._grad_sync_modules = applied.grad_sync_modules
+        self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
         if applied.pipeline is not None:
             group = self.device_mesh.get_group(PIPELINE)
             self._pipeline = PipelineRuntime(applied.pipeline, module, self._pipeline_config, group, self.root_device)
@@ -481,6 +486,23 @@ class DparStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's `configure_optimizers`; with pipeline parallelism, an error on some stages is raised on every
+        rank (each stage builds its optimizer over its own parameters, so it can fail on one stage alone)."""
+        if self._pipeline is None:
+            return super().setup_optimizers(trainer)
+        own_error: Exception | None = None
+        try:
+            super().setup_optimizers(trainer)
+        except Exception as error:
+            own_error = error
+        problem = None
+        if own_error is not None:
+            problem = optimizer_problem(own_error, self.lightning_module, trainer.callbacks, self.global_rank)
+        problem = first_problem(problem)
+        if problem is not None:
+            raise ValueError(problem) from own_error
+
     def _load_pretrained(self, module: nn.Module, trainer: pl.Trainer) -> None:
         """Fill the parallelised parameters from `pretrained`, unless a checkpoint about to be loaded replaces them."""
         if self._pretrained is None:
@@ -505,11 +527,11 @@ class DparStrategy(ParallelStrategy):
             return self._pipeline.train_step(batch, tuple(step_args), accumulate)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """The step, then every FSDP root's parameters sharded again: a root no backward went through (all its
-        parameters frozen) keeps them unsharded, and callbacks between steps must see the shards
+        """The step, then every FSDP unit's parameters sharded again: a root, or a unit no backward went through
+        (all its parameters frozen), keeps them unsharded, and callbacks between steps must see the shards
         (`parallelize.reshard`)."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        parallelize.reshard(self._grad_sync_modules)
+        parallelize.reshard(self._fsdp_modules)
         return output
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -528,7 +550,7 @@ class DparStrategy(ParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             output = super().validation_step(*args, **kwargs)
-            parallelize.reshard(self._grad_sync_modules)  # see `optimizer_step`
+            parallelize.reshard(self._fsdp_modules)  # see `optimizer_step`
             return output
         with self.precision_plugin.val_step_context():
             return self._pipeline.eval_step("validation_step", args[0], tuple(args[1:]))

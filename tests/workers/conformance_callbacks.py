@@ -156,12 +156,15 @@ def swa(strategy: Any, column: Column) -> Any:
 
 
 def resumed(make_callback: Callable[[], Any], resume_step: int, **options: Any) -> Callable[[Any, Column], Any]:
-    """Fit with a checkpoint after every step; fit again from step `resume_step`'s. The resumed run's weights and
-    averaged weights must equal the uninterrupted run's (`resume_gap`) and DDP's."""
+    """Fit with a checkpoint after every epoch; fit again from the one of step `resume_step`. The resumed run's
+    weights and averaged weights must equal the uninterrupted run's (`resume_gap`) and DDP's. (At an epoch's end:
+    Lightning's DDP restarts a plain loader's epoch from its first batch when resumed mid-epoch.)"""
 
     def feature(strategy: Any, column: Column) -> Any:
         directory = case_dir(f"{type(make_callback()).__name__}_{column.id}")
-        checkpoints = ModelCheckpoint(directory, save_top_k=-1, every_n_train_steps=1, filename="{step}")
+        checkpoints = ModelCheckpoint(
+            directory, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True, filename="{step}"
+        )
         callback = make_callback()
         _, module = fit(strategy, column, [callback, checkpoints], enable_checkpointing=True, **options)
         want = {**whole(module.state_dict()), **prefixed(whole(averaged_state(callback)))}
@@ -254,11 +257,17 @@ def model_pruning(strategy: Any, column: Column) -> Any:
 
 FEATURES: dict[str, Callable[[Any, Column], Any]] = {
     "ema": ema,
-    "ema_resume": resumed(lambda: EMAWeightAveraging(decay=0.7), resume_step=2),
+    "ema_resume": resumed(
+        lambda: EMAWeightAveraging(decay=0.7),
+        resume_step=EPOCH_BATCHES,
+        max_steps=-1,
+        max_epochs=2,
+        limit_train_batches=EPOCH_BATCHES,
+    ),
     "swa": swa,
     "swa_resume": resumed(
         lambda: StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=1, annealing_epochs=1),
-        resume_step=3,
+        resume_step=2 * EPOCH_BATCHES,
         **SWA_OPTIONS,
     ),
     "backbone_finetuning": backbone_finetuning,
