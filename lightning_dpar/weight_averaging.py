@@ -65,15 +65,14 @@ def lay_out_like(copy: nn.Module, model: nn.Module, owner: str) -> None:
 
     for name, submodule in list(copy.named_modules(remove_duplicate=False)):
         prefix = f"{name}." if name else ""
-        for table in (submodule._parameters, submodule._buffers):
-            for attr, tensor in list(table.items()):
-                if tensor is None:
-                    continue
-                source = sources.get(prefix + attr)
-                if source is None:
-                    del table[attr]  # held by another pipeline stage
-                else:
-                    table[attr] = clone_of(source, tensor)
+        own = [*submodule.named_parameters(recurse=False, remove_duplicate=False)]
+        own += submodule.named_buffers(recurse=False, remove_duplicate=False)
+        for attr, tensor in own:
+            source = sources.get(prefix + attr)
+            if source is None:
+                delattr(submodule, attr)  # held by another pipeline stage
+            else:
+                setattr(submodule, attr, clone_of(source, tensor))  # a buffer stays (non-)persistent
     if not _laid_out_like(copy, model):
         raise RuntimeError(
             f"{owner}'s averaged copy of the model does not have the parallelised model's parameters and buffers"

@@ -49,6 +49,16 @@ def test_ema_weight_averaging_resumes_exactly(callbacks_matrix, strategy, reques
 
 
 @pytest.mark.slow
+@pytest.mark.conformance("ema_resume_full")
+@pytest.mark.parametrize("strategy", ["dpar_fsdp"])
+def test_ema_weight_averaging_resumes_exactly_from_a_full_checkpoint(callbacks_matrix, strategy, request):
+    """`checkpoint_format="full"`: the averaged weights are gathered into the file and laid out as shards on load."""
+    cell = callbacks_matrix.cell("ema_resume_full", strategy)
+    expect_parity(request, cell)
+    assert cell.value["resume_gap"] == 0.0
+
+
+@pytest.mark.slow
 @pytest.mark.conformance("swa")
 @pytest.mark.parametrize("strategy", STRATEGY_IDS)
 def test_stochastic_weight_averaging(callbacks_matrix, strategy, request):

@@ -29,6 +29,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_dpar import FullyShardStrategy
 from tests.conformance_harness import BATCH, Column, column_groups, conformance_trainer, fingerprint, make_strategy
 from tests.models import Net, RegressionData, loader
 from tests.workers.checkpoint_common import case_dir
@@ -155,13 +156,21 @@ def swa(strategy: Any, column: Column) -> Any:
     return fingerprint(trainer, average=as_json(whole(averaged_state(callback))))
 
 
-def resumed(make_callback: Callable[[], Any], resume_step: int, **options: Any) -> Callable[[Any, Column], Any]:
+def resumed(
+    make_callback: Callable[[], Any], resume_step: int, checkpoint_format: str = "sharded", **options: Any
+) -> Callable[[Any, Column], Any]:
     """Fit with a checkpoint after every epoch; fit again from the one of step `resume_step`. The resumed run's
     weights and averaged weights must equal the uninterrupted run's (`resume_gap`) and DDP's. (At an epoch's end:
     Lightning's DDP restarts a plain loader's epoch from its first batch when resumed mid-epoch.)"""
 
+    def make(column: Column) -> Any:
+        if column.is_reference or checkpoint_format == "sharded":
+            return make_strategy(column.id)
+        return FullyShardStrategy(checkpoint_format=checkpoint_format)
+
     def feature(strategy: Any, column: Column) -> Any:
-        directory = case_dir(f"{type(make_callback()).__name__}_{column.id}")
+        strategy = make(column)
+        directory = case_dir(f"{type(make_callback()).__name__}_{checkpoint_format}_{column.id}")
         checkpoints = ModelCheckpoint(
             directory, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True, filename="{step}"
         )
@@ -170,7 +179,7 @@ def resumed(make_callback: Callable[[], Any], resume_step: int, **options: Any) 
         want = {**whole(module.state_dict()), **prefixed(whole(averaged_state(callback)))}
         callback = make_callback()
         middle = str(directory / f"step={resume_step}.ckpt")
-        trainer, module = fit(make_strategy(column.id), column, [callback], ckpt_path=middle, **options)
+        trainer, module = fit(make(column), column, [callback], ckpt_path=middle, **options)
         average = whole(averaged_state(callback))
         got = {**whole(module.state_dict()), **prefixed(average)}
         return fingerprint(trainer, average=as_json(average), resume_gap=max_diff(got, want))
@@ -260,6 +269,14 @@ FEATURES: dict[str, Callable[[Any, Column], Any]] = {
     "ema_resume": resumed(
         lambda: EMAWeightAveraging(decay=0.7),
         resume_step=EPOCH_BATCHES,
+        max_steps=-1,
+        max_epochs=2,
+        limit_train_batches=EPOCH_BATCHES,
+    ),
+    "ema_resume_full": resumed(
+        lambda: EMAWeightAveraging(decay=0.7),
+        resume_step=EPOCH_BATCHES,
+        checkpoint_format="full",
         max_steps=-1,
         max_epochs=2,
         limit_train_batches=EPOCH_BATCHES,
