@@ -1,4 +1,9 @@
-"""Lightning callbacks a strategy layout cannot run exactly, refused before the process group exists.
+"""Lightning callbacks a strategy layout cannot run exactly, refused before the process group exists, and the error
+every pipeline rank raises when some stage cannot build its optimizer.
+
+`BaseFinetuning` (`BackboneFinetuning`) under tensor parallelism: `filter_on_optimizer` compares each parameter it
+unfreezes with every optimizer parameter by value (`torch.equal`), which DTensors on different meshes (the
+tensor-parallel parameters and the data-parallel-only ones of a 2D layout) cannot do.
 
 `ModelPruning` (torch.nn.utils.prune) re-registers each pruned parameter as `<name>_orig` with a `<name>_mask`
 buffer and recomputes `<name>` in a forward pre-hook. FSDP2 and tensor parallelism own each parameter under its
@@ -19,10 +24,21 @@ from torch import nn
 __all__ = ["optimizer_problem", "refuse_unsupported_callbacks"]
 
 
-def refuse_unsupported_callbacks(callbacks: Sequence[Any], strategy: str, whole_parameters: bool) -> None:
+def refuse_unsupported_callbacks(
+    callbacks: Sequence[Any], strategy: str, whole_parameters: bool, tensor_parallel: int
+) -> None:
     """Raise for a callback this layout cannot run: `whole_parameters` says whether every rank holds every
     parameter as a plain tensor (no sharding, tensor or pipeline parallelism)."""
     for callback in callbacks:
+        if isinstance(callback, BaseFinetuning) and tensor_parallel > 1:
+            raise ValueError(
+                f"{type(callback).__name__} cannot unfreeze parameters under {strategy} with"
+                f" `tensor_parallel_size={tensor_parallel}`: Lightning's `BaseFinetuning.filter_on_optimizer`"
+                " compares each parameter it adds with every parameter of the optimizer by value (`torch.equal`),"
+                " which fails between tensor-parallel parameters and the others (DTensors on different meshes). Use"
+                " strategy='dpar_fsdp' or 'dpar_hsdp' (no tensor parallelism), or subclass the callback and override"
+                " `filter_on_optimizer` to compare parameters by identity (`p is param`)."
+            )
         if isinstance(callback, ModelPruning) and not whole_parameters:
             raise ValueError(
                 f"{type(callback).__name__} cannot prune under {strategy}: torch.nn.utils.prune renames each pruned"

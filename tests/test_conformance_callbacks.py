@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelPruning
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelPruning
 from torch import nn
 
 from lightning_dpar.callback_checks import refuse_unsupported_callbacks
@@ -86,6 +86,11 @@ def test_backbone_finetuning(callbacks_matrix, strategy, request):
     cell = callbacks_matrix.cell("backbone_finetuning", strategy)
     if strategy == "pipeline":  # the frozen backbone fills stage 0, whose optimizer would have no parameters
         expect_refused(request, cell, match=r"BackboneFinetuning froze them before training", error_type="ValueError")
+        return
+    if strategy == "dpar_2d":  # Lightning compares parameters by value, across the TP and data-parallel meshes
+        expect_refused(
+            request, cell, match=r"BackboneFinetuning cannot unfreeze .* by identity", error_type="ValueError"
+        )
         return
     expect_parity(request, cell, keys=("state", "rank_spread"))
     if cell.column.data_parallel > 1:  # what the one-process reference avoids: DDP's ranks drift apart
@@ -193,7 +198,19 @@ def test_model_shaped_checkpoint_entries_go_to_dcp_and_are_found_again():
 def test_model_pruning_refused_where_parameters_are_shards(whole_parameters):
     callbacks = [ModelPruning("l1_unstructured", amount=0.3)]
     if whole_parameters:
-        refuse_unsupported_callbacks(callbacks, "ReplicateStrategy", whole_parameters=True)
+        refuse_unsupported_callbacks(callbacks, "ReplicateStrategy", whole_parameters=True, tensor_parallel=1)
     else:
         with pytest.raises(ValueError, match=r"ModelPruning cannot prune under FullyShardStrategy.*dpar_replicate"):
-            refuse_unsupported_callbacks(callbacks, "FullyShardStrategy", whole_parameters=False)
+            refuse_unsupported_callbacks(callbacks, "FullyShardStrategy", whole_parameters=False, tensor_parallel=1)
+
+
+@pytest.mark.parametrize("tensor_parallel", [1, 2])
+def test_finetuning_refused_with_tensor_parallelism(tensor_parallel):
+    callbacks = [BackboneFinetuning()]
+    if tensor_parallel == 1:
+        refuse_unsupported_callbacks(callbacks, "FullyShardStrategy", whole_parameters=False, tensor_parallel=1)
+    else:
+        with pytest.raises(ValueError, match=r"BackboneFinetuning cannot unfreeze .*tensor_parallel_size=2.*identity"):
+            refuse_unsupported_callbacks(
+                callbacks, "FSDPTensorParallelStrategy", whole_parameters=False, tensor_parallel=2
+            )

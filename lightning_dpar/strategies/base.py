@@ -264,7 +264,10 @@ class DparStrategy(ParallelStrategy):
         self._check_plan_before_collectives()
         trainer = _attached_trainer(self.lightning_module)
         if trainer is not None:
-            refuse_unsupported_callbacks(trainer.callbacks, type(self).__name__, self.holds_whole_parameters(self.dims))
+            whole_parameters = self.holds_whole_parameters(self.dims)
+            refuse_unsupported_callbacks(
+                trainer.callbacks, type(self).__name__, whole_parameters, self.dims.tensor_parallel
+            )
         if not dist.is_initialized():
             reset_seed()
             self._process_group_backend = self._process_group_backend or dist.get_default_backend_for_device(

@@ -169,6 +169,8 @@ def resumed(
         return FullyShardStrategy(checkpoint_format=checkpoint_format)
 
     def feature(strategy: Any, column: Column) -> Any:
+        if checkpoint_format != "sharded" and column.id not in ("dpar_fsdp", "ddp2"):
+            return None  # the row is tested under `dpar_fsdp` only (against `ddp2`)
         strategy = make(column)
         directory = case_dir(f"{type(make_callback()).__name__}_{checkpoint_format}_{column.id}")
         checkpoints = ModelCheckpoint(
