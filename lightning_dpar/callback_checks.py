@@ -30,7 +30,7 @@ def refuse_unsupported_callbacks(
     """Raise for a callback this layout cannot run: `whole_parameters` says whether every rank holds every
     parameter as a plain tensor (no sharding, tensor or pipeline parallelism)."""
     for callback in callbacks:
-        if isinstance(callback, BaseFinetuning) and tensor_parallel > 1:
+        if isinstance(callback, BaseFinetuning) and tensor_parallel > 1 and _compares_by_value(callback):
             raise ValueError(
                 f"{type(callback).__name__} cannot unfreeze parameters under {strategy} with"
                 f" `tensor_parallel_size={tensor_parallel}`: Lightning's `BaseFinetuning.filter_on_optimizer`"
@@ -47,6 +47,11 @@ def refuse_unsupported_callbacks(
                 " parameters on every rank, no tensor parallelism) to prune while training, or prune the trained"
                 " model after consolidating it (`python -m lightning_dpar consolidate`)."
             )
+
+
+def _compares_by_value(callback: BaseFinetuning) -> bool:
+    """Whether the callback keeps Lightning's `filter_on_optimizer` (a subclass may compare by identity)."""
+    return type(callback).filter_on_optimizer is BaseFinetuning.filter_on_optimizer
 
 
 def optimizer_problem(error: Exception, stage: nn.Module | None, callbacks: Sequence[Any], rank: int) -> str:

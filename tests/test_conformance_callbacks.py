@@ -204,9 +204,16 @@ def test_model_pruning_refused_where_parameters_are_shards(whole_parameters):
             refuse_unsupported_callbacks(callbacks, "FullyShardStrategy", whole_parameters=False, tensor_parallel=1)
 
 
+class IdentityFinetuning(BackboneFinetuning):
+    @staticmethod
+    def filter_on_optimizer(optimizer, params):
+        return [p for p in params if not any(p is q for group in optimizer.param_groups for q in group["params"])]
+
+
 @pytest.mark.parametrize("tensor_parallel", [1, 2])
 def test_finetuning_refused_with_tensor_parallelism(tensor_parallel):
     callbacks = [BackboneFinetuning()]
+    refuse_unsupported_callbacks([IdentityFinetuning()], "FSDPTensorParallelStrategy", False, tensor_parallel=2)
     if tensor_parallel == 1:
         refuse_unsupported_callbacks(callbacks, "FullyShardStrategy", whole_parameters=False, tensor_parallel=1)
     else:
