@@ -270,3 +270,15 @@ def replace_muon_group_step(optimizer: torch.optim.Muon, group_step: Callable[..
 def muon_init_group(optimizer: torch.optim.Muon, group: Any, params: list, grads: list, buffers: list) -> bool:
     """torch's own `Muon._init_group`: checks each parameter and creates its momentum buffer, as `step` would."""
     return torch.optim.Muon._init_group(optimizer, group, params, grads, buffers)
+
+
+def averaged_copy(callback: Any) -> nn.Module | None:
+    """The module holding a Lightning weight-averaging callback's averaged weights, or None before its `setup`.
+
+    `WeightAveraging` (and `EMAWeightAveraging`) keep a `torch.optim.swa_utils.AveragedModel` in `_average_model`,
+    whose `module` is the copy; `StochasticWeightAveraging` keeps the copied LightningModule itself there. Neither
+    exposes it, and the strategy must lay the copy out like the parallelised model (`weight_averaging`)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    average = callback._average_model
+    return average.module if isinstance(average, AveragedModel) else average

@@ -163,6 +163,18 @@ def data_parallel_roots(root: nn.Module) -> list[str]:
     return roots
 
 
+def reshard(modules: Sequence[FSDPModule]) -> None:
+    """Free the unsharded parameters of FSDP `modules`, registering their shards again (a no-op for those sharded).
+
+    An FSDP root (or a unit with `reshard_after_forward=False`) keeps its parameters unsharded after forward
+    (backward follows at once in training) until its post-backward hook reshards them, which never runs after an
+    evaluation step, nor for a unit whose parameters are all frozen. Between steps, `parameters()` must yield the
+    shards: callbacks pair them with averaged shards (weight averaging) or add them to the optimizer (finetuning),
+    and an unsharded parameter would be a whole plain tensor that the next all-gather overwrites."""
+    for module in modules:
+        module.reshard()
+
+
 def apply_fully_shard(
     root: nn.Module,
     mesh: DeviceMesh,
@@ -400,12 +412,14 @@ def apply_ddp_replicate(
     comm_hook: Callable[..., Any] | None,
     device: torch.device,
 ) -> list[nn.Module]:
-    """Composable DDP on each top-level child; gradients of `ignored_modules` (FQNs) are not synchronised."""
+    """Composable DDP on each top-level child; gradients of `ignored_modules` (FQNs) are not synchronised. A child
+    whose parameters are all frozen is left out (DDP refuses it); the strategy averages the gradients of parameters
+    frozen here once they require them (a finetuning callback unfreezing a backbone)."""
     ignored = {root.get_submodule(fqn) for fqn in ignored_modules}
     replicated = []
     for name in data_parallel_roots(root):
         child = root.get_submodule(name)
-        if child in ignored:
+        if child in ignored or not any(p.requires_grad for p in child.parameters()):
             continue
         child_ignored = [m for m in child.modules() if m in ignored]
         ddp_replicate(

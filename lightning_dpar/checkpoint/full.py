@@ -36,6 +36,13 @@ from lightning_dpar.checkpoint.layout import (
     read_with_remedy,
 )
 from lightning_dpar.checkpoint.mapped import MappedFile
+from lightning_dpar.checkpoint.model_shaped import (
+    distribute_like,
+    gather_whole,
+    holds_dtensors,
+    keyed_like,
+    model_shaped_entries,
+)
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import publish, remove_leftovers, with_per_rank
@@ -209,6 +216,8 @@ class FullFormat:
     ) -> None:
         """Rank 0 writes to its `path`; every rank raises the same `CheckpointSaveError` if that fails. Never in the
         background. `per_rank` is gathered to rank 0 first (the full state was just gathered there too)."""
+        for container, key, _ in list(model_shaped_entries(checkpoint, holds_dtensors)):
+            container[key] = gather_whole(container[key])  # averaged weights: gathered like the model
         problem = None
         gathered: list[Any] | None = [per_rank]
         if dist.is_initialized():
@@ -250,4 +259,11 @@ class FullSource:
         self, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool, elsewhere: Callable[[str], bool]
     ) -> LoadReport:
         release = self.mapped.release if self.mapped is not None else lambda tensor: None
-        return load_full(self.checkpoint, model, optimizers, strict, elsewhere, release)
+        report = load_full(self.checkpoint, model, optimizers, strict, elsewhere, release)
+        model_state = get_model_state_dict(model)
+        places = list(model_shaped_entries(self.rest, keyed_like(set(model_state))))
+        for container, key, _ in places:  # averaged or set-aside weights: laid out like the model
+            container[key] = distribute_like(container[key], model_state)
+        if places:
+            self.rest["state_dict"] = model_state
+        return report

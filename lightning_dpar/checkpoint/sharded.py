@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -30,6 +31,7 @@ from lightning_dpar.checkpoint.layout import (
     inspect_checkpoint,
     optimizer_key,
 )
+from lightning_dpar.checkpoint.model_shaped import SHARDED_ENTRY, keyed_like, marked_entries, model_shaped_entries
 from lightning_dpar.checkpoint.safe_io import (
     CheckpointLoadError,
     SafeLoadPlanner,
@@ -59,9 +61,13 @@ def sharded_optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str,
 def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Lightning's checkpoint dict -> (tensor state for DCP, everything else for `meta.pt`)."""
     metadata = dict(checkpoint)
-    tensor_state = {MODEL_KEY: metadata.pop("state_dict")}
+    model_state = metadata.pop("state_dict")
+    tensor_state = {MODEL_KEY: model_state}
     for index, optimizer_state in enumerate(metadata.pop("optimizer_states", [])):
         tensor_state[optimizer_key(index)] = optimizer_state
+    for container, key, dcp_key in list(model_shaped_entries(metadata, keyed_like(set(model_state)))):
+        tensor_state[dcp_key] = container[key]  # averaged or set-aside weights: sharded like the model
+        container[key] = {SHARDED_ENTRY: dcp_key}
     return tensor_state, metadata
 
 
@@ -85,9 +91,12 @@ def load_sharded(
     optimizers: Sequence[Optimizer],
     strict: bool,
     elsewhere: Callable[[str], bool] = lambda key: False,
+    rest: dict[str, Any] | None = None,
 ) -> LoadReport:
     """Load model (and, if given, optimizer) shards from `info` into `model`/`optimizers` in place. Keys for which
     `elsewhere` holds belong to parameters other ranks hold entirely (other pipeline stages): they are skipped.
+    States shaped like the model that `rest` (the checkpoint's `meta.pt` part) marks are read too, laid out like the
+    model, into `rest` (`checkpoint.model_shaped`).
 
     Every check happens before the collective `dcp.load` and from the same index on every rank, so a bad
     checkpoint fails identically everywhere and never hangs.
@@ -113,8 +122,13 @@ def load_sharded(
             f"{url!r} has parameters of other shapes than the model: {_format_keys(mismatches)}. It is a checkpoint"
             " of a differently configured model."
         )
+    whole_model_state = model_state
     model_state = {k: v for k, v in model_state.items() if k in stored}
     state: dict[str, Any] = {info.model_key: model_state}
+    places = list(marked_entries(rest)) if rest is not None else []
+    for _, _, dcp_key in places:
+        keys = info.keys_under(dcp_key) & set(whole_model_state)
+        state[dcp_key] = {k: torch.empty_like(whole_model_state[k]) for k in sorted(keys)}
     for index, optimizer in enumerate(optimizers):
         key = optimizer_key(index)
         if not info.has_key(key):
@@ -138,6 +152,11 @@ def load_sharded(
     set_model_state_dict(model, state[info.model_key], options=options)
     for index, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, state[optimizer_key(index)], options=options)
+    if places:
+        assert rest is not None
+        for container, key, dcp_key in places:
+            container[key] = state[dcp_key]
+        rest["state_dict"] = model_state
     return report
 
 
@@ -200,4 +219,4 @@ class ShardedSource:
     def load(
         self, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool, elsewhere: Callable[[str], bool]
     ) -> LoadReport:
-        return load_sharded(self.info, model, optimizers, strict, elsewhere)
+        return load_sharded(self.info, model, optimizers, strict, elsewhere, self.rest)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from abc import abstractmethod
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from lightning_dpar import distributed_muon, parallelize
@@ -47,6 +48,8 @@ from lightning_dpar.batchnorm import (
     convert_sync_batchnorm,
 )
 from lightning_dpar.buffers import BufferSync
+from lightning_dpar.callback_checks import optimizer_problem, refuse_unsupported_callbacks
+from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.checkpoint.resume import skip_seen_batches
@@ -78,6 +81,7 @@ from lightning_dpar.pretrained import describe as describe_pretrained
 from lightning_dpar.process_group import start_process_group
 from lightning_dpar.sampling import check_sampler_shards
 from lightning_dpar.ties import check_tied_layouts, tied_parameters
+from lightning_dpar.weight_averaging import lay_out_averaged_copies
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -188,6 +192,8 @@ class DparStrategy(ParallelStrategy):
         self._backward_sync_blocked = False
         #: DDP's buffer broadcast (`lightning_dpar.buffers`); made in `setup`, as DDP makes its own when wrapping.
         self._buffer_sync: BufferSync | None = None
+        # Every FSDP unit: resharded between steps (`optimizer_step`).
+        self._fsdp_modules: list[FSDPModule] = []
         self._parallelized_module: nn.Module | None = None
         #: The model's tied parameters, found before parallelism (`ModulePlan.tied`), for the pretrained load.
         self._tied: list[tuple[str, ...]] = []
@@ -279,6 +285,12 @@ class DparStrategy(ParallelStrategy):
             self._check_layer_sync(self.lightning_module)
             self._check_anomaly_detection(self.dims.tensor_parallel)
         self._check_plan_before_collectives()
+        trainer = _attached_trainer(self.lightning_module)
+        if trainer is not None:
+            whole_parameters = self.holds_whole_parameters(self.dims)
+            refuse_unsupported_callbacks(
+                trainer.callbacks, type(self).__name__, whole_parameters, self.dims.tensor_parallel
+            )
         if not dist.is_initialized():
             reset_seed()
             self._process_group_backend = self._process_group_backend or dist.get_default_backend_for_device(
@@ -339,6 +351,11 @@ class DparStrategy(ParallelStrategy):
         trainer = _attached_trainer(module)
         if self._layer_sync is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             check_sync_batchnorm_supported(module, self.root_device)
+
+    def holds_whole_parameters(self, dims: ParallelDims) -> bool:
+        """Whether every rank holds every parameter as a plain tensor on a world of `dims` (no sharding, tensor or
+        pipeline parallelism): what callbacks that re-register parameters need (`callback_checks`)."""
+        return False
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -525,6 +542,7 @@ class DparStrategy(ParallelStrategy):
             materialize_on=self.root_device,
         )
         self._grad_sync_modules = applied.grad_sync_modules
+        self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
         if applied.pipeline is not None:
             group = self.device_mesh.get_group(PIPELINE)
             self._pipeline = PipelineRuntime(applied.pipeline, module, self._pipeline_config, group, self.root_device)
@@ -547,6 +565,8 @@ class DparStrategy(ParallelStrategy):
             self._parallelize(module)
             self._parallelized_module = module
             self._load_pretrained(module, trainer)
+        # Lightning's weight-averaging callbacks copied the model in their `setup`, before it was parallelised.
+        lay_out_averaged_copies(trainer.callbacks, module)
         self.model_to_device()
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
@@ -571,6 +591,23 @@ class DparStrategy(ParallelStrategy):
         """Whether this strategy computes `optimizer`'s per-tensor updates on whole tensors when parameters are
         split across ranks (`lightning_dpar.distributed_muon`)."""
         return distributed_muon.supports(optimizer)
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's `configure_optimizers`; with pipeline parallelism, an error on some stages is raised on every
+        rank (each stage builds its optimizer over its own parameters, so it can fail on one stage alone)."""
+        if self._pipeline is None:
+            return super().setup_optimizers(trainer)
+        own_error: Exception | None = None
+        try:
+            super().setup_optimizers(trainer)
+        except Exception as error:
+            own_error = error
+        problem = None
+        if own_error is not None:
+            problem = optimizer_problem(own_error, self.lightning_module, trainer.callbacks, self.global_rank)
+        problem = first_problem(problem)
+        if problem is not None:
+            raise ValueError(problem) from own_error
 
     def _load_pretrained(self, module: nn.Module, trainer: pl.Trainer) -> None:
         """Fill the parallelised parameters from `pretrained`, unless a checkpoint about to be loaded replaces them."""
@@ -614,6 +651,14 @@ class DparStrategy(ParallelStrategy):
             with self.precision_plugin.train_step_context():
                 return self._pipeline.train_step(batch, tuple(step_args), accumulate)
 
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """The step, then every FSDP unit's parameters sharded again: a root, or a unit no backward went through
+        (all its parameters frozen), keeps them unsharded, and callbacks between steps must see the shards
+        (`parallelize.reshard`)."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        parallelize.reshard(self._fsdp_modules)
+        return output
+
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """With pipeline parallelism the schedule already ran every microbatch's backward inside `training_step`;
         its gradients are added here, between the hooks around backward."""
@@ -630,7 +675,9 @@ class DparStrategy(ParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_forward(training=False):
             if self._pipeline is None:
-                return super().validation_step(*args, **kwargs)
+                output = super().validation_step(*args, **kwargs)
+                parallelize.reshard(self._fsdp_modules)  # see `optimizer_step`
+                return output
             with self.precision_plugin.val_step_context():
                 return self._pipeline.eval_step("validation_step", args[0], tuple(args[1:]))
 

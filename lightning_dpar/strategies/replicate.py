@@ -104,6 +104,7 @@ class ReplicateStrategy(DparStrategy):
         self._previous_ddp_optimize_mode: Any = None
         self._unit_guard: UnitCallGuard | None = None
         self._direct_parameters: list[nn.Parameter] = []
+        self._frozen_at_wrap: list[nn.Parameter] = []
 
     def resolve_dims(self, world_size: int, devices_per_node: int, num_nodes: int) -> ParallelDims:
         # Every data-parallel rank is a replica: the shard dim has size 1.
@@ -115,6 +116,9 @@ class ReplicateStrategy(DparStrategy):
     def _check_ties_fit_the_wrapper(self, tied: list[tuple[str, ...]], roots: list[str], dims: ParallelDims) -> None:
         if dims.tensor_parallel == 1:  # DDP mode; with TP the replicas are FSDP units, which can share
             check_each_in_one_unit(tied, roots, type(self).__name__)
+
+    def holds_whole_parameters(self, dims: ParallelDims) -> bool:
+        return dims.tensor_parallel == 1
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.dims is not None
@@ -172,23 +176,32 @@ class ReplicateStrategy(DparStrategy):
             # DDP wraps children only: parameters on the LightningModule itself are all-reduced here, once per
             # optimizer step (after the last micro-batch's backward, before clipping).
             self._direct_parameters = [p for _, p in module.named_parameters(recurse=False) if p.requires_grad]
+            # DDP's reducer also leaves out parameters frozen when it wraps the model. One unfrozen later (a
+            # finetuning callback) would train on this rank's batches alone, as under Lightning's DDP, where the
+            # ranks' copies drift apart; its gradients are averaged here instead, from the step it requires them.
+            ignored = select_modules(module, self._ignored_modules, "ignored_modules") if self._ignored_modules else []
+            not_synced = parallelize.ignored_parameters(module, ignored)
+            self._frozen_at_wrap = [p for p in module.parameters() if not p.requires_grad and p not in not_synced]
         if self.dims.tensor_parallel == 1 and not self._compiled_autograd:
             # Compiled autograd traces the backward, hooks included; the guard's check is eager-only.
             units = {name: module.get_submodule(name) for name in parallelize.data_parallel_roots(module)}
             self._unit_guard = UnitCallGuard({n: u for n, u in units.items() if u in self._grad_sync_modules})
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self._direct_parameters:
-            closure = partial(self._closure_then_average_direct_gradients, closure)
+        # Every rank unfreezes the same parameters at the same step (callbacks run alike everywhere).
+        unsynced = self._direct_parameters + [p for p in self._frozen_at_wrap if p.requires_grad]
+        if unsynced:
+            closure = partial(self._closure_then_average_gradients, closure, unsynced)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-    def _closure_then_average_direct_gradients(self, closure: Callable[[], Any]) -> Any:
+    def _closure_then_average_gradients(self, closure: Callable[[], Any], parameters: list[nn.Parameter]) -> Any:
+        """Run the closure (forward and backward), then average `parameters`' gradients, which DDP does not."""
         result = closure()
         group = self.data_parallel_group
-        for parameter in self._direct_parameters:
+        for parameter in parameters:
             if parameter.grad is None:  # unused on this rank: every rank must all-reduce the same sizes
                 parameter.grad = torch.zeros_like(parameter)
-        gradients = [p.grad for p in self._direct_parameters]
+        gradients = [p.grad for p in parameters]
         if group is not None:
             flat = torch.cat([g.reshape(-1) for g in gradients])
             dist.all_reduce(flat, group=group)

@@ -46,6 +46,7 @@ MODULES = [
         "pipeline",
         "optimizers",
         "conformance",
+        "conformance_callbacks",
     )
 ]
 
