@@ -44,6 +44,7 @@ MODULES = [
         "hf",
         "lit_gpt_models",
         "pipeline",
+        "model_zoo",
     )
 ]
 
