@@ -24,6 +24,8 @@ from typing import Union
 import torch
 from torch import nn
 
+from lightning_dpar import hf_keys
+from lightning_dpar.hf_plan import transformers_models
 from lightning_dpar.pipeline.split import is_under
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "load_pretrained",
     "map_keys",
     "safetensors_files",
+    "stored_names",
     "tied_groups",
     "to_pretrained_weights",
 ]
@@ -221,6 +224,8 @@ def load_pretrained(module: nn.Module, weights: PretrainedWeights, held_elsewher
     import torch.distributed.checkpoint as dcp
 
     checkpoint = checkpoint_shapes(weights.path)
+    stored_as = stored_names(module, list(checkpoint))
+    checkpoint = {name: checkpoint[stored] for name, stored in stored_as.items()}
     state = module.state_dict()  # DTensor shards / local tensors sharing storage with the parameters
     model_shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
     prefix = weights.prefix if weights.prefix is not None else infer_prefix(list(model_shapes), list(checkpoint))
@@ -235,10 +240,28 @@ def load_pretrained(module: nn.Module, weights: PretrainedWeights, held_elsewher
             f" {prefix!r}): {'; '.join(problems)}. Pass `PretrainedWeights(path, prefix=..., strict=False)` to load"
             " only the keys that match."
         )
-    targets = {key: state[model_key] for key, model_key in mapping.to_model.items()}
+    targets = {stored_as[key]: state[model_key] for key, model_key in mapping.to_model.items()}
     with torch.no_grad():
         dcp.load(targets, storage_reader=dcp.HuggingFaceStorageReader(str(weights.path)))
     return mapping
+
+
+def stored_names(module: nn.Module, checkpoint_names: Sequence[str]) -> dict[str, str]:
+    """`{the name transformers loads a checkpoint tensor as: its name in the files}`: the renames of the one
+    transformers model `module` holds (GPT-NeoX's `embed_out` is `lm_head`; see `lightning_dpar.hf_keys`), else the
+    names as they are."""
+    models = transformers_models(module)
+    if len(models) != 1:
+        return {name: name for name in checkpoint_names}
+    by_loaded: dict[str, str] = {}
+    for stored, loaded in hf_keys.loaded_names(models[0][1], checkpoint_names).items():
+        if loaded in by_loaded:
+            raise PretrainedLoadError(
+                f"The checkpoint holds both {by_loaded[loaded]!r} and {stored!r}, which transformers both loads as"
+                f" {loaded!r} into {hf_keys.library_class_name(models[0][1])}: remove one of them."
+            )
+        by_loaded[loaded] = stored
+    return by_loaded
 
 
 def _sample(keys: Sequence[str], limit: int = 3) -> str:
