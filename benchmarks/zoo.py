@@ -4,7 +4,8 @@ Every decoder family whose transformers tensor-parallel plan lightning_dpar clai
 own `tie_word_embeddings`, built locally) under every layout, on 4 CPU gloo ranks. Each cell checks pretrained
 weights in, parity with single-process training, resume and `consolidate --format hf` out; it passes, or is refused
 before training with a message, or FAILS (`tests/workers/model_zoo.py` defines the checks). One torchrun launch
-per layout runs all of that layout's cells (the launch machinery of the test suite: `tests/conftest.py`).
+runs all the cells (the launch machinery of the test suite, `tests/conftest.py`: a cell that crashes or hangs is
+recorded as failed and the launch goes on with the next one).
 
 The full matrix (no filters) rewrites the table in `docs/model-zoo.md` between its markers; a filtered run only
 prints its table. Needs `transformers` (the `hf` extra) and the test extra (`pytest`).
@@ -24,11 +25,11 @@ from pathlib import Path
 from tests.conftest import CaseRecord, run_workers
 from tests.workers.model_zoo import (
     FAMILIES,
-    FAMILIES_ENV,
     LAYOUTS,
     WORLD_SIZE,
     cell_name,
     classify,
+    launch_args,
     layout_descriptions,
     save_pretrained_dirs,
 )
@@ -52,19 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_matrix(families: list[str], layouts: list[str], workdir: Path) -> dict[str, CaseRecord]:
     """Every cell's record (rank 0's result, or the failing ranks' tracebacks), by cell name."""
     save_pretrained_dirs(workdir, families)
-    records: dict[str, CaseRecord] = {}
-    for layout in layouts:
-        results = run_workers(
-            WORLD_SIZE,
-            f"zoo_{layout}",
-            workdir,
-            timeout=LAUNCH_SECONDS + SECONDS_PER_CELL * len(families),
-            extra_env={FAMILIES_ENV: ",".join(families)},
-        )
-        for family in families:
-            name = cell_name(family, layout)
-            records[name] = results.records.get(name) or CaseRecord(errors={0: f"no record; {results.launches[-1]}"})
-    return records
+    cells = [(family, layout) for layout in layouts for family in families]
+    groups, env = launch_args(cells)
+    timeout = LAUNCH_SECONDS + SECONDS_PER_CELL * len(cells)
+    results = run_workers(WORLD_SIZE, groups, workdir, timeout=timeout, extra_env=env)
+    missing = CaseRecord(errors={0: f"no record; {results.launches[-1]}"})
+    return {cell_name(*cell): results.records.get(cell_name(*cell)) or missing for cell in cells}
 
 
 def markdown(records: dict[str, CaseRecord], families: list[str], layouts: list[str]) -> str:

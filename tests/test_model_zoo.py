@@ -11,15 +11,15 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.conftest import ROOT, run_workers
+from tests.conftest import ROOT, LaunchResults, run_workers
 from tests.workers.model_zoo import (
     ATOL,
     FAMILIES,
-    FAMILIES_ENV,
     LAYOUTS,
     WORLD_SIZE,
     cell_name,
     classify,
+    launch_args,
     save_pretrained_dirs,
 )
 
@@ -31,53 +31,62 @@ KNOWN_FAILURES = {
     (family, "dpar_2d"): "tensor parallelism unties tied embeddings (issue 19; fixed on the `ties` branch)"
     for family in TIED
 }
-#: The fast lane: the tensor-parallel headline, two cells in one launch.
-FAST = {"dpar_2d": ["llama", "qwen3"]}
-#: The slow lane: every family under `dpar_2d` (each family's own plan), the pipeline's TP plans and its refusal,
-#: and a tied and an untied family under each plan-agnostic layout.
-SLOW = {
-    "dpar_2d": [f for f in FAMILIES if f not in FAST["dpar_2d"]],
-    "dpar_3d": ["llama", "llama-tied", "phi3", "gpt-neox"],
-    "dpar_fsdp": ["gemma2", "olmo2"],
-    "dpar_replicate": ["llama-tied", "qwen2"],
-}
+#: The fast lane: the tensor-parallel headline (the models' own plans, GQA, Qwen3's per-head norms), one launch.
+FAST = [("llama", "dpar_2d"), ("qwen3", "dpar_2d")]
+#: The slow lane, one launch: the plans that differ most under `dpar_2d` (packed projections, gathered q/k/v with
+#: full-width norms, a vocabulary-sharded embedding with a renamed head, per-head norms with tied embeddings), the
+#: ties, the pipeline's split of an HF model and its refusal of tied embeddings, and one cell of each plan-agnostic
+#: layout. The whole matrix: `python -m benchmarks.zoo`.
+SLOW = [
+    ("llama-tied", "dpar_2d"),
+    ("gemma3", "dpar_2d"),
+    ("phi3", "dpar_2d"),
+    ("gpt-neox", "dpar_2d"),
+    ("olmo2", "dpar_2d"),
+    ("llama-tied", "dpar_3d"),
+    ("phi3", "dpar_3d"),
+    ("gemma2", "dpar_fsdp"),
+    ("qwen2", "dpar_replicate"),
+]
+
+
+def launch(cells: list[tuple[str, str]], workdir) -> LaunchResults:
+    """The records of `cells`, run in one 4-rank launch."""
+    save_pretrained_dirs(workdir, sorted({family for family, _ in cells}))
+    groups, env = launch_args(cells)
+    return run_workers(WORLD_SIZE, groups, workdir, timeout=600, extra_env=env)
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    """`launch(layout, families)`: the records of those cells, run in one 4-rank launch (cached per module)."""
-    done = {}
-
-    def run(layout: str, families: list[str]):
-        key = (layout, tuple(families))
-        if key not in done:
-            workdir = tmp_path_factory.mktemp(f"zoo_{layout}")
-            save_pretrained_dirs(workdir, families)
-            extra_env = {FAMILIES_ENV: ",".join(families)}
-            done[key] = run_workers(WORLD_SIZE, f"zoo_{layout}", workdir, timeout=600, extra_env=extra_env)
-        return done[key]
-
-    return run
+def fast(tmp_path_factory) -> LaunchResults:
+    return launch(FAST, tmp_path_factory.mktemp("zoo_fast"))
 
 
-def cells(lanes: dict[str, list[str]], slow: bool) -> list:
-    marks = [pytest.mark.slow] if slow else []
-    params = []
-    for layout, families in lanes.items():
-        for family in families:
-            cell_marks = list(marks)
-            if (family, layout) in KNOWN_FAILURES:
-                cell_marks.append(pytest.mark.xfail(reason=KNOWN_FAILURES[family, layout], strict=True))
-            params.append(pytest.param(layout, family, families, marks=cell_marks, id=f"{family}-{layout}"))
-    return params
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory) -> LaunchResults:
+    return launch(SLOW, tmp_path_factory.mktemp("zoo_slow"))
 
 
-def check_cell(launch, layout: str, family: str, families: list[str]) -> None:
-    results = launch(layout, families)
+def params(cells: list[tuple[str, str]], marks: list) -> list:
+    return [
+        pytest.param(
+            family,
+            layout,
+            marks=[*marks, pytest.mark.xfail(reason=KNOWN_FAILURES[family, layout], strict=True)]
+            if (family, layout) in KNOWN_FAILURES
+            else marks,
+            id=f"{family}-{layout}",
+        )
+        for family, layout in cells
+    ]
+
+
+def check_cell(results: LaunchResults, family: str, layout: str) -> None:
+    """The cell passes, or is refused as `EXPECTED_REFUSALS` says (nothing else)."""
     name = cell_name(family, layout)
-    record = results.records.get(name)
-    if record is None:
+    if name not in results:
         results[name]  # fails with the launch's log tail
+    record = results.records[name]
     verdict, detail = classify(record.value, record.errors)
     if (family, layout) in EXPECTED_REFUSALS:
         assert verdict == "refused", detail
@@ -86,14 +95,14 @@ def check_cell(launch, layout: str, family: str, families: list[str]) -> None:
         assert verdict == "pass", detail
 
 
-@pytest.mark.parametrize(("layout", "family", "families"), cells(FAST, slow=False))
-def test_zoo_cell(launch, layout, family, families):
-    check_cell(launch, layout, family, families)
+@pytest.mark.parametrize(("family", "layout"), params(FAST, marks=[]))
+def test_zoo_cell(fast, family, layout):
+    check_cell(fast, family, layout)
 
 
-@pytest.mark.parametrize(("layout", "family", "families"), cells(SLOW, slow=True))
-def test_zoo_cell_slow(launch, layout, family, families):
-    check_cell(launch, layout, family, families)
+@pytest.mark.parametrize(("family", "layout"), params(SLOW, marks=[pytest.mark.slow]))
+def test_zoo_cell_slow(slow, family, layout):
+    check_cell(slow, family, layout)
 
 
 # ---------------------------------------------------------------------- the verdicts, in process

@@ -49,8 +49,8 @@ ATOL = 1e-5
 #: sums in another order in the first step after the restart (DDP reorders its gradient buckets after the first step
 #: of every fit), which moves the last bit of some values; a lost optimizer state would differ by ~LR x gradient.
 RESUME_ATOL = 1e-6
-#: Where the family names and layouts are read by the worker groups (the launching side sets them).
-FAMILIES_ENV, LAYOUTS_ENV = "DPAR_ZOO_FAMILIES", "DPAR_ZOO_LAYOUTS"
+#: The cells a launch runs (comma-separated `cell_name`s; unset: every cell of the groups launched).
+CELLS_ENV = "DPAR_ZOO_CELLS"
 
 #: What every tiny config shares: 2 decoder layers (one per pipeline stage), GQA where the family has it.
 _COMMON = dict(
@@ -151,6 +151,12 @@ def cell_name(family: str, layout: str) -> str:
     return f"zoo-{family}-{layout}"
 
 
+def launch_args(cells: list[tuple[str, str]]) -> tuple[str, dict[str, str]]:
+    """The worker groups and environment of one launch that runs `cells` (`(family, layout)` pairs)."""
+    groups = ",".join(f"zoo_{layout}" for layout in LAYOUTS if any(cell[1] == layout for cell in cells))
+    return groups, {CELLS_ENV: ",".join(cell_name(*cell) for cell in cells)}
+
+
 def pretrained_dir(workdir: Path, family: str) -> Path:
     return workdir / "zoo_pretrained" / family
 
@@ -163,14 +169,6 @@ def save_pretrained_dirs(workdir: Path, families: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------------------------ inside the launch
-def _selected(env: str, known) -> list[str]:
-    names = [n for n in os.environ.get(env, "").split(",") if n] or list(known)
-    unknown = sorted(set(names) - set(known))
-    if unknown:
-        raise ValueError(f"{env}: unknown names {unknown}; known: {sorted(known)}")
-    return names
-
-
 def _workdir() -> Path:
     return Path(sys.argv[2]).resolve().parent  # the launch's results directory sits in the work directory
 
@@ -314,9 +312,14 @@ def cell_case(family: str, layout_name: str) -> dict[str, Any] | None:
 
 
 def group_zoo(layout: str) -> Callable[[], Iterator[Case]]:
+    """The cells of `layout` named in `CELLS_ENV` (all of them if it is unset)."""
+
     def cases() -> Iterator[Case]:
-        for family in _selected(FAMILIES_ENV, FAMILIES):
-            yield Case(cell_name(family, layout), lambda family=family: cell_case(family, layout), timeout_s=240)
+        selected = {name for name in os.environ.get(CELLS_ENV, "").split(",") if name}
+        for family in FAMILIES:
+            name = cell_name(family, layout)
+            if not selected or name in selected:
+                yield Case(name, lambda family=family: cell_case(family, layout), timeout_s=240)
 
     return cases
 
