@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import sys
@@ -77,7 +78,20 @@ def markdown(records: dict[str, CaseRecord], families: list[str], layouts: list[
             cells.append(f"**{verdict}**" if verdict.startswith("FAILS") else verdict)
         lines.append(f"| {family} | " + " | ".join(cells) + " |")
     layout_lines = [f"- `{name}`: {text}" for name, text in layout_descriptions().items() if name in layouts]
-    return "\n".join([*lines, "", *layout_lines, "", *notes]) + "\n"
+    return "\n".join([*lines, "", *layout_lines, "", *_largest(records), "", *notes]) + "\n"
+
+
+def _largest(records: dict[str, CaseRecord]) -> list[str]:
+    """The largest differences the passing cells measured, per check."""
+    passed = [r.value for r in records.values() if classify(r.value, r.errors)[0] == "pass"]
+    if not passed:
+        return []
+    worst = {check: max(v[check]["max_abs_diff"] for v in passed) for check in ("loaded", "trained", "resumed")}
+    worst["export"] = max(v["export"]["max_abs_diff"] for v in passed)
+    return [
+        f"Largest differences over the passing cells: parity {worst['trained']:.1e}, pretrained load"
+        f" {worst['loaded']:g}, resume {worst['resumed']:.1e}, export {worst['export']:g}."
+    ]
 
 
 def _one_line(text: str) -> str:
@@ -90,8 +104,8 @@ def write_docs(page: Path, table: str, seconds: float) -> None:
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
     when = time.strftime("%Y-%m-%d", time.gmtime())
     footer = (
-        f"\nLast run {when}: `python -m benchmarks.zoo`, {seconds / 60:.1f} minutes on {platform.machine()}"
-        f" ({WORLD_SIZE} gloo ranks sharing the machine's CPU cores).\n"
+        f"\nLast run {when}: `python -m benchmarks.zoo`, {seconds / 60:.1f} minutes on {platform.machine()} with"
+        f" {os.cpu_count()} CPU cores ({WORLD_SIZE} gloo ranks sharing them, on a machine other jobs shared).\n"
     )
     page.write_text(text[:start] + "\n\n" + table + footer + "\n" + text[end:])
 
@@ -102,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="zoo-") as tmp:
         records = run_matrix(args.families, args.layouts, Path(tmp))
     seconds = time.monotonic() - started
-    table = markdown(records, args.families, args.layouts)
+    table = markdown(records, args.families, args.layouts).replace(tmp, "$WORKDIR")
     print(table)
     print(f"{len(records)} cells in {seconds:.0f} s")
     if args.raw:
