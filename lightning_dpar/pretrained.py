@@ -25,6 +25,8 @@ from typing import Union
 import torch
 from torch import nn
 
+from lightning_dpar import hf_keys
+from lightning_dpar.hf_plan import transformers_models
 from lightning_dpar.pipeline.split import is_under
 from lightning_dpar.ties import tied_parameters
 
@@ -41,6 +43,7 @@ __all__ = [
     "load_pretrained",
     "map_keys",
     "safetensors_files",
+    "stored_names",
     "tied_groups",
     "to_pretrained_weights",
 ]
@@ -249,6 +252,8 @@ def load_pretrained(
 
     start = time.perf_counter()
     checkpoint = checkpoint_shapes(weights.path)
+    stored_as = stored_names(module, list(checkpoint))
+    checkpoint = {name: checkpoint[stored] for name, stored in stored_as.items()}
     state = module.state_dict()  # DTensor shards / local tensors sharing storage with the parameters
     model_shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
     prefix = weights.prefix if weights.prefix is not None else infer_prefix(list(model_shapes), list(checkpoint))
@@ -263,7 +268,7 @@ def load_pretrained(
             f" {prefix!r}): {'; '.join(problems)}. Pass `PretrainedWeights(path, prefix=..., strict=False)` to load"
             " only the keys that match."
         )
-    targets = {key: state[model_key] for key, model_key in mapping.to_model.items()}
+    targets = {stored_as[key]: state[model_key] for key, model_key in mapping.to_model.items()}
     with torch.no_grad():
         dcp.load(targets, storage_reader=dcp.HuggingFaceStorageReader(str(weights.path)))
     item_sizes = checkpoint_item_sizes(weights.path)
@@ -299,6 +304,24 @@ def _size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
+
+
+def stored_names(module: nn.Module, checkpoint_names: Sequence[str]) -> dict[str, str]:
+    """`{the name transformers loads a checkpoint tensor as: its name in the files}`: the renames of the one
+    transformers model `module` holds (GPT-NeoX's `embed_out` is `lm_head`; see `lightning_dpar.hf_keys`), else the
+    names as they are."""
+    models = transformers_models(module)
+    if len(models) != 1:
+        return {name: name for name in checkpoint_names}
+    by_loaded: dict[str, str] = {}
+    for stored, loaded in hf_keys.loaded_names(models[0][1], checkpoint_names).items():
+        if loaded in by_loaded:
+            raise PretrainedLoadError(
+                f"The checkpoint holds both {by_loaded[loaded]!r} and {stored!r}, which transformers both loads as"
+                f" {loaded!r} into {hf_keys.library_class_name(models[0][1])}: remove one of them."
+            )
+        by_loaded[loaded] = stored
+    return by_loaded
 
 
 def _sample(keys: Sequence[str], limit: int = 3) -> str:

@@ -16,6 +16,7 @@ from lightning_dpar.pretrained import (
     PretrainedWeights,
     checkpoint_shapes,
     infer_prefix,
+    load_pretrained,
     map_keys,
     to_pretrained_weights,
 )
@@ -151,6 +152,30 @@ def test_hf_export_names_drop_the_prefix_and_the_tied_copy_and_refuse_a_mismatch
     wrong = _record({**TINY, "num_key_value_heads": 4})  # the config says 4 kv heads, the weights have 2
     with pytest.raises(hf_export.ExportError, match=r"shapes differ: model\.layers\.0\.self_attn\.k_proj\.weight"):
         hf_export.hf_tensor_names(wrong, {f"net.{k}": tuple(v.shape) for k, v in model.state_dict().items()})
+
+
+NEOX = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
+def test_renamed_checkpoint_keys_load_and_export_as_transformers_names_them(tmp_path):
+    """transformers 5 stores GPT-NeoX's `lm_head.weight` as `embed_out.weight` (as every Pythia checkpoint does):
+    loading renames it like `from_pretrained` (without, strict loading refused the model's own save), and the
+    export names it like `save_pretrained`."""
+    config = transformers.GPTNeoXConfig(**NEOX, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path)
+    assert "embed_out.weight" in checkpoint_shapes(tmp_path)
+    torch.manual_seed(1)
+    holder = torch.nn.Module()
+    holder.net = transformers.GPTNeoXForCausalLM(config)
+    with pytest.warns(UserWarning, match="assuming the intent is to load in a single process"):  # DCP, no group
+        mapping = load_pretrained(holder, PretrainedWeights(str(tmp_path)))
+    assert mapping.to_model["lm_head.weight"] == "net.lm_head.weight"
+    want = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(holder.net.state_dict()[k], v) for k, v in want.items())
+    record = {"prefix": "net.", "class": "GPTNeoXForCausalLM", "config": config.to_json_string()}
+    names, _ = hf_export.hf_tensor_names(record, {f"net.{k}": tuple(v.shape) for k, v in want.items()})
+    assert names["embed_out.weight"] == "net.lm_head.weight" and set(names) == set(checkpoint_shapes(tmp_path))
 
 
 def test_strip_prefix_refuses_names_outside_it():

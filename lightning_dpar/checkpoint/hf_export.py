@@ -8,7 +8,8 @@ export then:
 2. builds the model class from the config on the meta device (no memory) and compares keys and shapes: a key the
    model expects but the checkpoint lacks, a key the model does not know, or a different shape is an error, never
    a `from_pretrained` that silently starts from random weights;
-3. drops the second name of each tied parameter (`lm_head.weight` under `tie_word_embeddings`), as
+3. drops the second name of each tied parameter (`lm_head.weight` under `tie_word_embeddings`) and renames what the
+   class stores under another name (GPT-NeoX's `lm_head` as `embed_out`, `lightning_dpar.hf_keys`), as
    `save_pretrained` does;
 4. streams the tensors into safetensors files one at a time (see `consolidate.write_safetensors`), then writes
    `config.json` and `generation_config.json`.
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_dpar import hf_keys
 from lightning_dpar.pretrained import map_keys, tied_groups  # the key matching of loading pretrained weights
 
 #: Key of the record in a checkpoint's metadata (`meta.pt`, or the dict of a full-format file).
@@ -105,7 +107,10 @@ def hf_tensor_names(
             f" its own config: {'; '.join(problems)}. Export with --format safetensors instead."
         )
     duplicates = {name for group in tied for name in group[1:]}
-    return {k: v for k, v in inside.items() if k not in duplicates}, left_out
+    kept = [k for k in inside if k not in duplicates]
+    # As `save_pretrained` names them (GPT-NeoX's `lm_head` is stored as `embed_out`; `lightning_dpar.hf_keys`).
+    saved = hf_keys.saved_names(record["class"], json.loads(record["config"]).get("model_type"), kept)
+    return {saved[k]: inside[k] for k in kept}, left_out
 
 
 def _expected_tensors(record: Mapping[str, Any]) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:

@@ -47,6 +47,7 @@ MODULES = [
         "optimizers",
         "conformance",
         "conformance_callbacks",
+        "model_zoo",
     )
 ]
 
