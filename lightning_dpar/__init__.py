@@ -10,6 +10,7 @@ from lightning_dpar.callbacks import PerformanceMonitor
 from lightning_dpar.checkpoint import CheckpointLoadError
 from lightning_dpar.checkpoint.inference import load_from_checkpoint
 from lightning_dpar.mesh import ParallelDims
+from lightning_dpar.optimizers import OptimizerLayoutError, declare_update_kind
 from lightning_dpar.precision import DparPrecision
 from lightning_dpar.pretrained import PretrainedWeights
 from lightning_dpar.strategies import (
@@ -30,10 +31,12 @@ __all__ = [
     "DparStrategy",
     "FSDPTensorParallelStrategy",
     "FullyShardStrategy",
+    "OptimizerLayoutError",
     "ParallelDims",
     "PerformanceMonitor",
     "PretrainedWeights",
     "ReplicateStrategy",
     "__version__",
+    "declare_update_kind",
     "load_from_checkpoint",
 ]

@@ -2,9 +2,10 @@
 
 Muon orthogonalises each weight matrix's momentum update as a whole (Newton-Schulz iterations); on a shard it would
 orthogonalise a different matrix. Here, as in torchtitan's and Moonlight's distributed Muon, each matrix gets an
-owner rank among the ranks that hold its shards (round robin, so the work is spread and no rank orthogonalises every
-matrix): the momentum update, computed elementwise on each shard, is gathered; the owner runs torch's own
-Newton-Schulz on the whole matrix and sends the result to the matrix's other ranks; each rank applies its slice.
+owner rank among the ranks that hold its shards (in rounds of as many matrices as ranks, the `j`-th rank owning the
+round's `j`-th matrix, so the work is spread and no rank orthogonalises every matrix): the momentum update, computed
+elementwise on each shard, is gathered; the owner runs torch's own Newton-Schulz on the whole matrix and sends the
+result to the matrix's other ranks; each rank applies its slice. A rank holds one round's whole matrices at a time.
 The arithmetic is torch's (`muon_newton_schulz`, `muon_adjusted_lr`) on the same whole matrix, so parameters and the
 momentum state end bit for bit as under DDP. The state stays what Muon keeps, a momentum buffer shaped and sharded
 like its parameter, so checkpoints save and resume it like any optimizer's.
