@@ -74,14 +74,14 @@ def test_removal_waits_until_the_save_in_flight_is_published(tmp_path):
     checkpoint_writer, in_flight = _writer_with_save_in_flight(tmp_path)
     checkpoint_writer.remove(superseded, is_global_zero=True)
     assert superseded.exists()  # a kill now still leaves step=1 on disk
-    checkpoint_writer._removals_after_publish(in_flight)
+    checkpoint_writer._after_publish(in_flight)
     assert not superseded.exists()
 
 
 def test_removal_after_publish_is_immediate(tmp_path):
     superseded = _complete(tmp_path / "step=1.ckpt", "old")
     checkpoint_writer, in_flight = _writer_with_save_in_flight(tmp_path)
-    checkpoint_writer._removals_after_publish(in_flight)
+    checkpoint_writer._after_publish(in_flight)
     checkpoint_writer.remove(superseded, is_global_zero=True)
     assert not superseded.exists()
 
