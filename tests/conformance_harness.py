@@ -3,8 +3,9 @@ fingerprint compared between them, and how a test reports its cell (parity, refu
 
 A row of the matrix is a feature (a Trainer flag, a callback); a column is a strategy (`STRATEGY_IDS`). A feature is
 a function `feature(strategy, column) -> value` run on every rank of a worker launch: it builds a Trainer with
-`strategy` (a fresh strategy object, or Lightning's `"ddp"` for the reference), trains, and returns, on rank 0, a
-JSON value, usually `fingerprint(trainer, ...)`. A refusal is the feature raising on every rank.
+`strategy` (a fresh strategy object: ours for a column, Lightning's `DDPStrategy` for a reference), trains, and
+returns, on rank 0, a JSON value, usually `fingerprint(trainer, ...)`. A refusal is the feature raising on every rank.
+Each worker module uses its own prefix: worker group names are global (`tests/workers/run.py`).
 
 Worker side (`tests/workers/<module>.py`)::
 
@@ -44,6 +45,7 @@ __all__ = [
     "Cell",
     "Column",
     "ConformanceLaunches",
+    "checkpoint_model_state",
     "column_groups",
     "compare",
     "conformance_module",
@@ -185,7 +187,6 @@ def fingerprint(trainer: Any, **extra: Any) -> Any:
     them (`state`), each data-parallel rank's own buffers (`rank_buffers`, by data-parallel rank: DDP's ranks differ
     by their last step's update), and the logged values. A collective: call it on every rank. `extra` (JSON values,
     or tensors) is added as is. Returns the fingerprint on rank 0, None elsewhere."""
-    import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -210,8 +211,31 @@ def fingerprint(trainer: Any, **extra: Any) -> Any:
         "state": {k: _json(v) for k, v in state.items()},
         "rank_buffers": rank_buffers,
         "logged": logged,
-        **{k: _json(v) if isinstance(v, torch.Tensor) else v for k, v in extra.items()},
+        **{k: _json_tree(v) for k, v in extra.items()},
     }
+
+
+def checkpoint_model_state(path: Any) -> dict[str, Any]:
+    """A saved checkpoint's model tensors in full, by name: a sharded directory (read offline, in this process) or
+    Lightning's one file."""
+    from pathlib import Path
+
+    import torch
+
+    from lightning_dpar.checkpoint.export import OfflineCheckpoint
+
+    if Path(path).is_dir():
+        return dict(OfflineCheckpoint(str(path)).iter_model())
+    return dict(torch.load(path, map_location="cpu", weights_only=False)["state_dict"])
+
+
+def _json_tree(value: Any) -> Any:
+    """`value` with its tensors (also inside dicts and lists) as numbers and lists."""
+    if isinstance(value, dict):
+        return {str(k): _json_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_tree(v) for v in value]
+    return _json(value)
 
 
 def _json(value: Any) -> Any:
@@ -338,8 +362,8 @@ def expect_parity(request: Any, cell: Cell, atol: float = 1e-5, keys: tuple[str,
 
     for who, errors in (("reference (Lightning DDP)", cell.reference_errors), (cell.column.id, cell.errors)):
         if errors:
-            rank, error = sorted(errors.items())[0]
-            pytest.fail(f"{cell.feature}: the {who} run raised on ranks {sorted(errors)}; rank {rank}:\n{error}")
+            details = "\n".join(f"--- rank {rank} ---\n{error}" for rank, error in sorted(errors.items()))
+            pytest.fail(f"{cell.feature}: the {who} run raised on ranks {sorted(errors)}:\n{details}")
     got, want = cell.value, cell.reference_value
     if keys is not None:
         got, want = {k: got[k] for k in keys}, {k: want[k] for k in keys}
