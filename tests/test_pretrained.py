@@ -169,7 +169,7 @@ def test_renamed_checkpoint_keys_load_and_export_as_transformers_names_them(tmp_
     holder = torch.nn.Module()
     holder.net = transformers.GPTNeoXForCausalLM(config)
     with pytest.warns(UserWarning, match="assuming the intent is to load in a single process"):  # DCP, no group
-        mapping = load_pretrained(holder, PretrainedWeights(str(tmp_path)))
+        mapping = load_pretrained(holder, PretrainedWeights(str(tmp_path))).mapping
     assert mapping.to_model["lm_head.weight"] == "net.lm_head.weight"
     want = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path).state_dict()
     assert all(torch.equal(holder.net.state_dict()[k], v) for k, v in want.items())

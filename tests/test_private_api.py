@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -154,7 +154,7 @@ def test_pending_exceptions_still_occur():
 def test_every_listed_subclass_hook_is_a_real_lightning_name():
     from lightning_dpar._private_api import MultiProcessingLauncher
 
-    lightning_names = _private_names_of(Strategy) | _private_names_of(MultiProcessingLauncher)
+    lightning_names = _private_names_of(ParallelStrategy) | _private_names_of(MultiProcessingLauncher)
     assert set(LIGHTNING_SUBCLASS_HOOKS) <= lightning_names
 
 
