@@ -72,6 +72,7 @@ __all__ = [
     "functional_all_reduce",
     "init_dist_connection",
     "is_composable_replicated",
+    "layer_sync_requested",
     "local_shape_and_offset",
     "metric_step_value",
     "model_checkpoint_dir",
@@ -98,6 +99,12 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     `self.device_mesh["data_parallel"]`) resolve to; torch's own trainers (torchtitan) use it for the same reason.
     """
     return mesh._flatten(name)
+
+
+def layer_sync_requested(strategy: Any) -> bool:
+    """Whether `Trainer(sync_batchnorm=True)` was given: Lightning's connector sets it on every `ParallelStrategy` as
+    the private `_layer_sync`, which its own strategies read in `setup` (there is no public accessor)."""
+    return getattr(strategy, "_layer_sync", None) is not None
 
 
 def detect_anomaly_requested(trainer: Any) -> bool:
@@ -207,8 +214,6 @@ LIGHTNING_SUBCLASS_HOOKS = {
     "_strategy": "the strategy a `_MultiProcessingLauncher` subclass launches, stored by its base class.",
     "_collect_rank_zero_results": "the launcher's hook for what rank 0 hands back to the interactive process; ours"
     " gathers the sharded weights (Lightning's sends rank 0's shards only).",
-    "_layer_sync": "where Lightning's connector puts `Trainer(sync_batchnorm=True)` for every `ParallelStrategy`; its"
-    " strategies read it in `setup`, as ours does.",
 }
 
 

@@ -38,6 +38,7 @@ from lightning_dpar._private_api import (
     StrategyRegistryType,
     attach_device_mesh,
     detect_anomaly_requested,
+    layer_sync_requested,
     optimizers_to_device,
     replace_model_checkpoint_link,
     sync_ddp_if_available,
@@ -349,7 +350,7 @@ class DparStrategy(ParallelStrategy):
         """`Trainer(sync_batchnorm=True)` when fitting: refused where torch's `SyncBatchNorm` cannot run (before the
         process group for a model that exists already; in `setup` for one built in `configure_model`)."""
         trainer = _attached_trainer(module)
-        if self._layer_sync is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+        if layer_sync_requested(self) and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             check_sync_batchnorm_supported(module, self.root_device)
 
     def holds_whole_parameters(self, dims: ParallelDims) -> bool:
@@ -557,7 +558,7 @@ class DparStrategy(ParallelStrategy):
         assert module is not None
         if self._parallelized_module is not module:
             module = self.precision_plugin.convert_module(module)
-            if self._layer_sync is not None and trainer.state.fn == TrainerFn.FITTING:
+            if layer_sync_requested(self) and trainer.state.fn == TrainerFn.FITTING:
                 # As Lightning's DDP, when fitting. The layers stay `SyncBatchNorm` afterwards: DDP swaps them back in
                 # teardown, but a swapped module would lose its FSDP2 parameter management.
                 self._check_layer_sync(module)
