@@ -99,15 +99,33 @@ EXACT_POINTS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("point", EXACT_POINTS)
 def test_resume_from_every_kind_of_save_equals_the_uninterrupted_run(results, point):
-    """The resumed run trains on every rank on the same batches with the same losses as the uninterrupted run from
-    the checkpoint's step on, ends with the same weights and optimizer state bit for bit, and its log says "exact"
+    """The resumed run trains on every rank on the same batches with the same losses and learning rates (an
+    `interval="step"` and an `interval="epoch"` `StepLR`) as the uninterrupted run from the checkpoint's step on,
+    across the next epoch end, ends with the same weights and optimizer state bit for bit, and its log says "exact"
     (the end-of-fit and epoch-end saves used to start the next epoch: other batches, logged as exact)."""
     result = results[f"resume_point_{point}"]
     assert result["resumed_batches"] == result["expected_batches"]
+    assert result["resumed_lrs"] == result["expected_lrs"]
+    assert len(set(result["expected_lrs"])) > 2  # both schedulers stepped over the resumed steps
     assert result["same_batches"], result
     assert result["state_max_diff"] == 0.0
     assert [line for line in result["lines"] if line.startswith("Resuming")], result["lines"]
     assert all(": exact" in line for line in result["lines"] if line.startswith("Resuming")), result["lines"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["monitor/step=2.ckpt", "epoch/step=4.ckpt", "fit_end_epoch_end"])
+def test_resume_with_an_epoch_plateau_scheduler_says_it_is_not_exact(results, point):
+    """An `interval="epoch"` `ReduceLROnPlateau` is not stepped by Lightning at the end of the epoch a fit resumes in
+    (its monitored metric is not in the checkpoint), though the uninterrupted run steps it there: the LR differs from
+    the next epoch on (asserted, so the warning is not idle), and the resume log says "not exactly" and why, never
+    "exact". The batches still continue in order."""
+    result = results[f"resume_point_plateau/{point}"]
+    assert result["resumed_batches"] == result["expected_batches"]
+    assert result["resumed_lrs"] != result["expected_lrs"]
+    lines = [line for line in result["lines"] if line.startswith("Resuming")]
+    assert lines and all(line.startswith("Resuming not exactly") for line in lines), lines
+    assert "ReduceLROnPlateau" in lines[0] and "'plateau_metric'" in lines[0] and "epoch 0" in lines[0], lines
 
 
 @pytest.mark.slow

@@ -55,6 +55,7 @@ __all__ = [
     "make_resumable",
     "restore_rng_state",
     "skip_seen_batches",
+    "skipped_plateau_step",
 ]
 
 
@@ -317,6 +318,9 @@ class ResumeState:
             )
         if exact and note is not None and trainer.enable_validation:
             how, exact = f"Resuming not exactly: {note}.", False
+        plateau = skipped_plateau_step(trainer)
+        if exact and plateau is not None:
+            how, exact = f"Resuming not exactly: {plateau}.", False
         if exact:
             rank_zero_info(how)
         else:
@@ -336,6 +340,34 @@ class ResumeState:
         return None
 
 
+def skipped_plateau_step(trainer: Any) -> str | None:
+    """Why the resumed run's LR can differ from the uninterrupted run's because of an `interval="epoch"`
+    `ReduceLROnPlateau`, or None.
+
+    Lightning steps such a scheduler in `fit_loop.on_advance_end`, after the epoch's `on_train_epoch_end` hooks (so
+    after any save in them, at validation end or mid-epoch), except while its fit loop is restarting: the monitored
+    metric is not in the checkpoint, and in a resumed epoch it is not the uninterrupted run's (validation before the
+    save is not repeated, epoch-aggregated training metrics cover only the resumed batches). The resumed epoch's end
+    therefore does not step it where the uninterrupted run did (under Lightning's DDP as well); stepping it here
+    instead would need the metric the uninterrupted run had, which no checkpoint holds."""
+    if not trainer.fit_loop.restarting or not trainer.lightning_module.automatic_optimization:
+        return None
+    epoch = trainer.fit_loop.epoch_progress.current.processed  # the epoch whose end comes next
+    due = [
+        config
+        for config in trainer.lr_scheduler_configs
+        if config.reduce_on_plateau and config.interval == "epoch" and (epoch + 1) % config.frequency == 0
+    ]
+    if not due:
+        return None
+    return (
+        f'Lightning does not step the `interval="epoch"` `{type(due[0].scheduler).__name__}` (monitoring'
+        f" {due[0].monitor!r}) at the end of epoch {epoch}, the epoch this fit resumes in, because the metric it"
+        " monitors is not in the checkpoint; the uninterrupted run steps it there, so from that epoch on the"
+        " learning rate can differ. Only a scheduler that monitors no metric resumes exactly"
+    )
+
+
 def skip_seen_batches(state: ResumeState, trainer: Any) -> None:
     """Custom samplers cannot start mid-epoch: draw and drop the batches this epoch already trained on."""
     skip, state.batches_to_skip = state.batches_to_skip, 0
@@ -350,9 +382,13 @@ def skip_seen_batches(state: ResumeState, trainer: Any) -> None:
             f"Resuming not exactly: could not skip the {skip} batches already seen this epoch; the epoch restarts."
         )
         return
-    rank_zero_info(
-        f"Resuming after {skip} batches of this epoch: exact (the custom sampler's batches seen before the"
-        " checkpoint are drawn again and skipped)."
-    )
+    plateau = skipped_plateau_step(trainer)
+    if plateau is not None:
+        rank_zero_warn(f"Resuming after {skip} batches of this epoch not exactly: {plateau}.")
+    else:
+        rank_zero_info(
+            f"Resuming after {skip} batches of this epoch: exact (the custom sampler's batches seen before the"
+            " checkpoint are drawn again and skipped)."
+        )
     for _ in range(skip):
         next(iterator, None)
