@@ -301,7 +301,7 @@ def test_main_job_trains_with_a_progress_bar_and_saves_a_sharded_checkpoint(main
     workdir, first, _, _ = main_job
     assert first.returncode == 0, first.stderr[-4000:]
     # Lightning draws tqdm's bar, or rich's when `rich` is installed (the `[hf]` extra brings it, via typer).
-    assert re.search(r"Epoch 0(: 100%| \S+ 6/6)", first.stdout) and "`max_steps=6` reached" in first.stderr
+    assert re.search(r"Epoch 0(: 100%|\s+\S+ 6/6)", first.stdout) and "`max_steps=6` reached" in first.stderr
     assert "Epoch 0/-2" not in first.stdout and "v_num: 0.000" not in first.stdout  # rich's bar read both
     assert "PerformanceMonitor summary" in first.stdout and "tokens/s (global)" in first.stdout
     last = workdir / "checkpoints" / "gpt" / "last.ckpt"
