@@ -71,15 +71,8 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     raise ValueError(name)
 
 
-class ParityModule(L.LightningModule):
-    def __init__(self, optimizer: str = "sgd", depth: int = 2, empty_init_check: bool = False) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        torch.manual_seed(0)
-        self.model = Net(depth=depth)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
+class RegressionModule(L.LightningModule):
+    """The steps the test models share: mean squared error on `(x, y)` batches, logged over the data-parallel ranks."""
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -90,6 +83,17 @@ class ParityModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+
+class ParityModule(RegressionModule):
+    def __init__(self, optimizer: str = "sgd", depth: int = 2, empty_init_check: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.model = Net(depth=depth)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
 
     def configure_optimizers(self):
         return make_optimizer(self.hparams.optimizer, self.parameters())
@@ -203,7 +207,7 @@ class ConformanceNet(Net):
         return self.out(x)
 
 
-class ConformanceModule(L.LightningModule):
+class ConformanceModule(RegressionModule):
     """The Lightning conformance matrix's model (`tests/conformance_harness.py`)."""
 
     tp_plan = TP_PLAN
@@ -216,16 +220,6 @@ class ConformanceModule(L.LightningModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self(x), y)
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
 
     def predict_step(self, batch, batch_idx):
         return self(batch[0])

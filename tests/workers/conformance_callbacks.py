@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_dpar import FullyShardStrategy
 from tests.conformance_harness import BATCH, Column, column_groups, conformance_trainer, fingerprint, make_strategy
-from tests.models import Net, RegressionData, loader
+from tests.models import Net, RegressionData, RegressionModule, loader
 from tests.workers.checkpoint_common import case_dir
 from tests.workers.common import world_size
 
@@ -39,7 +39,7 @@ from tests.workers.common import world_size
 EPOCH_BATCHES = 2
 
 
-class BackboneModule(L.LightningModule):
+class BackboneModule(RegressionModule):
     """A backbone (`Net`: a linear, two residual blocks, a linear) and a head; the optimizer takes the trainable
     parameters only, as Lightning's finetuning docs ask."""
 
@@ -54,16 +54,6 @@ class BackboneModule(L.LightningModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(F.relu(self.backbone(x)))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self(x), y)
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.lr, momentum=0.9)
