@@ -38,8 +38,10 @@ def llama_config(tied: bool = False):
 
 
 class TokenIds(Dataset):
-    def __init__(self, n: int = 64) -> None:
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(3))
+    """`n` random sequences of `SEQ` token ids below `VOCAB`, the same for every `seed`."""
+
+    def __init__(self, n: int = 64, seed: int = 3) -> None:
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
 
     def __len__(self) -> int:
         return len(self.ids)

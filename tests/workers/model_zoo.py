@@ -33,13 +33,14 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
 from lightning_dpar.__main__ import main as dpar_main
 from lightning_dpar.pretrained import checkpoint_shapes, tied_groups
 from tests.workers.cases import Case
 from tests.workers.common import full_params, trainer_for
+from tests.workers.hf import TokenIds
 
 VOCAB, SEQ, BATCH, STEPS, RESUME_FROM = 64, 8, 2, 4, 2
 LR = 0.1
@@ -208,18 +209,7 @@ class Watch(Callback):
         self.trained_a_batch = True
 
 
-class TokenData(Dataset):
-    def __init__(self, n: int = 32) -> None:
-        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(7))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.ids[i]
-
-
-def _reference(path: Path, data: TokenData, dp: int) -> dict[str, torch.Tensor]:
+def _reference(path: Path, data: TokenIds, dp: int) -> dict[str, torch.Tensor]:
     """Single-process training from `from_pretrained` on the global batches Lightning's sampler feeds `dp` ranks."""
     from transformers import AutoModelForCausalLM
 
@@ -272,7 +262,7 @@ def cell_case(family: str, layout_name: str) -> dict[str, Any] | None:
     layout = _layouts()[layout_name]
     path = pretrained_dir(_workdir(), family)
     ckpt_dir = _workdir() / "zoo_checkpoints" / f"{family}-{layout_name}"
-    data = TokenData()
+    data = TokenIds(n=32, seed=7)
 
     def fit(ckpt_path: str | None, callbacks: list) -> L.Trainer:
         saves = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=RESUME_FROM, save_top_k=-1, save_last=False)
