@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
 
-from lightning_dpar.checkpoint.resume import DataPosition, ResumableDistributedSampler, make_resumable
+from lightning_dpar.checkpoint.resume import DataPosition, ResumableDistributedSampler, align_loop_state, make_resumable
 
 BATCH = 2
 
@@ -100,3 +100,39 @@ def test_only_lightnings_plain_loader_is_taken_over():
     assert make_resumable(custom_batches) is None
     assert make_resumable(DataLoader(data, batch_size=BATCH)) is None  # no distributed sampler
     assert make_resumable([1, 2, 3]) is None
+
+
+def _saved_in_epoch_end_hooks(batches: int, last_batch: bool) -> dict:
+    """The loop progress Lightning writes when saving in `on_train_epoch_end` of epoch 0 after `batches` batches."""
+    tracker = lambda done, completed: {"ready": done, "started": done, "processed": done, "completed": completed}  # noqa: E731
+    return {
+        "loops": {
+            "fit_loop": {
+                "epoch_progress": {"current": tracker(1, 0), "total": tracker(1, 0)},
+                "epoch_loop.batch_progress": {
+                    "current": tracker(batches, batches),
+                    "total": tracker(batches, batches),
+                    "is_last_batch": last_batch,
+                },
+            }
+        }
+    }
+
+
+@pytest.mark.parametrize("iteration_based", [False, True])
+def test_a_whole_epochs_end_is_not_run_again_under_max_epochs(iteration_based):
+    """A save at the end of an epoch trained whole is left for Lightning to start the next epoch under `max_epochs`
+    (rewriting it ran the epoch's end hooks twice: an EMA/SWA resume ended off the uninterrupted run); under
+    `max_steps` Lightning's loop cannot start the next epoch from it, so it is rewritten and the repeat reported."""
+    checkpoint = _saved_in_epoch_end_hooks(4, last_batch=True)
+    assert align_loop_state(checkpoint, iteration_based) == (None, iteration_based)
+    epoch = checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]
+    assert epoch["processed"] == (0 if iteration_based else 1)
+
+
+@pytest.mark.parametrize("iteration_based", [False, True])
+def test_a_partial_epochs_end_resumes_at_its_next_batch(iteration_based):
+    checkpoint = _saved_in_epoch_end_hooks(3, last_batch=False)  # `max_steps` stopped `fit` mid-epoch
+    assert align_loop_state(checkpoint, iteration_based) == (None, False)
+    epoch = checkpoint["loops"]["fit_loop"]["epoch_progress"]
+    assert epoch["current"]["processed"] == epoch["total"]["processed"] == 0

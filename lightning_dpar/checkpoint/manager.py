@@ -141,7 +141,15 @@ class CheckpointManager:
         self.writer.close()
 
     # ------------------------------------------------------------------ loading
-    def load(self, path: Any, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool, fitting: bool) -> dict:
+    def load(
+        self,
+        path: Any,
+        model: nn.Module,
+        optimizers: Sequence[Optimizer],
+        strict: bool,
+        fitting: bool,
+        iteration_based: bool = False,
+    ) -> dict:
         """Load model (and the given optimizers') state in place, resharding to this layout; keep the resume record
         for `fit`; return Lightning's part of the checkpoint. Every rank validates, and the ranks agree on the
         outcome before any collective read, so a bad checkpoint raises the same error everywhere."""
@@ -167,7 +175,8 @@ class CheckpointManager:
             )
         self.resume.pending = source.record if fitting else {}  # RNG and data position apply to `fit` only
         if fitting:
-            self.resume.loop_note = align_loop_state(source.rest)  # before Lightning restores its loops from it
+            # before Lightning restores its loops from it
+            self.resume.loop_note, self.resume.reruns_epoch_end = align_loop_state(source.rest, iteration_based)
         return source.rest
 
     def _held_elsewhere(self, key: str) -> bool:

@@ -22,6 +22,8 @@ Lightning's fit loop then starts the next epoch on resume, and the sampler's epo
 `align_loop_state` rewrites such a checkpoint's loop progress, before Lightning restores it, into the state a save at
 the last trained batch's validation end has: the epoch not yet processed, all of its trained batches complete.
 Lightning resumes that state at the next batch of the same epoch (or, after its last batch, with the epoch's end).
+A save at the end of an epoch trained whole under `max_epochs` is not rewritten: Lightning starts the next epoch, as
+under its DDP, and the epoch's end hooks (callbacks' EMA/SWA updates, checkpoints, early stopping) do not run twice.
 
 RNG streams are restored per rank when the world size is unchanged. After a change of world size there is no
 faithful mapping (two ranks must not share a stream), so the freshly seeded streams are kept and a message says so.
@@ -36,6 +38,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch.callbacks import Checkpoint, ProgressBar
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
@@ -159,35 +164,41 @@ EPOCH_PROGRESS_KEY = "epoch_progress"
 BATCH_PROGRESS_KEY = "epoch_loop.batch_progress"
 
 
-def align_loop_state(checkpoint: dict[str, Any]) -> str | None:
+def align_loop_state(checkpoint: dict[str, Any], iteration_based: bool = False) -> tuple[str | None, bool]:
     """Rewrite the fit loop's progress of a checkpoint Lightning would not resume at its next batch into the state it
     does (see the module docstring), before Lightning restores its loops from it. Returns a note when the resume
-    cannot be exact even so, else None.
+    cannot be exact even so (else None), and whether the resumed run runs again the end of an epoch whose end hooks
+    already ran (a whole epoch under `max_steps`: `announce` names the hooks that repeat).
 
     Two states are rewritten, both into the state of a save at the validation end of the last trained batch (every
     trained batch complete, the epoch not processed):
 
-    - the epoch's end hooks ran on a partial or whole epoch (the end of `fit`, a save in `on_train_epoch_end`, or
-      any save after `fit` returned): Lightning would count the epoch as done and start the next one;
+    - the epoch's end hooks ran on a partial epoch (the end of `fit` on `max_steps`, a save in `on_train_epoch_end`
+      or after `fit` returned), or on a whole epoch under `max_steps` (`iteration_based`): Lightning would count the
+      epoch as done and start the next one. A whole epoch's end under `max_epochs` is left alone: Lightning resumes it
+      with the next epoch as its DDP does, and running the epoch's end again would repeat its callbacks' hooks (an
+      EMA/SWA update, a checkpoint, an early-stopping count);
     - a save in `on_train_batch_end` of the epoch's last batch: Lightning would skip the epoch's end (its hooks, an
       `interval="epoch"` scheduler step, the next epoch's loader start). The validation that follows that batch
       cannot be replayed, so that resume is exact only without one; the note says so.
     """
     loop = checkpoint.get("loops", {}).get(FIT_LOOP_KEY)
     if not isinstance(loop, dict) or EPOCH_PROGRESS_KEY not in loop or BATCH_PROGRESS_KEY not in loop:
-        return None
+        return None, False
     epoch, batches = loop[EPOCH_PROGRESS_KEY], loop[BATCH_PROGRESS_KEY]
     batch, current = batches["current"], epoch["current"]
     trained = batch["processed"] == batch["started"] == batch["ready"] > 0
+    whole_epoch = bool(batches.get("is_last_batch"))
     if (
         trained
+        and (iteration_based or not whole_epoch)
         and batch["completed"] == batch["processed"]
         and current["ready"] == current["started"] == current["processed"]
     ):
         for tracker in (epoch["current"], epoch["total"]):
             tracker["processed"] = tracker["started"] - 1
             tracker["completed"] = min(tracker["completed"], tracker["processed"])
-        return None
+        return None, whole_epoch
     if (
         trained
         and batch["completed"] == batch["processed"] - 1
@@ -199,8 +210,8 @@ def align_loop_state(checkpoint: dict[str, Any]) -> str | None:
         return (
             "it was written at the end of the epoch's last batch, before the validation that may follow that batch;"
             " that validation is not run again"
-        )
-    return None
+        ), False
+    return None, False
 
 
 # ---------------------------------------------------------------------- RNG
@@ -241,6 +252,8 @@ class ResumeState:
         self.batches_to_skip = 0
         #: Why the loaded checkpoint's loop state cannot resume exactly (from `align_loop_state`), or None.
         self.loop_note: str | None = None
+        #: Whether the resumed run runs again the end of an epoch whose end hooks already ran (`align_loop_state`).
+        self.reruns_epoch_end = False
         #: The line `position_loader` composed for a mid-epoch resume, logged by `announce` once the loop is set.
         self.announcement: tuple[str, bool] | None = None
 
@@ -304,12 +317,19 @@ class ResumeState:
         exact only if the loop continues in the epoch the data position belongs to, and nothing it skips is lost."""
         announcement, self.announcement = self.announcement, None
         note, self.loop_note = self.loop_note, None
+        reruns, self.reruns_epoch_end = self.reruns_epoch_end, False
         if announcement is None:
             return
         how, exact = announcement
         position = self.train_sampler._start if self.train_sampler is not None else None
         lightning_epoch = trainer.fit_loop.epoch_progress.current.processed  # the epoch its sampler is set to
-        if exact and position is not None and position.epoch != lightning_epoch:
+        ended = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch  # the checkpoint's epoch was trained whole
+        if exact and position is not None and ended and lightning_epoch == position.epoch + 1:
+            how = (
+                f"Resuming at the start of epoch {lightning_epoch}: exact (the checkpoint was written at the end of"
+                f" epoch {position.epoch})."
+            )
+        elif exact and position is not None and position.epoch != lightning_epoch:
             how, exact = (
                 f"Resuming not exactly: the checkpoint is in epoch {position.epoch} after {position.batches} batches,"
                 f" but Lightning's loop continues in epoch {lightning_epoch}, so the rest of epoch {position.epoch}"
@@ -318,6 +338,14 @@ class ResumeState:
             )
         if exact and note is not None and trainer.enable_validation:
             how, exact = f"Resuming not exactly: {note}.", False
+        repeated = repeated_epoch_end_hooks(trainer) if reruns else []
+        if exact and repeated:
+            how, exact = (
+                f"Resuming not exactly: the checkpoint was written at the end of epoch {lightning_epoch} under"
+                " `max_steps`, and Lightning's loop runs that epoch's end again, so the `on_train_epoch_end` hooks of"
+                f" {', '.join(repeated)} run a second time.",
+                False,
+            )
         plateau = skipped_plateau_step(trainer)
         if exact and plateau is not None:
             how, exact = f"Resuming not exactly: {plateau}.", False
@@ -340,6 +368,21 @@ class ResumeState:
         return None
 
 
+def repeated_epoch_end_hooks(trainer: Any) -> list[str]:
+    """The callbacks and LightningModule whose own `on_train_epoch_end` would run twice if an epoch's end ran again.
+    Checkpoint callbacks (a second save of the same state) and progress bars (display only) change no training."""
+    owners = [
+        callback
+        for callback in trainer.callbacks
+        if not isinstance(callback, (Checkpoint, ProgressBar))
+        and is_overridden("on_train_epoch_end", callback, Callback)
+    ]
+    names = [type(callback).__name__ for callback in owners]
+    if is_overridden("on_train_epoch_end", trainer.lightning_module, LightningModule):
+        names.append(type(trainer.lightning_module).__name__)
+    return names
+
+
 def skipped_plateau_step(trainer: Any) -> str | None:
     """Why the resumed run's LR can differ from the uninterrupted run's because of an `interval="epoch"`
     `ReduceLROnPlateau`, or None.
@@ -350,9 +393,15 @@ def skipped_plateau_step(trainer: Any) -> str | None:
     save is not repeated, epoch-aggregated training metrics cover only the resumed batches). The resumed epoch's end
     therefore does not step it where the uninterrupted run did (under Lightning's DDP as well); stepping it here
     instead would need the metric the uninterrupted run had, which no checkpoint holds."""
-    if not trainer.fit_loop.restarting or not trainer.lightning_module.automatic_optimization:
+    loop = trainer.fit_loop
+    if not trainer.lightning_module.automatic_optimization:
         return None
-    epoch = trainer.fit_loop.epoch_progress.current.processed  # the epoch whose end comes next
+    if loop.restarting:
+        epoch = loop.epoch_progress.current.processed  # the epoch whose end comes next
+    elif loop.resumed_on_epoch_end:
+        epoch = loop.epoch_progress.current.processed - 1  # saved in its end hooks; Lightning moves on to the next
+    else:
+        return None
     due = [
         config
         for config in trainer.lr_scheduler_configs
@@ -362,7 +411,7 @@ def skipped_plateau_step(trainer: Any) -> str | None:
         return None
     return (
         f'Lightning does not step the `interval="epoch"` `{type(due[0].scheduler).__name__}` (monitoring'
-        f" {due[0].monitor!r}) at the end of epoch {epoch}, the epoch this fit resumes in, because the metric it"
+        f" {due[0].monitor!r}) at the end of epoch {epoch}, where this fit resumes, because the metric it"
         " monitors is not in the checkpoint; the uninterrupted run steps it there, so from that epoch on the"
         " learning rate can differ. Only a scheduler that monitors no metric resumes exactly"
     )

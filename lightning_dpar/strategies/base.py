@@ -820,6 +820,7 @@ class DparStrategy(ParallelStrategy):
             self.optimizers if fitting else [],
             self.lightning_module.strict_loading,
             fitting,
+            iteration_based=trainer.max_steps != -1,
         )
 
     def process_dataloader(self, dataloader: object) -> object:
