@@ -54,7 +54,12 @@ from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.checkpoint.resume import skip_seen_batches
-from lightning_dpar.compilation import CompileSpec, compile_options, compile_units
+from lightning_dpar.compilation import (
+    CompileSpec,
+    check_compile_with_tensor_parallel,
+    compile_options,
+    compile_units,
+)
 from lightning_dpar.hf_plan import transformers_tp_plan
 from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
 from lightning_dpar.materialize import check_initialisable
@@ -404,6 +409,7 @@ class DparStrategy(ParallelStrategy):
         tp_plan = self._tp_plan_for(module, dims)
         tensor_parallel = self._resolve_tp_plan(module, tp_plan, dims) if tp_plan else {}
         check_tied_layouts(module, tied, tensor_parallel)
+        check_compile_with_tensor_parallel(module, tensor_parallel, self._compile_options)
         shard_units = self._shard_units(module)
         roots = parallelize.data_parallel_roots(module)  # refuses containers holding parameters of their own
         self._check_ties_fit_the_wrapper(tied, roots, dims)
@@ -444,6 +450,7 @@ class DparStrategy(ParallelStrategy):
         tied = tied_parameters(module)
         tensor_parallel = self._resolve_tp_plan(module, tp_plan, dims) if tp_plan else {}
         check_tied_layouts(module, tied, tensor_parallel)
+        check_compile_with_tensor_parallel(module, tensor_parallel, self._compile_options)
         whole = ModulePlan(
             tensor_parallel=tensor_parallel,
             activation_checkpointing=resolve_activation_checkpointing(
