@@ -199,11 +199,12 @@ def test_every_style_of_the_listed_model_families_is_supported():
 def test_plan_dry_run_of_llama_shows_the_mapped_plan_and_never_materialises():
     with torch.device("meta"):
         module = LlamaModule(build_seed=None)
-    strategy = lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2, compile=True)
+    strategy = lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2)
     text = plan(strategy, module, world_size=4).render()
     assert "net.lm_head                          TP ColwiseParallel(output=Replicate())" in text
     assert "net.model.embed_tokens               TP RowwiseParallel(input=Replicate())" in text
-    assert "compile, FSDP unit" in text
+    assert "FSDP unit" in text
+    assert "compile, FSDP unit" in plan(lightning_dpar.FullyShardStrategy(compile=True), module, world_size=4).render()
     assert all(p.is_meta for p in module.parameters())
 
 
