@@ -204,8 +204,10 @@ def test_plan_dry_run_of_llama_shows_the_mapped_plan_and_never_materialises():
     assert "net.lm_head                          TP ColwiseParallel(output=Replicate())" in text
     assert "net.model.embed_tokens               TP RowwiseParallel(input=Replicate())" in text
     assert "FSDP unit" in text
-    assert "compile, FSDP unit" in plan(lightning_dpar.FullyShardStrategy(compile=True), module, world_size=4).render()
     assert all(p.is_meta for p in module.parameters())
+    with torch.device("meta"):
+        fresh = LlamaModule(build_seed=None)
+    assert "compile, FSDP unit" in plan(lightning_dpar.FullyShardStrategy(compile=True), fresh, world_size=4).render()
 
 
 def test_materialisation_reproduces_the_models_own_initialiser_exactly():
