@@ -31,11 +31,12 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, is_composable_replicated, view_base
+from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, is_composable_replicated
 from lightning_dpar.materialize import materialize_meta_tensors
 from lightning_dpar.pipeline.stage import PipelinedModel, split_into_stages
 from lightning_dpar.plan import ModulePlan
 from lightning_dpar.ties import TiedGroup, parameter_owners, retie
+from lightning_dpar.unit_outputs import fully_shard_unit
 
 __all__ = [
     "AppliedPlan",
@@ -208,7 +209,7 @@ def apply_fully_shard(
     owners = SharedOwners(root, tied, [*units, *top_level_names, ""], ignored_params or set())
 
     def shard(fqn: str, top_level: bool) -> None:
-        _fully_shard(
+        fully_shard_unit(
             root.get_submodule(fqn),
             mesh=mesh,
             offload_policy=offload,
@@ -301,7 +302,7 @@ def _fully_shard_stages(
     """
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     for fqn in sorted(units, key=_depth, reverse=True):
-        _fully_shard(
+        fully_shard_unit(
             root.get_submodule(fqn),
             mesh=mesh,
             reshard_after_forward=reshard_after_forward,
@@ -310,7 +311,7 @@ def _fully_shard_stages(
         )
     for stage_root in stage_roots:
         policy = replace(mp_policy(False), cast_forward_inputs=False)
-        _fully_shard(stage_root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, offload_policy=offload)
+        fully_shard_unit(stage_root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, offload_policy=offload)
     return list(stage_roots)  # type: ignore[arg-type]
 
 
@@ -340,64 +341,6 @@ def shard_direct_parameters(
         if callable(getattr(root, name, None)):
             register_fsdp_forward_method(root, name)
     return root  # type: ignore[return-value]
-
-
-def _fully_shard(module: nn.Module, **kwargs: Any) -> None:
-    """`fully_shard(module)`, whose outputs FSDP then sees as no views of tensors outside autograd (`_Alias`)."""
-    fully_shard(module, **kwargs)
-    # Prepended: runs before FSDP's own forward hook, which registers the pre-backward hooks on the outputs.
-    module.register_forward_hook(_outputs_without_detached_views, prepend=True)
-
-
-class _Alias(torch.autograd.Function):
-    """The same tensor (same memory, no copy), no longer recorded as a view; gradients pass through unchanged."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-def _outputs_without_detached_views(module: nn.Module, args: Any, output: Any) -> Any:
-    """A unit's output tensors that are views of a tensor outside autograd, made plain aliases of it.
-
-    A tensor-parallel layer's local output (`DTensor.to_local()`, e.g. the logits of a head with a gathered output
-    at the end of the model) is such a view: autograd created it inside a custom Function, and refuses any in-place
-    op on it. FSDP warns about every view a unit returns ("will silently drop the pre-backward hook"), which cannot
-    happen to this kind, on every step of every rank. As a plain alias FSDP's hook stays on it even through an
-    in-place op. Views of tensors that autograd tracks are left as they are, and FSDP's warning about them stands.
-    """
-    return _map_tensors(output, _alias_if_detached_view)
-
-
-def _alias_if_detached_view(tensor: torch.Tensor) -> torch.Tensor:
-    base = view_base(tensor)
-    if tensor.requires_grad and base is not None and base.grad_fn is None and not base.requires_grad:
-        return _Alias.apply(tensor)
-    return tensor
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`fn` on each tensor of a module output: tensors, tuples and lists, mappings (transformers' `ModelOutput`,
-    changed in place, which keeps its attributes in step)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, list):
-        return [_map_tensors(v, fn) for v in value]
-    if isinstance(value, tuple):
-        items = [_map_tensors(v, fn) for v in value]
-        if all(new is old for new, old in zip(items, value)):
-            return value
-        return tuple(items) if type(value) is tuple else type(value)(*items)  # a named tuple takes its fields
-    if isinstance(value, dict):
-        for key, item in value.items():
-            new = _map_tensors(item, fn)
-            if new is not item:
-                value[key] = new
-    return value
 
 
 def _depth(fqn: str) -> int:
