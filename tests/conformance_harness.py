@@ -140,23 +140,12 @@ def conformance_module(column: Column, batchnorm: bool | None = None, **kwargs: 
 
 
 def conformance_trainer(strategy: Any, column: Column, **kwargs: Any) -> Any:
-    """A quiet Trainer on the column's ranks: `STEPS` steps, no logger, checkpointing, progress bar or sanity check
-    (each can be switched back on through `kwargs`)."""
-    import lightning as L
+    """A quiet Trainer (`tests.workers.common.trainer_for`) on the column's ranks, `STEPS` steps by default."""
+    from tests.workers.common import trainer_for
 
-    defaults: dict[str, Any] = dict(
-        accelerator=_accelerator(),
-        devices=column.world_size,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    defaults.update(kwargs)
-    return L.Trainer(**defaults)
+    kwargs.setdefault("max_steps", STEPS)
+    kwargs.setdefault("devices", column.world_size)
+    return trainer_for(strategy, **kwargs)
 
 
 def column_groups(prefix: str, features: Mapping[str, Feature]) -> dict[str, Callable[[], Any]]:

@@ -30,10 +30,12 @@ def full_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     return get_model_state_dict(trainer.lightning_module, options=options)
 
 
-def trainer_for(strategy, max_steps: int = STEPS, **kwargs) -> L.Trainer:
+def trainer_for(strategy, max_steps: int = STEPS, devices: int | None = None, **kwargs) -> L.Trainer:
+    """A quiet Trainer on `devices` ranks (default: the launch's world): no logger, checkpointing, progress bar or
+    sanity check (each can be switched back on through `kwargs`)."""
     defaults = dict(
         accelerator=os.environ.get("DPAR_TEST_ACCELERATOR", "cpu"),  # "cuda" for the GPU-marked tests
-        devices=world_size(),
+        devices=devices if devices is not None else world_size(),
         strategy=strategy,
         max_steps=max_steps,
         logger=False,
