@@ -11,7 +11,7 @@ ERRORS = {
     "pattern_matches_nothing": ["'model.layers.*.fc9' matches no module", "'model.layers.0.fc1'"],
     "style_cannot_shard_module": ["ColwiseParallel cannot shard 'model.layers.0' (Block)", "Linear and Embedding"],
     "tp_without_plan": ["tensor_parallel_size=4", "needs a `tp_plan`"],
-    "already_wrapped_ddp": ["'model' is already wrapped in DistributedDataParallel"],
+    "already_wrapped_ddp": ["'model' is already wrapped in torch.nn.parallel.distributed.DistributedDataParallel"],
     "ddp_knobs_with_tp": ["['static_graph']", "tensor_parallel_size=4"],
 }
 

@@ -208,7 +208,7 @@ def check_parity(result: dict) -> None:
         assert held["trainable_with_state"] == held["trainable_local"] > 0, rank
     for rank, held in enumerate(result["monitor_held"]):  # the PerformanceMonitor's per-rank measurement
         assert held["gradients"] == held["trainable"] == held["optimizer"] > 0, rank
-        assert held["frozen"] > 10 * held["trainable"], rank
+        assert held["frozen"] > held["trainable"], rank  # the tiny base is only 4x its adapters (all-linear, r=4)
 
 
 @pytest.mark.slow
