@@ -96,6 +96,28 @@ def test_the_issues_hand_pointed_plan_keeps_its_entries():
     assert sorted(styles) == sorted(want)
 
 
+@pytest.mark.parametrize(
+    ("style", "adapter", "want"),
+    [
+        ("colwise_gather_output", "lora_B", ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())),
+        ("rowwise_split_input", "lora_A", RowwiseParallel(input_layouts=Replicate())),
+    ],
+)
+def test_transformers_style_names_give_the_adapters_the_matching_layouts(style, adapter, want):
+    """A base with a gathered output gets a gathered lora_B; a base that splits a whole input, a lora_A that does."""
+    module = meta_lora(["q_proj"])
+    styles = tp_styles(module, {"net.model.layers.*.self_attn.q_proj": style})
+    got = styles[f"{LAYER}.self_attn.q_proj.{adapter}.default"]
+    assert type(got) is type(want)
+    assert (got.input_layouts, got.output_layouts) == (want.input_layouts, want.output_layouts)
+
+
+def test_a_base_style_on_a_shard_of_the_tokens_is_refused_for_its_adapter():
+    sequence_sharded = ColwiseParallel(input_layouts=Shard(1))
+    with pytest.raises(AdapterLayoutError, match=r"with input layout S\(1\): the replicated lora_A would see a shard"):
+        tp_styles(meta_lora(["q_proj"]), {"net.model.layers.*.self_attn.q_proj": sequence_sharded})
+
+
 def test_a_model_without_peft_gets_its_plan_unchanged():
     from tests.workers.hf import LlamaModule
 
