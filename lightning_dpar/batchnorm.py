@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dpar._private_api import privateuse1_backend_name
+from lightning_dpar.class_names import class_name
 
 __all__ = [
     "BATCH_NORM_TYPES",
@@ -70,7 +71,7 @@ def check_no_batch_norm_in_pipeline(module: nn.Module, pipeline_parallel_size: i
     layers = batch_norm_layers(module)
     if layers:
         raise ValueError(
-            f"{type(module).__name__} has BatchNorm layers {layers}, and `pipeline_parallel_size="
+            f"{class_name(module)} has BatchNorm layers {layers}, and `pipeline_parallel_size="
             f"{pipeline_parallel_size}` runs each batch as microbatches: they would normalise over each microbatch"
             " and update their running statistics once per microbatch, not once over the rank's batch as under"
             " DDP. Use a per-sample normalisation (`nn.LayerNorm`, `nn.GroupNorm`), or `pipeline_parallel_size=1`."

@@ -11,6 +11,9 @@ Works with any strategy (the package's or Lightning's own) and any accelerator. 
   `tokens_per_sample` is given or the batch's first tensor holds token ids (an int32/int64 tensor `[batch, seq]`).
 - peak memory: per rank. CUDA: the allocator's peak (`torch.cuda.max_memory_allocated`, reset when training
   starts). CPU: the process's peak resident set size (`ru_maxrss`), which covers the whole process lifetime.
+- held state: per rank, when training ends, measured on the real tensors (`lightning_dpar.memory.held_state`): the
+  local bytes of trainable and frozen parameters, of the gradients allocated and of the optimizers' state. Frozen
+  parameters (a LoRA base model) show here with no gradient and no optimizer state.
 - MFU: achieved model FLOP/s over the device's peak, when both are known. Model FLOPs per batch:
   `flops_per_sample * batch size`, else `6 * N * tokens` (N = parameter count, the standard dense-transformer
   estimate: 2 FLOPs per parameter per token forward, 4 backward; attention scores and activation recomputation are
@@ -34,6 +37,8 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
+
+from lightning_dpar.memory import HeldState, format_bytes, held_state
 
 __all__ = [
     "GIB",
@@ -92,6 +97,8 @@ class PerformanceMonitor(L.Callback):
         self.records: deque[dict[str, float]] = deque(maxlen=RECORDS_KEPT)
         #: Peak memory (bytes) of every rank, gathered when training ends.
         self.peak_memory_per_rank: list[int] = []
+        #: Parameter, gradient and optimizer-state bytes every rank holds, gathered when training ends.
+        self.held_state_per_rank: list[HeldState] = []
         self._batches = 0
         self._last: float | None = None
         # Fixed for a run; computed once in `on_train_start`.
@@ -145,12 +152,14 @@ class PerformanceMonitor(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         peak = _peak_memory_bytes(trainer)
+        held = held_state(pl_module, trainer.optimizers)
         if dist.is_available() and dist.is_initialized():
             gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, peak)
-            self.peak_memory_per_rank = [int(v) for v in gathered]
+            dist.all_gather_object(gathered, (peak, held))
+            self.peak_memory_per_rank = [int(v) for v, _ in gathered]
+            self.held_state_per_rank = [h for _, h in gathered]
         else:
-            self.peak_memory_per_rank = [peak]
+            self.peak_memory_per_rank, self.held_state_per_rank = [peak], [held]
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Here rather than in `on_train_end`: the progress bar has finished its line by now.
@@ -193,6 +202,14 @@ class PerformanceMonitor(L.Callback):
         memory_kind = "CUDA allocator peak" if self._is_cuda(trainer) else "peak RSS"
         for rank, peak in enumerate(self.peak_memory_per_rank):
             rows.append((f"rank {rank} {memory_kind}", f"{peak / GIB:.3f} GiB"))
+        for rank, held in enumerate(self.held_state_per_rank):
+            rows.append(
+                (
+                    f"rank {rank} held",
+                    f"parameters {format_bytes(held.trainable)} trainable + {format_bytes(held.frozen)} frozen,"
+                    f" gradients {format_bytes(held.gradients)}, optimizer {format_bytes(held.optimizer)}",
+                )
+            )
         width = max(len(label) for label, _ in rows)
         lines = [f"{label:<{width}} | {value}" for label, value in rows]
         return "\n".join(["PerformanceMonitor summary", "-" * max(len(line) for line in lines), *lines])

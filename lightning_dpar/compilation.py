@@ -14,6 +14,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from lightning_dpar.class_names import class_name
 from lightning_dpar.hf_plan import transformers_models
 from lightning_dpar.parallelize import data_parallel_roots
 from lightning_dpar.plan import repeated_blocks
@@ -71,7 +72,7 @@ def check_compile_with_tensor_parallel(
     """
     if options is None or not tensor_parallel:
         return
-    models = [name or type(model).__name__ for name, model in transformers_models(root)]
+    models = [name or class_name(model) for name, model in transformers_models(root)]
     if models:
         raise ValueError(
             f"`compile` with tensor parallelism is not supported for transformers models ({', '.join(models)}):"

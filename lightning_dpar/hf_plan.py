@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_dpar._private_api import transformers_tp_plan_attribute
+from lightning_dpar.class_names import class_name
 from lightning_dpar.plan import StyleBuilder, rowwise_style
 
 __all__ = [
@@ -99,7 +100,7 @@ def transformers_tp_plan(root: nn.Module) -> dict[str, str] | None:
     plan: dict[str, str] = {}
     for fqn, model in transformers_models(root):
         for key, style in model_tp_plan(model).items():
-            check_style_supported(style, key, type(model).__name__)
+            check_style_supported(style, key, class_name(model))
             plan[f"{fqn}.{key}" if fqn else key] = style
     return plan or None
 

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_dpar._private_api import transformers_module_initialiser
+from lightning_dpar.class_names import class_name
 from lightning_dpar.hf_plan import is_transformers_model
 from lightning_dpar.ties import retie, tied_parameters
 
@@ -76,7 +77,7 @@ def initialisers(root: nn.Module) -> dict[nn.Module, Initialiser | None]:
 def check_initialisable(root: nn.Module) -> None:
     """Refuse a meta model with tensors that nothing would initialise (they would hold garbage)."""
     missing = {
-        f"{type(module).__name__} ({', '.join(_own_meta_tensors(module))})"
+        f"{class_name(module)} ({', '.join(_own_meta_tensors(module))})"
         for module, init in initialisers(root).items()
         if init is None
     }
@@ -133,7 +134,7 @@ def _initialise_whole_then_slice(module: nn.Module, names: list[str], init: Init
     unwritten = [name for name, tensor in whole.items() if tensor.is_floating_point() and tensor.isnan().any()]
     if unwritten:
         raise TypeError(
-            f"The initialiser of {type(module).__name__} left {unwritten} uninitialised after the model was built on"
+            f"The initialiser of {class_name(module)} left {unwritten} uninitialised after the model was built on"
             " the meta device (e.g. a rotary `inv_freq` buffer that only `__init__` computes; transformers < 5 does"
             " not recompute it). Give the module a `reset_parameters()` that sets them, or build the model without"
             " `empty_init` / the meta device."

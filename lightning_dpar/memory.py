@@ -4,11 +4,13 @@ The estimate counts what lives for the whole run, on one rank, from the real (sh
 
 - parameters: local elements x the parameter dtype's size (fp32 under "32-true" and "bf16-mixed", whose master
   weights stay fp32; bf16 under "bf16-true");
-- gradients: the same (gradients have the parameter's shape and dtype; FSDP2 reduces them in fp32 under
-  "bf16-mixed");
-- optimizer state: local elements x states per element x the parameter dtype's size, with the states per element
-  of each optimizer in `STATES_PER_PARAMETER` (Adam/AdamW: `exp_avg` and `exp_avg_sq`, +1 with `amsgrad`; SGD: 1
-  momentum buffer when `momentum > 0`, else 0; ...);
+- gradients: the same, for trainable parameters only (`requires_grad`: a frozen parameter, e.g. the base model
+  under LoRA, has none and FSDP reduces none for it; gradients have the parameter's shape and dtype; FSDP2 reduces
+  them in fp32 under "bf16-mixed");
+- optimizer state: local elements x states per element x the parameter dtype's size, for trainable parameters only
+  (torch's optimizers make no state for a parameter without a gradient, even one in their parameter groups), with
+  the states per element of each optimizer in `STATES_PER_PARAMETER` (Adam/AdamW: `exp_avg` and `exp_avg_sq`, +1
+  with `amsgrad`; SGD: 1 momentum buffer when `momentum > 0`, else 0; ...);
 - while FSDP computes a unit it all-gathers that unit's parameters in the compute dtype (bf16 under
   "bf16-mixed"): reported separately as the largest unit's size.
 
@@ -30,10 +32,13 @@ from lightning_dpar.mesh import is_sharded
 
 __all__ = [
     "STATES_PER_PARAMETER",
+    "HeldState",
     "MemoryEstimate",
     "OptimizerStates",
     "estimate_memory",
     "format_bytes",
+    "frozen_note",
+    "held_state",
     "local_numel",
     "optimizer_states",
     "unsharded_numel",
@@ -93,12 +98,14 @@ def optimizer_states(optimizers: Iterable[Optimizer]) -> list[OptimizerStates]:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank; `optimizer is None` when some optimizer's state size is unknown."""
+    """Bytes per rank; `optimizer is None` when some optimizer's state size is unknown. `frozen`: the part of
+    `parameters` that does not train (no gradient, no optimizer state)."""
 
     parameters: int
     gradients: int
     optimizer: int | None
     unknown_optimizers: tuple[str, ...]
+    frozen: int = 0
 
     @property
     def total(self) -> int:
@@ -115,13 +122,58 @@ def estimate_memory(module: nn.Module, optimizers: Iterable[Optimizer]) -> Memor
     held = {id(p) for p in params}
     param_bytes = sum(local_numel(p) * p.element_size() for p in params)
     grad_bytes = sum(local_numel(p) * p.element_size() for p in params if p.requires_grad)
+    trainable = {id(p) for p in params if p.requires_grad}
     optimizer_bytes, unknown = 0, set()
     for entry in optimizer_states(optimizers):
         if entry.states is None:
             unknown.add(entry.optimizer)
             continue
-        optimizer_bytes += sum(local_numel(p) * p.element_size() * entry.states for p in entry.params if id(p) in held)
-    return MemoryEstimate(param_bytes, grad_bytes, None if unknown else optimizer_bytes, tuple(sorted(unknown)))
+        optimizer_bytes += sum(
+            local_numel(p) * p.element_size() * entry.states for p in entry.params if id(p) in held & trainable
+        )
+    optimizer = None if unknown else optimizer_bytes
+    return MemoryEstimate(param_bytes, grad_bytes, optimizer, tuple(sorted(unknown)), param_bytes - grad_bytes)
+
+
+@dataclass(frozen=True)
+class HeldState:
+    """Bytes one rank holds now, measured on the real tensors (the estimate's counterpart, e.g. after training):
+    trainable and frozen parameters, the gradients allocated, and the optimizers' state tensors."""
+
+    trainable: int
+    frozen: int
+    gradients: int
+    optimizer: int
+    frozen_with_gradient: tuple[str, ...]  # names of frozen parameters holding a gradient (should be none)
+
+
+def held_state(module: nn.Module, optimizers: Iterable[Optimizer]) -> HeldState:
+    """What this rank holds for `module`'s parameters: their local shards, gradients and optimizer state."""
+
+    def size(t: torch.Tensor) -> int:
+        return local_numel(t) * t.element_size()
+
+    params = dict(module.named_parameters())
+    trainable = sum(size(p) for p in params.values() if p.requires_grad)
+    frozen = sum(size(p) for p in params.values() if not p.requires_grad)
+    gradients = sum(size(p.grad) for p in params.values() if p.grad is not None)
+    states = [
+        value
+        for optimizer in optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    with_grad = tuple(name for name, p in params.items() if not p.requires_grad and p.grad is not None)
+    return HeldState(trainable, frozen, gradients, sum(size(t) for t in states), with_grad)
+
+
+def frozen_note(estimate: MemoryEstimate) -> str:
+    """`" (trainable X, frozen Y: no gradient or optimizer state)"` when some parameters are frozen, else `""`."""
+    if not estimate.frozen:
+        return ""
+    trainable = format_bytes(estimate.parameters - estimate.frozen)
+    return f"   (trainable {trainable}, frozen {format_bytes(estimate.frozen)}: no gradient or optimizer state)"
 
 
 def format_bytes(n: float) -> str:

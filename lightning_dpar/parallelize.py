@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, is_composable_replicated
+from lightning_dpar.class_names import class_name
 from lightning_dpar.materialize import materialize_meta_tensors
 from lightning_dpar.pipeline.stage import PipelinedModel, split_into_stages
 from lightning_dpar.plan import ModulePlan
@@ -153,7 +154,7 @@ def data_parallel_roots(root: nn.Module) -> list[str]:
             if isinstance(child, CONTAINERS):
                 if direct_parameters(child):
                     raise ValueError(
-                        f"Container {fqn!r} ({type(child).__name__}) holds parameters of its own"
+                        f"Container {fqn!r} ({class_name(child)}) holds parameters of its own"
                         f" ({direct_parameters(child)}); put them in a module that the model calls."
                     )
                 visit(f"{fqn}.", child)
@@ -401,7 +402,7 @@ def check_not_wrapped_by_other_parallelism(module: nn.Module, strategy_name: str
     for fqn, m in module.named_modules():
         if isinstance(m, (DistributedDataParallel, FullyShardedDataParallel)):
             raise TypeError(
-                f"Module {fqn or '<root>'!r} is already wrapped in {type(m).__name__}; {strategy_name} applies its"
+                f"Module {fqn or '<root>'!r} is already wrapped in {class_name(m)}; {strategy_name} applies its"
                 " own parallelism. Remove the wrapper from your model (or `configure_model`) and pass the plain"
                 " module."
             )

@@ -21,6 +21,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from lightning_dpar.class_names import class_name
+
 if TYPE_CHECKING:
     from lightning_dpar.pipeline.split import PipelineSplit
 
@@ -145,7 +147,7 @@ def resolve_tp_plan(
         hits = [(fqn, module) for fqn, module in modules if fqn_matches(pattern, fqn)]
         if not hits:
             raise ValueError(
-                f"tp_plan pattern {pattern!r} matches no module of {type(root).__name__}. Module names look like"
+                f"tp_plan pattern {pattern!r} matches no module of {class_name(root)}. Module names look like"
                 f" {_examples(fqn for fqn, _ in modules)}; patterns are relative to the LightningModule."
             )
         for fqn, module in hits:
@@ -169,8 +171,8 @@ def _check_style_fits(fqn: str, module: nn.Module, style: ParallelStyle) -> None
     for style_type, module_types in _WEIGHT_SHARDING_STYLES.items():
         if type(style) is style_type and not isinstance(module, tuple(module_types)):
             raise ValueError(
-                f"tp_plan style {style_type.__name__} cannot shard {fqn!r} ({type(module).__name__}): it supports"
-                f" {' and '.join(t.__name__ for t in module_types)} only. Point the pattern at the Linear layers"
+                f"tp_plan style {style_type.__name__} cannot shard {fqn!r} ({class_name(module)}): it supports"
+                f" {' and '.join(class_name(t) for t in module_types)} only. Point the pattern at the Linear layers"
                 " inside that module (e.g. '<block>.*.fc1') or give a custom ParallelStyle."
             )
 
@@ -257,7 +259,7 @@ def _check_head_counts(root: nn.Module, resolved: Mapping[str, ParallelStyle], t
             if isinstance(count, int) and not isinstance(count, bool) and count % tensor_parallel_size:
                 raise TensorParallelSizeError(
                     f"`tensor_parallel_size={tensor_parallel_size}` does not divide {attribute}={count} of the"
-                    f" {type(module).__name__} at {fqn or '<root>'!r}: column-wise attention projections must give"
+                    f" {class_name(module)} at {fqn or '<root>'!r}: column-wise attention projections must give"
                     f" each rank whole heads. Use a tensor-parallel size among {_divisors(count)}.",
                     _divisors(count),
                 )
@@ -296,7 +298,7 @@ def select_modules(root: nn.Module, selectors: Sequence[ModuleSelector], what: s
 def _selector_matches(selector: ModuleSelector, fqn: str, module: nn.Module) -> bool:
     if isinstance(selector, type):
         return isinstance(module, selector)
-    return type(module).__name__ == selector or fqn_matches(selector, fqn)
+    return selector in (type(module).__name__, class_name(module)) or fqn_matches(selector, fqn)
 
 
 def repeated_blocks(root: nn.Module) -> list[str]:

@@ -194,7 +194,7 @@ class PlanReport:
         lines += [
             "",
             f"Estimated memory on rank {self.rank} (see lightning_dpar.memory for the formula)",
-            f"  parameters  {memory.format_bytes(m.parameters)}",
+            f"  parameters  {memory.format_bytes(m.parameters)}{memory.frozen_note(m)}",
             f"  gradients   {memory.format_bytes(m.gradients)}",
             f"  optimizer   {optimizer}   [{'; '.join(self.optimizers) or 'no optimizer'}]",
             f"  total       {memory.format_bytes(m.total)}",

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lightning_dpar import hf_keys
+from lightning_dpar.class_names import class_name
 from lightning_dpar.hf_plan import transformers_models
 from lightning_dpar.pipeline.split import is_under
 from lightning_dpar.ties import tied_parameters
@@ -264,7 +265,7 @@ def load_pretrained(
         problems.append(f"no key of the checkpoint is a key of the model under the prefix {prefix!r}")
     if problems:
         raise PretrainedLoadError(
-            f"Pretrained weights {weights.path!r} do not fit {type(module).__name__} (keys matched with the prefix"
+            f"Pretrained weights {weights.path!r} do not fit {class_name(module)} (keys matched with the prefix"
             f" {prefix!r}): {'; '.join(problems)}. Pass `PretrainedWeights(path, prefix=..., strict=False)` to load"
             " only the keys that match."
         )

@@ -9,9 +9,12 @@ ERRORS = {
     "tp_not_dividing_world": ["tensor_parallel_size=5", "does not divide the world size 4", "[1, 2, 4]"],
     "replicate_size_not_dividing": ["replicate_size=5", "Valid replicate sizes: [1, 2, 4]"],
     "pattern_matches_nothing": ["'model.layers.*.fc9' matches no module", "'model.layers.0.fc1'"],
-    "style_cannot_shard_module": ["ColwiseParallel cannot shard 'model.layers.0' (Block)", "Linear and Embedding"],
+    "style_cannot_shard_module": [
+        "ColwiseParallel cannot shard 'model.layers.0' (tests.models.Block)",
+        "torch.nn.modules.linear.Linear and torch.nn.modules.sparse.Embedding",
+    ],
     "tp_without_plan": ["tensor_parallel_size=4", "needs a `tp_plan`"],
-    "already_wrapped_ddp": ["'model' is already wrapped in DistributedDataParallel"],
+    "already_wrapped_ddp": ["'model' is already wrapped in torch.nn.parallel.distributed.DistributedDataParallel"],
     "ddp_knobs_with_tp": ["['static_graph']", "tensor_parallel_size=4"],
 }
 

@@ -236,5 +236,8 @@ def test_a_meta_module_nothing_can_initialise_is_refused():
 
     with torch.device("meta"):
         module = Holder()
-    with pytest.raises(TypeError, match=r"Modules \['NoInit \(scale\)'\] were created on the meta device"):
+    with pytest.raises(
+        TypeError,
+        match=r"Modules \['tests\.test_hf_models\.\S+<locals>\.NoInit \(scale\)'\] were created on the meta device",
+    ):
         plan(lightning_dpar.FullyShardStrategy(), module, world_size=2)

@@ -52,7 +52,9 @@ def test_a_model_registering_its_head_first_gives_the_order_its_forward_calls():
     assert ordered.stages[0][0] == "transformer.wte" and ordered.stages[-1][-2:] == ("transformer.ln_f", "lm_head")
     with pytest.raises(ValueError, match=r"`pipeline_call_order=\['transformer'\]` leaves out \['lm_head'\]"):
         resolve_split(module, repeated_blocks(module), "auto", 2, 1, "loop", ["transformer"])
-    with pytest.raises(ValueError, match=r"names \['head'\], which are not modules of LitGPTLike"):
+    with pytest.raises(
+        ValueError, match=r"names \['head'\], which are not modules of tests.test_pipeline_plan.LitGPTLike"
+    ):
         resolve_split(module, repeated_blocks(module), "auto", 2, 1, "loop", ["transformer", "head"])
 
 
@@ -95,7 +97,7 @@ def test_bad_split_points_are_named(spec, message):
 
 
 def test_more_stages_than_blocks_is_an_error_naming_both():
-    with pytest.raises(ValueError, match=r"4 pipeline stages need at least 4 blocks, but Net has 2"):
+    with pytest.raises(ValueError, match=r"4 pipeline stages need at least 4 blocks, but tests.models.Net has 2"):
         split(Net(depth=2), stages=4)
 
 

@@ -99,11 +99,11 @@ def test_rank_option_shows_that_ranks_coordinate(capsys):
         (["--world-size", "6", "--trainer.strategy.tensor_parallel_size=4"], "does not divide the world size 6"),
         (
             ["--trainer.strategy.tp_plan={'model.blocks.*.fc9': 'colwise'}"],
-            "tp_plan pattern 'model.blocks.*.fc9' matches no module of GPT",
+            "tp_plan pattern 'model.blocks.*.fc9' matches no module of lightning_dpar.examples.gpt.GPT",
         ),
         (
             ["--trainer.strategy.tp_plan={'model.blocks.*': 'colwise'}"],
-            "ColwiseParallel cannot shard 'model.blocks.0' (Block)",
+            "ColwiseParallel cannot shard 'model.blocks.0' (lightning_dpar.examples.gpt.Block)",
         ),
     ],
 )

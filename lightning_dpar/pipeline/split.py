@@ -26,6 +26,7 @@ from typing import Literal, Union
 
 from torch import nn
 
+from lightning_dpar.class_names import class_name
 from lightning_dpar.plan import ModulePlan
 
 __all__ = [
@@ -56,7 +57,7 @@ def pipeline_units(root: nn.Module, blocks: Sequence[str], call_order: Sequence[
     module in turn, each group in registration order."""
     if not blocks:
         raise ValueError(
-            f"Pipeline parallelism splits a model between its repeated blocks, but {type(root).__name__} has none"
+            f"Pipeline parallelism splits a model between its repeated blocks, but {class_name(root)} has none"
             " (no `nn.ModuleList` of modules with parameters). Put the transformer layers in an `nn.ModuleList`, or"
             " name the blocks with `shard_modules`."
         )
@@ -69,7 +70,7 @@ def pipeline_units(root: nn.Module, blocks: Sequence[str], call_order: Sequence[
     def visit(prefix: str, module: nn.Module) -> None:
         direct = [name for name, _ in module.named_parameters(recurse=False)]
         if direct:
-            owner = prefix.rstrip(".") or type(root).__name__
+            owner = prefix.rstrip(".") or class_name(root)
             raise ValueError(
                 f"Module {owner!r} holds parameters of its own ({direct}) and also contains pipeline blocks, so its"
                 " parameters belong to no single stage. Move them into a submodule (for example an `nn.Embedding`"
@@ -95,7 +96,7 @@ def _in_call_order(root: nn.Module, units: list[str], call_order: Sequence[str])
     unknown = [name for name in call_order if name not in names]
     if unknown:
         raise ValueError(
-            f"`pipeline_call_order` names {unknown}, which are not modules of {type(root).__name__}; name modules"
+            f"`pipeline_call_order` names {unknown}, which are not modules of {class_name(root)}; name modules"
             f" holding units, in the order the forward calls them (units: {_examples(units)})."
         )
     ordered = [unit for name in call_order for unit in units if is_under(unit, [name])]
@@ -162,7 +163,7 @@ def resolve_split(
     units = pipeline_units(root, blocks, call_order)
     num_stages = num_ranks * stages_per_rank
     if spec == "auto":
-        stages = _auto_stages(units, list(blocks), num_stages, type(root).__name__)
+        stages = _auto_stages(units, list(blocks), num_stages, class_name(root))
     elif isinstance(spec, str):
         raise ValueError(f"`pipeline_split={spec!r}` is invalid: use 'auto' or a list of module names.")
     else:
@@ -253,7 +254,7 @@ def _explicit_stages(root: nn.Module, units: list[str], split_points: list[str],
         if point not in units:
             what = "is a module but not a unit" if point in names else "names no module"
             raise ValueError(
-                f"Pipeline split point {point!r} {what} of {type(root).__name__}. A split point is the name of the"
+                f"Pipeline split point {point!r} {what} of {class_name(root)}. A split point is the name of the"
                 f" unit that starts a stage: one of {_examples(units, limit=12)}."
             )
         positions.append(units.index(point))

@@ -43,6 +43,7 @@ from lightning_dpar._private_api import (
     replace_model_checkpoint_link,
     sync_ddp_if_available,
 )
+from lightning_dpar.adapters import adapter_tp_plan
 from lightning_dpar.batchnorm import (
     check_no_batch_norm_in_pipeline,
     check_sync_batchnorm_supported,
@@ -54,6 +55,7 @@ from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.checkpoint.resume import skip_seen_batches
+from lightning_dpar.class_names import class_name
 from lightning_dpar.compilation import (
     CompileSpec,
     check_compile_with_tensor_parallel,
@@ -333,7 +335,7 @@ class DparStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is not None and not module.automatic_optimization:
             raise ValueError(
-                f"{type(module).__name__} sets `automatic_optimization = False`, and `pipeline_parallel_size="
+                f"{class_name(module)} sets `automatic_optimization = False`, and `pipeline_parallel_size="
                 f"{pipeline_parallel_size}` runs `training_step` through a pipeline schedule that"
                 " does each microbatch's forward and backward itself, so `manual_backward` and your own optimizer"
                 " steps cannot run inside it. Use automatic optimisation, or `pipeline_parallel_size=1`."
@@ -428,7 +430,7 @@ class DparStrategy(ParallelStrategy):
         """The split into stages, and the plan (resolved on the whole model) restricted to `rank`'s stages."""
         if parallelize.is_parallelized(module):
             raise TypeError(
-                f"{type(module).__name__} was already parallelised (in `configure_model` or before `fit`); with"
+                f"{class_name(module)} was already parallelised (in `configure_model` or before `fit`); with"
                 " `pipeline_parallel_size > 1` the strategy splits the model into stages first and parallelises each"
                 " stage itself. Remove the manual `fully_shard` / `parallelize_module` calls and give a `tp_plan`."
             )
@@ -465,7 +467,7 @@ class DparStrategy(ParallelStrategy):
     def _resolve_tp_plan(self, module: nn.Module, tp_plan: dict[str, PlanStyle], dims: ParallelDims) -> dict[str, Any]:
         """`resolve_tp_plan`; a size that does not divide the model says how to set one that does, for this class."""
         try:
-            return resolve_tp_plan(module, tp_plan, dims.tensor_parallel)
+            return resolve_tp_plan(module, adapter_tp_plan(module, tp_plan), dims.tensor_parallel)
         except TensorParallelSizeError as error:
             kept = {"pipeline_parallel_size": self._pipeline_parallel_size, "replicate_size": self._replicate_size}
             kept = {name: value for name, value in kept.items() if value != 1}
@@ -489,7 +491,7 @@ class DparStrategy(ParallelStrategy):
         plan = parse_tp_plan(transformers_tp_plan(module))
         if plan is not None:
             return plan
-        name = type(module).__name__
+        name = class_name(module)
         if AUTO in (self._tp_plan, attribute):
             found = f"`tp_plan='auto'` found no transformers model with a tensor-parallel plan in {name}"
         else:
@@ -516,7 +518,7 @@ class DparStrategy(ParallelStrategy):
     def _check_adoptable(self, module: nn.Module) -> None:
         """A model the user parallelised in `configure_model` is only accepted by strategies that allow it."""
         raise TypeError(
-            f"{type(module).__name__} was already parallelised (in `configure_model` or before `fit`);"
+            f"{class_name(module)} was already parallelised (in `configure_model` or before `fit`);"
             f" {type(self).__name__} applies its own parallelism. Remove the manual `fully_shard` /"
             " `parallelize_module` / `replicate` calls, or use strategy='dpar_2d', which adopts them."
         )

@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType
+from lightning_dpar.class_names import class_name
 from lightning_dpar.mesh import MeshLayout, SizeArg, fsdp_mesh
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import SplitSpec
@@ -169,7 +170,7 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
         """A `ModelParallelStrategy`-style `configure_model` runs unchanged; FSDP is added if it only applied TP."""
         if self._tp_plan is not None:
             raise ValueError(
-                f"{type(module).__name__}.configure_model already parallelised the model, and the strategy was"
+                f"{class_name(module)}.configure_model already parallelised the model, and the strategy was"
                 " also given a `tp_plan`. Use one or the other, so the plan is not applied twice."
             )
 
