@@ -1,0 +1,178 @@
+"""Adapter-only checkpoints (`checkpoint_weights="trainable"`) and adapter export (`consolidate --format peft`,
+`--format hf --merge-adapters`): the pure logic in process (key selection, base fingerprint, refusal messages, peft
+names), then through real Trainers on 2 and 4 gloo ranks (workers in `tests/workers/adapter_checkpoints.py`):
+exact resume from the base in `pretrained=`, refusals, and exports from the checkpoints those runs wrote."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_dpar import FullyShardStrategy
+from lightning_dpar.checkpoint.adapter_only import (
+    ADAPTER_ONLY_KEY,
+    base_fingerprint,
+    base_keys,
+    base_to_restore,
+    check_keys,
+    frozen_keys,
+)
+from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
+from lightning_dpar.pretrained import PretrainedWeights, match_pretrained
+from tests.conftest import run_workers
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def save_llama(path, seed: int = 0, max_shard_size: str = "20KB") -> None:
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).save_pretrained(path, max_shard_size=max_shard_size)
+
+
+def lora_llama(seed: int = 1):
+    torch.manual_seed(seed)
+    return peft.get_peft_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)), peft.LoraConfig(**LORA))
+
+
+class Holder(torch.nn.Module):
+    """What a LightningModule looks like to the key logic: the peft model held as `self.model`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("adapters")
+    save_llama(path / "base", seed=0)
+    save_llama(path / "other_base", seed=5)  # same architecture, other values
+    return path
+
+
+# ---------------------------------------------------------------------- in process
+def test_base_keys_are_the_frozen_parameters_the_directory_supplies(shared_dir):
+    """LoRA's adapters train and are kept; every frozen base weight is named by the pretrained directory under its
+    peft name (`q_proj.base_layer.weight`), so all of them are left out, the tied head included."""
+    module = Holder(lora_llama())
+    _, prefix, mapping = match_pretrained(module, PretrainedWeights(str(shared_dir / "base")))
+    assert prefix == "model.base_model.model."
+    assert mapping.missing == [] and mapping.unexpected == []  # adapters are not base weights: not missing
+    assert "model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in mapping.to_model.values()
+    supplied = set(module.state_dict()) - set(mapping.missing)
+    left_out = base_keys(frozen_keys(module), supplied)
+    trainable = {k for k, p in module.named_parameters() if p.requires_grad}
+    assert trainable and not trainable & set(left_out)
+    assert set(left_out) | trainable == set(module.state_dict())
+    assert "model.base_model.model.lm_head.weight" in left_out  # tied to the embedding the directory holds
+
+
+def test_a_frozen_parameter_the_directory_lacks_stays_in_the_checkpoint():
+    assert base_keys({"a.weight", "b.weight"}, supplied={"a.weight", "c.weight"}) == ["a.weight"]
+
+
+def test_base_fingerprint_tells_other_values_apart_and_not_a_copy(shared_dir, tmp_path):
+    import shutil
+
+    base, other = str(shared_dir / "base"), str(shared_dir / "other_base")
+    shutil.copytree(base, tmp_path / "copy")
+    assert base_fingerprint(base) == base_fingerprint(str(tmp_path / "copy"))  # a copy elsewhere is the same base
+    assert base_fingerprint(base) != base_fingerprint(other)
+    save_llama(tmp_path / "one_file", seed=0, max_shard_size="1GB")  # same tensors, other file layout
+    assert base_fingerprint(base) == base_fingerprint(str(tmp_path / "one_file"))
+
+
+def test_resume_without_the_base_or_with_another_is_refused_saying_what_to_pass(shared_dir):
+    base, other = str(shared_dir / "base"), str(shared_dir / "other_base")
+    record = {ADAPTER_ONLY_KEY: {"base_keys": ["w"], "base_path": base, "base_fingerprint": base_fingerprint(base)}}
+    assert base_to_restore({}, None, "c.ckpt") == []  # a full checkpoint needs nothing
+    assert base_to_restore(record, PretrainedWeights(base), "c.ckpt") == ["w"]
+    with pytest.raises(CheckpointLoadError, match=rf"adapter-only.*no `pretrained=`.*Pass `pretrained='{base}'`"):
+        base_to_restore(record, None, "c.ckpt")
+    with pytest.raises(CheckpointLoadError, match=rf"`pretrained='{other}'` holds other weights.*\('{base}'"):
+        base_to_restore(record, PretrainedWeights(other), "c.ckpt")
+
+
+def test_adapter_only_keys_must_complete_the_model_under_strict_loading():
+    check_keys({"a"}, {"a", "w"}, ["w"], strict=True, url="c")
+    with pytest.raises(CheckpointLoadError, match=r"Missing in the checkpoint and its base: \['b'\]"):
+        check_keys({"a"}, {"a", "b", "w"}, ["w"], strict=True, url="c")
+    check_keys({"a"}, {"a", "b", "w"}, ["w"], strict=False, url="c")
+    with pytest.raises(CheckpointLoadError, match="base tensors the model lacks"):
+        check_keys({"a"}, {"a"}, ["w"], strict=False, url="c")
+
+
+def test_trainable_checkpoints_need_pretrained_and_the_option_is_checked(shared_dir):
+    with pytest.raises(ValueError, match=r"`checkpoint_weights='trainable'` .* pass `pretrained=`"):
+        FullyShardStrategy(checkpoint_weights="trainable")
+    with pytest.raises(ValueError, match=r"`checkpoint_weights='adapters'` is invalid; use 'all'"):
+        FullyShardStrategy(checkpoint_weights="adapters", pretrained=str(shared_dir / "base"))
+    strategy = FullyShardStrategy(checkpoint_weights="trainable", pretrained=str(shared_dir / "base"))
+    assert strategy.checkpoints.adapter_only is not None
+
+
+def test_peft_names_of_the_exported_adapter_are_peft_own():
+    from lightning_dpar.checkpoint.peft_export import peft_model_record, peft_tensor_names
+
+    module = Holder(lora_llama())
+    record = peft_model_record(module)["peft_model"]
+    assert record["prefix"] == "model."
+    assert json.loads(record["adapters"]["default"])["r"] == 4
+    names = peft_tensor_names(module.model, "default")
+    assert names["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"] == (
+        "base_model.model.model.layers.1.self_attn.v_proj.lora_B.default.weight"
+    )
+    assert set(names) == set(peft.get_peft_model_state_dict(module.model))
+    assert peft_model_record(torch.nn.Linear(2, 2)) == {}
+
+
+# ---------------------------------------------------------------------- through real Trainers
+@pytest.fixture(scope="module")
+def results2(shared_dir):
+    return run_workers(2, "adapter_resume,adapter_refusal", shared_dir, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def results4(shared_dir):
+    return run_workers(4, "adapter_resume", shared_dir, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "world"),
+    [("adapter_fsdp_sharded_async_2", 2), ("adapter_fsdp_full_2", 2), ("adapter_2d_sharded_4", 4)],
+)
+def test_resume_from_an_adapter_only_checkpoint_ends_like_the_uninterrupted_run(request, case, world):
+    """Interrupted after 3 of 6 steps, saved adapter-only, resumed from a module whose adapters start from other
+    random values and whose base is read from `pretrained=`: every parameter ends as in the uninterrupted run. The
+    checkpoint holds the adapters alone: no base weight."""
+    result = request.getfixturevalue(f"results{world}")[case]
+    assert result["global_step"] == 6
+    assert result["adapters_moved"] > 1e-3  # the steps after the interruption changed the adapters
+    assert result["max_abs_diff"] < 1e-5
+    assert len(result["stored_keys"]) == result["trainable"] == 8  # lora_A and lora_B of q and v in 2 layers
+    assert all(".lora_" in key for key in result["stored_keys"])
+
+
+@pytest.mark.slow
+def test_resume_without_the_base_or_with_another_base_is_refused_on_every_rank(results2, shared_dir):
+    result = results2["adapter_refusal"]
+    base, other = str(shared_dir / "base"), str(shared_dir / "other_base")
+    for message in result["messages"]["no_base"]:
+        assert "adapter-only checkpoint" in message and f"Pass `pretrained={base!r}`" in message
+    for message in result["messages"]["other_base"]:
+        assert f"`pretrained={other!r}` holds other weights" in message and base in message
