@@ -56,11 +56,17 @@ def adapter_keys(root: nn.Module) -> set[str]:
     return keys
 
 
-def with_base_layers(model: nn.Module, names: Mapping[str, str]) -> dict[str, str]:
-    """`names` (`{name in model: anything}`, names as the unwrapped base model has them) with each name of a weight
-    of a layer that peft wrapped moved under its `base_layer` (`a.q_proj.weight` -> `a.q_proj.base_layer.weight`);
-    others unchanged."""
-    wrapped = {name for name, module in model.named_modules() if is_tuner_layer(module)}
+def with_base_layers(root: nn.Module, names: Mapping[str, str]) -> dict[str, str]:
+    """`names` (`{name: anything}`, names as the unwrapped base model has them, relative to it, wherever `root` holds
+    it) with each weight of a layer peft wrapped moved under its `base_layer` (`a.q_proj.weight` ->
+    `a.q_proj.base_layer.weight`); others unchanged. A layer is found by its name's whole trailing segments among
+    `root`'s tuner layers (`layers.0.q_proj` is `model.base_model.model.layers.0.q_proj`), so it works whatever
+    the prefix in front of the base model."""
+    wrapped: set[str] = set()
+    for name, module in root.named_modules():
+        if is_tuner_layer(module):
+            parts = name.split(".")
+            wrapped.update(".".join(parts[i:]) for i in range(len(parts)))
     if not wrapped:
         return dict(names)
     renamed = {}

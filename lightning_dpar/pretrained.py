@@ -327,10 +327,11 @@ def _size(n: int) -> str:
 def stored_names(module: nn.Module, checkpoint_names: Sequence[str]) -> dict[str, str]:
     """`{the name transformers loads a checkpoint tensor as: its name in the files}`: the renames of the one
     transformers model `module` holds (GPT-NeoX's `embed_out` is `lm_head`; see `lightning_dpar.hf_keys`), else the
-    names as they are."""
+    names as they are; a weight of a layer `peft` wrapped is loaded under its `base_layer`
+    (`lightning_dpar.peft_keys`)."""
     models = transformers_models(module)
     if len(models) != 1:
-        return {name: name for name in checkpoint_names}
+        return peft_keys.with_base_layers(module, {name: name for name in checkpoint_names})
     by_loaded: dict[str, str] = {}
     for stored, loaded in hf_keys.loaded_names(models[0][1], checkpoint_names).items():
         if loaded in by_loaded:

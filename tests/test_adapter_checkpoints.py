@@ -176,3 +176,67 @@ def test_resume_without_the_base_or_with_another_base_is_refused_on_every_rank(r
         assert "adapter-only checkpoint" in message and f"Pass `pretrained={base!r}`" in message
     for message in result["messages"]["other_base"]:
         assert f"`pretrained={other!r}` holds other weights" in message and base in message
+
+
+def _trained_peft_model(shared_dir, trained_file: str):
+    """The peft model with the values a run trained (as saved by the worker), for comparison."""
+    trained = torch.load(shared_dir / trained_file, weights_only=True)
+    model = lora_llama()
+    model.load_state_dict({k.removeprefix("model."): v for k, v in trained.items()})
+    return model
+
+
+EXPORT_SOURCES = [("adapter_fsdp_sharded_async_2", "ckpt"), ("adapter_refusal", "full_ckpt")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "key"), EXPORT_SOURCES)
+def test_peft_export_loads_with_peft_from_pretrained_with_the_trained_values(results2, shared_dir, tmp_path, case, key):
+    from lightning_dpar.consolidate import main as consolidate
+
+    ckpt = results2[case][key]
+    trained_file = f"{case}.trained.pt" if case != "adapter_refusal" else "all_weights.trained.pt"
+    out = tmp_path / "adapter"
+    assert consolidate([ckpt, str(out), "--format", "peft"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((out / "adapter_config.json").read_text())["target_modules"] in (
+        ["q_proj", "v_proj"],
+        ["v_proj", "q_proj"],
+    )
+    base = transformers.AutoModelForCausalLM.from_pretrained(shared_dir / "base", dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, out).state_dict()
+    want = _trained_peft_model(shared_dir, trained_file).state_dict()
+    assert set(loaded) == set(want)
+    assert max((loaded[k] - want[k]).abs().max().item() for k in want) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "key"), EXPORT_SOURCES)
+def test_merged_export_equals_merge_and_unload(results2, shared_dir, tmp_path, case, key):
+    from lightning_dpar.consolidate import main as consolidate
+
+    ckpt = results2[case][key]
+    trained_file = f"{case}.trained.pt" if case != "adapter_refusal" else "all_weights.trained.pt"
+    out = tmp_path / "merged"
+    base = ["--base", str(shared_dir / "base")] if case != "adapter_refusal" else []
+    assert consolidate([ckpt, str(out), "--format", "hf", "--merge-adapters", *base]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    want = _trained_peft_model(shared_dir, trained_file).merge_and_unload().state_dict()
+    assert set(merged) == set(want)
+    assert max((merged[k] - want[k]).abs().max().item() for k in want) == 0.0
+    unmerged = transformers.AutoModelForCausalLM.from_pretrained(shared_dir / "base", dtype=torch.float32)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert (merged[q] - unmerged.state_dict()[q]).abs().max() > 1e-4  # the adapters are in it
+
+
+@pytest.mark.slow
+def test_merged_export_of_an_adapter_only_checkpoint_needs_its_own_base(results2, shared_dir, tmp_path, capsys):
+    from lightning_dpar.consolidate import main as consolidate
+
+    ckpt = results2["adapter_fsdp_sharded_async_2"]["ckpt"]
+    assert consolidate([ckpt, str(tmp_path / "a"), "--format", "hf", "--merge-adapters"]) == 1
+    assert "adapter-only checkpoint: the merge needs its frozen base" in capsys.readouterr().err
+    other = str(shared_dir / "other_base")
+    assert consolidate([ckpt, str(tmp_path / "b"), "--format", "hf", "--merge-adapters", "--base", other]) == 1
+    assert "holds other weights than the base" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
