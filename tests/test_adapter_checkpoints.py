@@ -240,3 +240,17 @@ def test_merged_export_of_an_adapter_only_checkpoint_needs_its_own_base(results2
     assert consolidate([ckpt, str(tmp_path / "b"), "--format", "hf", "--merge-adapters", "--base", other]) == 1
     assert "holds other weights than the base" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.usefixtures("no_pytest_argv")
+def test_checkpoint_weights_from_yaml(tmp_path, shared_dir):
+    import yaml
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    init_args = {"pretrained": str(shared_dir / "base"), "checkpoint_weights": "trainable"}
+    strategy = {"class_path": "lightning_dpar.FullyShardStrategy", "init_args": init_args}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 1, "strategy": strategy}}))
+    cli = LightningCLI(BoringModel, run=False, args=["--config", str(config)], save_config_callback=None)
+    assert cli.trainer.strategy.checkpoints.adapter_only is not None

@@ -631,7 +631,8 @@ class DparStrategy(ParallelStrategy):
             return
         if trainer.ckpt_path is not None:
             rank_zero_info(
-                f"Resuming from {trainer.ckpt_path!r}: the pretrained weights are read only for its frozen base."
+                f"Resuming from {trainer.ckpt_path!r}: the pretrained weights are not read (an adapter-only"
+                " checkpoint's frozen base is, before the checkpoint)."
             )
             return
         self._read_pretrained(module)

@@ -116,7 +116,7 @@ def resume_case(layout: str, checkpoint_format: str, async_save: bool) -> dict |
     if dist.get_rank() != 0:
         return None
     trainable = sorted(k for k, p in resumed.lightning_module.named_parameters() if p.requires_grad)
-    torch.save({k: v for k, v in got.items()}, workdir() / f"{name}.trained.pt")
+    torch.save(at_interrupt, workdir() / f"{name}.trained.pt")  # the values the checkpoint holds, for the exports
     return {
         "ckpt": ckpt,
         "max_abs_diff": max_diff(got, want),
