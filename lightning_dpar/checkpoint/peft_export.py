@@ -99,7 +99,14 @@ def _meta_peft_model(hf_record: Mapping[str, Any], config: Any, adapter: str) ->
     """The recorded base class with the adapter, built on the meta device (names and shapes only)."""
     model_class, model_config = _model_class_and_config(hf_record)
     with torch.device("meta"):
-        return _peft().get_peft_model(model_class(model_config), config, adapter_name=adapter)
+        return _with_adapter(model_class(model_config), config, adapter)
+
+
+def _with_adapter(model: nn.Module, config: Any, adapter: str) -> nn.Module:
+    """`get_peft_model`, the model named as the adapter's config names its base (else peft replaces that name in
+    the config with the model's, and warns)."""
+    model.name_or_path = config.base_model_name_or_path
+    return _peft().get_peft_model(model, config, adapter_name=adapter)
 
 
 def peft_tensor_names(model: nn.Module, adapter: str) -> dict[str, str]:
@@ -157,7 +164,7 @@ def export_merged(checkpoint: Any, out: Path, base: str | None = None, adapter: 
         model = _base_from_directory(hf_record, adapter_only, base, url)
     else:
         model = _base_from_checkpoint(checkpoint, hf_record, meta_model)
-    peft_model = _peft().get_peft_model(model, config, adapter_name=adapter)
+    peft_model = _with_adapter(model, config, adapter)
     loaded = _peft().set_peft_model_state_dict(peft_model, tensors, adapter_name=adapter)
     unexpected = getattr(loaded, "unexpected_keys", [])
     if unexpected:
