@@ -15,9 +15,9 @@ from lightning_dpar.checkpoint.adapter_only import (
     ADAPTER_ONLY_KEY,
     base_fingerprint,
     base_keys,
-    base_to_restore,
     check_keys,
     frozen_keys,
+    required_base,
 )
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.pretrained import PretrainedWeights, match_pretrained
@@ -99,12 +99,12 @@ def test_base_fingerprint_tells_other_values_apart_and_not_a_copy(shared_dir, tm
 def test_resume_without_the_base_or_with_another_is_refused_saying_what_to_pass(shared_dir):
     base, other = str(shared_dir / "base"), str(shared_dir / "other_base")
     record = {ADAPTER_ONLY_KEY: {"base_keys": ["w"], "base_path": base, "base_fingerprint": base_fingerprint(base)}}
-    assert base_to_restore({}, None, "c.ckpt") == []  # a full checkpoint needs nothing
-    assert base_to_restore(record, PretrainedWeights(base), "c.ckpt") == ["w"]
+    assert required_base({}, None, "c.ckpt") == []  # a full checkpoint needs nothing
+    assert required_base(record, PretrainedWeights(base), "c.ckpt") == ["w"]
     with pytest.raises(CheckpointLoadError, match=rf"adapter-only.*no `pretrained=`.*Pass `pretrained='{base}'`"):
-        base_to_restore(record, None, "c.ckpt")
+        required_base(record, None, "c.ckpt")
     with pytest.raises(CheckpointLoadError, match=rf"`pretrained='{other}'` holds other weights.*\('{base}'"):
-        base_to_restore(record, PretrainedWeights(other), "c.ckpt")
+        required_base(record, PretrainedWeights(other), "c.ckpt")
 
 
 def test_adapter_only_keys_must_complete_the_model_under_strict_loading():
@@ -254,3 +254,39 @@ def test_checkpoint_weights_from_yaml(tmp_path, shared_dir):
     config.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 1, "strategy": strategy}}))
     cli = LightningCLI(BoringModel, run=False, args=["--config", str(config)], save_config_callback=None)
     assert cli.trainer.strategy.checkpoints.adapter_only is not None
+
+
+def test_a_wrapped_layer_weight_is_found_under_any_prefix_and_others_keep_their_names():
+    from lightning_dpar import peft_keys
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = torch.nn.Linear(4, 4)
+            self.k = torch.nn.Linear(4, 4)
+
+    base = torch.nn.Module()
+    base.blocks = torch.nn.ModuleList([Block(), Block()])
+    module = Holder(peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q"])))
+    names = {"blocks.0.q.weight": 1, "blocks.0.q.bias": 2, "blocks.1.k.weight": 3}
+    assert peft_keys.with_base_layers(module, names) == {
+        "blocks.0.q.base_layer.weight": 1,
+        "blocks.0.q.base_layer.bias": 2,
+        "blocks.1.k.weight": 3,
+    }
+    assert peft_keys.adapter_keys(module) == {
+        f"model.base_model.model.blocks.{i}.q.lora_{ab}.default.weight" for i in (0, 1) for ab in "AB"
+    }
+    assert peft_keys.with_base_layers(torch.nn.Linear(2, 2), names) == names  # no peft layer: unchanged
+
+
+def test_consolidate_refuses_adapter_options_with_other_formats(capsys):
+    from lightning_dpar.consolidate import main as consolidate
+
+    for args, message in (
+        (["--format", "peft", "--merge-adapters"], "--merge-adapters applies to --format hf only"),
+        (["--format", "hf", "--base", "b"], "--base applies to --format hf --merge-adapters only"),
+    ):
+        with pytest.raises(SystemExit):
+            consolidate(["ckpt", "out", *args])
+        assert message in capsys.readouterr().err

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -53,6 +53,7 @@ __all__ = [
     "check_keys",
     "check_weights_option",
     "frozen_keys",
+    "required_base",
     "stored_model_keys",
 ]
 
@@ -157,10 +158,29 @@ class AdapterOnlySaves:
         return whole
 
 
-def base_to_restore(record: dict[str, Any], pretrained: PretrainedWeights | None, url: str) -> list[str]:
-    """The base keys to read from `pretrained=` before loading the checkpoint `record` belongs to ([] for a full
-    checkpoint). Raises `CheckpointLoadError` saying what to pass when the base cannot come back: no `pretrained=`, or
-    one whose fingerprint differs from the one the checkpoint was trained on. Local, no collective."""
+def base_to_restore(
+    source: ShardedSource | FullSource,
+    pretrained: PretrainedWeights | None,
+    model: nn.Module,
+    strict: bool,
+    url: str,
+    held_elsewhere: Callable[[str], bool] = lambda key: False,
+) -> list[str]:
+    """The base keys to read from `pretrained=` before loading the opened checkpoint `source` into `model` ([] for a
+    full checkpoint). Raises `CheckpointLoadError` saying what to pass when the base cannot come back (no
+    `pretrained=`, or one whose fingerprint differs from the one the checkpoint was trained on), and, as a load
+    does, when the checkpoint and its base do not hold the model's keys (`check_keys`; keys `held_elsewhere`, by
+    other pipeline stages, aside). Local, no collective."""
+    base = required_base(source.record, pretrained, url)
+    if base:
+        stored = {key for key in stored_model_keys(source) if not held_elsewhere(key)}
+        check_keys(stored, model.state_dict(), base, strict, url)
+    return base
+
+
+def required_base(record: dict[str, Any], pretrained: PretrainedWeights | None, url: str) -> list[str]:
+    """The base keys an adapter-only checkpoint's `record` left out ([] for a full checkpoint), once `pretrained` is
+    checked to be its base (else `CheckpointLoadError` saying what to pass)."""
     adapter = record.get(ADAPTER_ONLY_KEY)
     if adapter is None:
         return []

@@ -177,10 +177,9 @@ class CheckpointManager:
         source, own_error, base = None, None, []
         try:
             source = _FORMATS["sharded" if location.is_dir() else "full"].open(location, rank, world_size)
-            base = adapter_only.base_to_restore(source.record, self.pretrained, location.url)
-            if base:
-                stored = {key for key in adapter_only.stored_model_keys(source) if not self._held_elsewhere(key)}
-                adapter_only.check_keys(stored, model.state_dict(), base, strict, location.url)
+            base = adapter_only.base_to_restore(
+                source, self.pretrained, model, strict, location.url, self._held_elsewhere
+            )
         except CheckpointLoadError as error:
             own_error = error
         problem = first_problem(str(own_error) if own_error is not None else None)
