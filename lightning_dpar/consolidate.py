@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from lightning_dpar.checkpoint import hf_export, peft_export
+from lightning_dpar.checkpoint.adapter_only import refuse_without_base
 from lightning_dpar.checkpoint.export import OfflineCheckpoint
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--base applies to --format hf --merge-adapters only (the adapter export needs no base)")
     try:
         checkpoint = OfflineCheckpoint(args.ckpt_dir)
+        if args.format in ("lightning", "hf") and not args.merge_adapters:  # a model without its base: refused
+            refuse_without_base(checkpoint.info.dpar_record, checkpoint.info.location.url, f"--format {args.format}")
         if args.format == "lightning":
             write_lightning(checkpoint, Path(args.out))
             written = [Path(args.out)]

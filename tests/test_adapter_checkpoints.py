@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 
+import lightning as L
 import pytest
 import torch
 
+import lightning_dpar
 from lightning_dpar import FullyShardStrategy
 from lightning_dpar.checkpoint.adapter_only import (
     ADAPTER_ONLY_KEY,
@@ -105,6 +107,17 @@ def test_resume_without_the_base_or_with_another_is_refused_saying_what_to_pass(
         required_base(record, None, "c.ckpt")
     with pytest.raises(CheckpointLoadError, match=rf"`pretrained='{other}'` holds other weights.*\('{base}'"):
         required_base(record, PretrainedWeights(other), "c.ckpt")
+
+
+def test_reading_an_adapter_only_checkpoint_without_a_base_is_refused_with_the_ways_to_read_it():
+    from lightning_dpar.checkpoint.adapter_only import refuse_without_base
+
+    refuse_without_base({}, "c.ckpt", "--format lightning")  # a full checkpoint
+    record = {ADAPTER_ONLY_KEY: {"base_keys": ["w"], "base_path": "llama-base", "base_fingerprint": "f"}}
+    with pytest.raises(
+        CheckpointLoadError, match=r"--format lightning cannot .* `pretrained='llama-base'`.*--format peft"
+    ):
+        refuse_without_base(record, "c.ckpt", "--format lightning")
 
 
 def test_adapter_only_keys_must_complete_the_model_under_strict_loading():
@@ -240,6 +253,12 @@ def test_merged_export_of_an_adapter_only_checkpoint_needs_its_own_base(results2
     assert consolidate([ckpt, str(tmp_path / "b"), "--format", "hf", "--merge-adapters", "--base", other]) == 1
     assert "holds other weights than the base" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # Formats that would build the model without its base are refused; so is `load_from_checkpoint`.
+    assert consolidate([ckpt, str(tmp_path / "c.ckpt")]) == 1
+    assert "--format lightning cannot build the model from it" in capsys.readouterr().err
+    full_format = results2["adapter_fsdp_full_2"]["ckpt"]
+    with pytest.raises(CheckpointLoadError, match="`load_from_checkpoint` cannot build the model from it"):
+        lightning_dpar.load_from_checkpoint(L.LightningModule, full_format)
 
 
 @pytest.mark.usefixtures("no_pytest_argv")

@@ -53,6 +53,7 @@ __all__ = [
     "check_keys",
     "check_weights_option",
     "frozen_keys",
+    "refuse_without_base",
     "required_base",
     "stored_model_keys",
 ]
@@ -227,3 +228,17 @@ def stored_model_keys(source: ShardedSource | FullSource) -> set[str]:
     if isinstance(source, ShardedSource):
         return source.info.keys_under(source.info.model_key)
     return set(source.checkpoint.get("state_dict", {}))
+
+
+def refuse_without_base(record: dict[str, Any], url: str, where: str) -> None:
+    """Refuse to read an adapter-only checkpoint where no base can join it (`where`: what was asked), rather than
+    leave the base with the model's own initialisation."""
+    adapter = record.get(ADAPTER_ONLY_KEY)
+    if adapter is not None:
+        raise CheckpointLoadError(
+            f"{url!r} is an adapter-only checkpoint (`checkpoint_weights='trainable'`): it lacks the frozen base it was"
+            f" trained on from {adapter['base_path']!r}, so {where} cannot build the model from it. Load it with a"
+            f" Trainer whose strategy has `pretrained={adapter['base_path']!r}` (`validate`/`test`/`predict(ckpt_path"
+            "=...)`), or export the adapter: `consolidate CKPT OUT --format peft`, or the merged model with `--format"
+            " hf --merge-adapters --base DIR`."
+        )
