@@ -15,10 +15,10 @@ import lightning_dpar
 from lightning_dpar import FullyShardStrategy
 from lightning_dpar.checkpoint.adapter_only import (
     ADAPTER_ONLY_KEY,
+    AdapterOnlySaves,
     base_fingerprint,
     base_keys,
     check_keys,
-    frozen_keys,
     required_base,
 )
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
@@ -75,12 +75,21 @@ def test_base_keys_are_the_frozen_parameters_the_directory_supplies(shared_dir):
     assert prefix == "model.base_model.model."
     assert mapping.missing == [] and mapping.unexpected == []  # adapters are not base weights: not missing
     assert "model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in mapping.to_model.values()
-    supplied = set(module.state_dict()) - set(mapping.missing)
-    left_out = base_keys(frozen_keys(module), supplied)
+    left_out = AdapterOnlySaves(PretrainedWeights(str(shared_dir / "base"))).left_out(module, ())
     trainable = {k for k, p in module.named_parameters() if p.requires_grad}
     assert trainable and not trainable & set(left_out)
     assert set(left_out) | trainable == set(module.state_dict())
     assert "model.base_model.model.lm_head.weight" in left_out  # tied to the embedding the directory holds
+
+
+def test_a_frozen_inactive_adapter_is_no_base_weight_and_stays_in_the_checkpoint(shared_dir):
+    module = Holder(lora_llama())
+    module.model.add_adapter("other", peft.LoraConfig(**LORA))  # not the active one: frozen
+    inactive = {k for k, p in module.named_parameters() if ".other." in k}
+    assert inactive and not any(p.requires_grad for k, p in module.named_parameters() if k in inactive)
+    left_out = AdapterOnlySaves(PretrainedWeights(str(shared_dir / "base"))).left_out(module, ())
+    assert not inactive & set(left_out)
+    assert all(".base_layer." in k or ".lora_" not in k for k in left_out)
 
 
 def test_a_frozen_parameter_the_directory_lacks_stays_in_the_checkpoint():

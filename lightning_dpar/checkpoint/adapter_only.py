@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from lightning_dpar import peft_keys
 from lightning_dpar.checkpoint.full import FullSource
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.sharded import ShardedSource
@@ -127,7 +128,9 @@ class AdapterOnlySaves:
         """The base keys a save leaves out; computed once (local: headers only)."""
         if self._left_out is None:
             _, _, mapping = match_pretrained(model, self.pretrained, held_elsewhere)
-            supplied = set(model.state_dict()) - set(mapping.missing)
+            # Not missing: matched, tied to a matched name, or an adapter (which no base has: a frozen, inactive
+            # adapter of a multi-adapter model is not supplied and stays in the checkpoint).
+            supplied = set(model.state_dict()) - set(mapping.missing) - peft_keys.adapter_keys(model)
             self._left_out = base_keys(frozen_keys(model), supplied)
         return self._left_out
 
