@@ -11,7 +11,8 @@ built on the meta device (no memory); only those tensors are read from the check
 
 `--format hf --merge-adapters` writes the merged model, as `peft_model.merge_and_unload().save_pretrained(OUT)`
 does, for `AutoModelForCausalLM.from_pretrained`. The base comes from the checkpoint, or, for an adapter-only one,
-from `--base DIR` (the base's `save_pretrained` directory, checked against the fingerprint the checkpoint recorded).
+from `--base DIR` (the base's `save_pretrained` directory, checked against the fingerprint the checkpoint recorded),
+with what the checkpoint holds of the base model on top (a layer norm trained besides the adapters).
 The merge runs in peft, on the whole model in this process's memory.
 
 Both work from a full checkpoint and from an adapter-only one (`checkpoint.adapter_only`).
@@ -160,10 +161,8 @@ def export_merged(checkpoint: Any, out: Path, base: str | None = None, adapter: 
     tensors, adapter, config, meta_model = _adapter_tensors(checkpoint, adapter)
     hf_record = require_record(metadata, url)
     adapter_only = metadata.get(DPAR_KEY, {}).get(ADAPTER_ONLY_KEY)
-    if adapter_only is not None:
-        model = _base_from_directory(hf_record, adapter_only, base, url)
-    else:
-        model = _base_from_checkpoint(checkpoint, hf_record, meta_model)
+    model = _base_from_directory(hf_record, adapter_only, base, url) if adapter_only is not None else None
+    model = _with_checkpoint_base_tensors(checkpoint, hf_record, meta_model, model)
     peft_model = _with_adapter(model, config, adapter)
     loaded = _peft().set_peft_model_state_dict(peft_model, tensors, adapter_name=adapter)
     unexpected = getattr(loaded, "unexpected_keys", [])
@@ -193,21 +192,26 @@ def _base_from_directory(
     return model_class.from_pretrained(base, dtype="auto")
 
 
-def _base_from_checkpoint(checkpoint: Any, hf_record: Mapping[str, Any], meta_model: nn.Module) -> nn.Module:
-    """The base model with the checkpoint's own (frozen) base weights: every tensor of the recorded class, read
-    from where the peft model keeps it (`q_proj.weight` under `q_proj.base_layer.weight`)."""
+def _with_checkpoint_base_tensors(
+    checkpoint: Any, hf_record: Mapping[str, Any], meta_model: nn.Module, model: nn.Module | None
+) -> nn.Module:
+    """The base model with every tensor of it the checkpoint holds, read from where the peft model keeps it
+    (`q_proj.weight` under `q_proj.base_layer.weight`): all of them for a full checkpoint (`model` None: built here
+    from the record), and for an adapter-only one (`model`: the base from `--base`) what trained besides the
+    adapters (a layer norm left trainable) and any frozen tensor its base lacks, which the base must not override."""
     model_class, model_config = _model_class_and_config(hf_record)
-    with torch.device("meta"):
-        model = model_class(model_config)
-    inner = meta_model.get_base_model()
+    built = model is None
+    if model is None:
+        with torch.device("meta"):
+            model = model_class(model_config)
     stored = checkpoint.model_tensors()
     prefix = hf_record["prefix"]
-    renamed = peft_keys.with_base_layers(inner, {name: name for name in model.state_dict()})
+    renamed = peft_keys.with_base_layers(meta_model.get_base_model(), {name: name for name in model.state_dict()})
     state = {name: checkpoint.read_tensor(prefix + key) for key, name in renamed.items() if prefix + key in stored}
-    result = model.load_state_dict(state, strict=False, assign=True)
+    result = model.load_state_dict(state, strict=False, assign=built)
     tied = {key for group in tied_groups(model) for key in group}
     missing = [key for key in result.missing_keys if key not in tied]
-    if missing:
+    if built and missing:
         raise ExportError(f"{checkpoint.info.location.url!r} lacks base tensors of its model: {missing[:10]}.")
     model.tie_weights()
     return model
