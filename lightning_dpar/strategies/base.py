@@ -139,7 +139,7 @@ class DparStrategy(ParallelStrategy):
             again. See `lightning_dpar.checkpoint.adapter_only`.
         pretrained: a Hugging Face `save_pretrained` directory (or `PretrainedWeights(path, prefix, strict)`) read
             into the model once it is parallelised, each rank reading only its shards; skipped when a checkpoint is
-            resumed (`ckpt_path`). See `lightning_dpar.pretrained`.
+            resumed (`ckpt_path`), but for an adapter-only checkpoint's frozen base. See `lightning_dpar.pretrained`.
     """
 
     strategy_name = "dpar"
