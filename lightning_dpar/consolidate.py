@@ -13,7 +13,10 @@ Turns a sharded checkpoint (lightning_dpar, Lightning's `ModelParallelStrategy` 
   the LightningModule (`model.layers.0...`); `--strip-prefix model.` removes the attribute's name.
 - `--format hf`: a directory `transformers`' `from_pretrained` loads: the weights of the LightningModule's
   `PreTrainedModel`, prefix stripped, checked against that class, streamed the same way, with its `config.json` and
-  `generation_config.json` (see `lightning_dpar.checkpoint.hf_export`).
+  `generation_config.json` (see `lightning_dpar.checkpoint.hf_export`). With `--merge-adapters`, a peft model's
+  adapters merged into its base (`merge_and_unload`); an adapter-only checkpoint takes its base from `--base DIR`.
+- `--format peft`: `adapter_model.safetensors` and `adapter_config.json` of the checkpoint's peft adapter, which
+  `PeftModel.from_pretrained(base, OUT)` loads (see `lightning_dpar.checkpoint.peft_export`).
 
 Runs in one process, no GPU or process group needed: `python -m lightning_dpar consolidate ...` or
 `python -m lightning_dpar.consolidate ...`.
@@ -30,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_dpar.checkpoint import hf_export
+from lightning_dpar.checkpoint import hf_export, peft_export
+from lightning_dpar.checkpoint.adapter_only import refuse_without_base
 from lightning_dpar.checkpoint.export import OfflineCheckpoint
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 
@@ -134,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("ckpt_dir", help="sharded checkpoint directory (local path or fsspec URL)")
     parser.add_argument("out", help="output .ckpt file (lightning) or output directory (safetensors)")
-    parser.add_argument("--format", choices=["lightning", "safetensors", "hf"], default="lightning")
+    parser.add_argument("--format", choices=["lightning", "safetensors", "hf", "peft"], default="lightning")
     parser.add_argument(
         "--strip-prefix",
         default=None,
@@ -143,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-shard-size", type=parse_size, default=parse_size("5GB"), help="safetensors file size limit (5GB)"
     )
+    parser.add_argument("--merge-adapters", action="store_true", help="hf: merge a peft model's adapters into it")
+    parser.add_argument(
+        "--base", default=None, help="hf --merge-adapters of an adapter-only checkpoint: base model dir"
+    )
+    parser.add_argument("--adapter", default=None, help="peft, --merge-adapters: which adapter (default: the only one)")
     return parser
 
 
@@ -157,11 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.strip_prefix is not None and args.format != "safetensors":
         parser.error("--strip-prefix applies to --format safetensors only (--format hf strips the prefix itself)")
+    if args.merge_adapters and args.format != "hf":
+        parser.error("--merge-adapters applies to --format hf only (--format peft writes the adapter alone)")
+    if args.base is not None and not args.merge_adapters:
+        parser.error("--base applies to --format hf --merge-adapters only (the adapter export needs no base)")
     try:
         checkpoint = OfflineCheckpoint(args.ckpt_dir)
+        if args.format in ("lightning", "hf") and not args.merge_adapters:  # a model without its base: refused
+            refuse_without_base(checkpoint.info.dpar_record, checkpoint.info.location.url, f"--format {args.format}")
         if args.format == "lightning":
             write_lightning(checkpoint, Path(args.out))
             written = [Path(args.out)]
+        elif args.format == "peft":
+            written = peft_export.export_peft(checkpoint, Path(args.out), args.adapter)
+        elif args.merge_adapters:
+            written = peft_export.export_merged(checkpoint, Path(args.out), args.base, args.adapter)
         else:
             written = write_weights(checkpoint, Path(args.out), args.format, args.strip_prefix, args.max_shard_size)
     except (CheckpointLoadError, hf_export.ExportError, OSError, ValueError) as error:

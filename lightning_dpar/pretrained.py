@@ -25,7 +25,7 @@ from typing import Union
 import torch
 from torch import nn
 
-from lightning_dpar import hf_keys
+from lightning_dpar import hf_keys, peft_keys
 from lightning_dpar.class_names import class_name
 from lightning_dpar.hf_plan import transformers_models
 from lightning_dpar.pipeline.split import is_under
@@ -43,6 +43,7 @@ __all__ = [
     "infer_prefix",
     "load_pretrained",
     "map_keys",
+    "match_pretrained",
     "safetensors_files",
     "stored_names",
     "tied_groups",
@@ -234,6 +235,29 @@ class PretrainedLoad:
         )
 
 
+def match_pretrained(
+    module: nn.Module,
+    weights: PretrainedWeights,
+    held_elsewhere: Sequence[str] = (),
+    tied: Sequence[Sequence[str]] | None = None,
+    state: Mapping[str, object] | None = None,
+) -> tuple[dict[str, str], str, KeyMapping]:
+    """Which tensor of `weights` fills which key of `module`, from the safetensors headers only (no tensor is read;
+    local, no collective): `({name as loaded: name in the files}, prefix, mapping)`. Adapter parameters a `peft`
+    model adds (`lora_A`, `lora_B`) are not base weights, so no checkpoint has them: never counted as missing."""
+    checkpoint = checkpoint_shapes(weights.path)
+    stored_as = stored_names(module, list(checkpoint))
+    checkpoint = {name: checkpoint[stored] for name, stored in stored_as.items()}
+    state = module.state_dict() if state is None else state
+    model_shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    prefix = weights.prefix if weights.prefix is not None else infer_prefix(list(model_shapes), list(checkpoint))
+    checkpoint = {k: shape for k, shape in checkpoint.items() if not is_under(prefix + k, held_elsewhere)}
+    mapping = map_keys(model_shapes, checkpoint, prefix, tied_groups(module) if tied is None else tied)
+    adapters = peft_keys.adapter_keys(module)
+    mapping.missing = [key for key in mapping.missing if key not in adapters]
+    return stored_as, prefix, mapping
+
+
 def load_pretrained(
     module: nn.Module,
     weights: PretrainedWeights,
@@ -252,14 +276,8 @@ def load_pretrained(
     import torch.distributed.checkpoint as dcp
 
     start = time.perf_counter()
-    checkpoint = checkpoint_shapes(weights.path)
-    stored_as = stored_names(module, list(checkpoint))
-    checkpoint = {name: checkpoint[stored] for name, stored in stored_as.items()}
     state = module.state_dict()  # DTensor shards / local tensors sharing storage with the parameters
-    model_shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
-    prefix = weights.prefix if weights.prefix is not None else infer_prefix(list(model_shapes), list(checkpoint))
-    checkpoint = {k: shape for k, shape in checkpoint.items() if not is_under(prefix + k, held_elsewhere)}
-    mapping = map_keys(model_shapes, checkpoint, prefix, tied_groups(module) if tied is None else tied)
+    stored_as, prefix, mapping = match_pretrained(module, weights, held_elsewhere, tied, state)
     problems = mapping.problems(weights.strict)
     if not mapping.to_model:
         problems.append(f"no key of the checkpoint is a key of the model under the prefix {prefix!r}")
@@ -310,10 +328,11 @@ def _size(n: int) -> str:
 def stored_names(module: nn.Module, checkpoint_names: Sequence[str]) -> dict[str, str]:
     """`{the name transformers loads a checkpoint tensor as: its name in the files}`: the renames of the one
     transformers model `module` holds (GPT-NeoX's `embed_out` is `lm_head`; see `lightning_dpar.hf_keys`), else the
-    names as they are."""
+    names as they are; a weight of a layer `peft` wrapped is loaded under its `base_layer`
+    (`lightning_dpar.peft_keys`)."""
     models = transformers_models(module)
     if len(models) != 1:
-        return {name: name for name in checkpoint_names}
+        return peft_keys.with_base_layers(module, {name: name for name in checkpoint_names})
     by_loaded: dict[str, str] = {}
     for stored, loaded in hf_keys.loaded_names(models[0][1], checkpoint_names).items():
         if loaded in by_loaded:
@@ -322,7 +341,7 @@ def stored_names(module: nn.Module, checkpoint_names: Sequence[str]) -> dict[str
                 f" {loaded!r} into {hf_keys.library_class_name(models[0][1])}: remove one of them."
             )
         by_loaded[loaded] = stored
-    return by_loaded
+    return peft_keys.with_base_layers(models[0][1], by_loaded)
 
 
 def _sample(keys: Sequence[str], limit: int = 3) -> str:

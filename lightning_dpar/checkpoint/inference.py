@@ -16,9 +16,10 @@ from typing import Any, TypeVar
 import lightning as L
 import torch
 
+from lightning_dpar.checkpoint.adapter_only import refuse_without_base
 from lightning_dpar.checkpoint.export import OfflineCheckpoint
 from lightning_dpar.checkpoint.full import read_full
-from lightning_dpar.checkpoint.layout import describe_problem
+from lightning_dpar.checkpoint.layout import DPAR_KEY, describe_problem
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.storage import Location
 
@@ -44,9 +45,11 @@ def load_from_checkpoint(
     if not location.is_dir():
         # Vetted by our reader first (memory-mapped locally, so cheap): content that would run code, a truncated or
         # foreign file, or a newer format fail with a message naming the file instead of torch's raw error.
-        read_full(location)
+        refuse_without_base(read_full(location).get(DPAR_KEY, {}), location.url, "`load_from_checkpoint`")
         return cls.load_from_checkpoint(str(path), strict=strict, weights_only=True, **kwargs)
-    checkpoint = OfflineCheckpoint(str(path)).lightning_checkpoint(with_optimizers=False)
+    offline = OfflineCheckpoint(str(path))
+    refuse_without_base(offline.info.dpar_record, location.url, "`load_from_checkpoint`")
+    checkpoint = offline.lightning_checkpoint(with_optimizers=False)
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     del checkpoint

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_dpar.checkpoint import adapter_only
 from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.errors import CheckpointSaveError
 from lightning_dpar.checkpoint.full import FullFormat
@@ -26,6 +27,7 @@ from lightning_dpar.checkpoint.sharded import ShardedFormat
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import CheckpointWriter
 from lightning_dpar.pipeline.split import is_under
+from lightning_dpar.pretrained import PretrainedWeights
 
 __all__ = ["CheckpointFormatName", "CheckpointManager"]
 
@@ -75,10 +77,19 @@ class CheckpointManager:
     either format, whichever the path holds."""
 
     def __init__(
-        self, checkpoint_format: CheckpointFormatName, async_save: bool, timeout: timedelta | None = None
+        self,
+        checkpoint_format: CheckpointFormatName,
+        async_save: bool,
+        timeout: timedelta | None = None,
+        weights: adapter_only.CheckpointWeights = "all",
+        pretrained: PretrainedWeights | None = None,
     ) -> None:
         if checkpoint_format not in _FORMATS:
             raise ValueError(f"`checkpoint_format={checkpoint_format!r}` is invalid; use 'sharded' or 'full'.")
+        adapter_only.check_weights_option(weights, pretrained)
+        #: Where the frozen base of an adapter-only checkpoint comes back from (`checkpoint.adapter_only`).
+        self.pretrained = pretrained
+        self.adapter_only = adapter_only.AdapterOnlySaves(pretrained) if weights == "trainable" and pretrained else None
         self.format: _Format = _FORMATS[checkpoint_format]
         self.writer = CheckpointWriter(timeout=timeout)
         self.resume = ResumeState()
@@ -105,6 +116,8 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
     def model_state(self, model: nn.Module) -> dict[str, Any]:
+        if self.adapter_only is not None:  # `checkpoint_weights="trainable"`: without the frozen base
+            return self.adapter_only.model_state(model, self.keys_held_elsewhere, full=self.format.name == "full")
         return self.format.model_state(model)
 
     def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
@@ -123,6 +136,8 @@ class CheckpointManager:
         in front of the save."""
         self.writer.wait()  # a full save after an async one: one save at a time
         per_rank = {RNG_STATES_KEY: capture_rng_state()}
+        if self.adapter_only is not None:
+            record = {**record, **self.adapter_only.record()}
         self.format.save(checkpoint, record, per_rank, str(path), self.writer)
 
     def remove(self, path: Any, is_global_zero: bool) -> None:
@@ -149,24 +164,32 @@ class CheckpointManager:
         strict: bool,
         fitting: bool,
         iteration_based: bool = False,
+        load_base: Callable[[], None] = lambda: None,
     ) -> dict:
         """Load model (and the given optimizers') state in place, resharding to this layout; keep the resume record
         for `fit`; return Lightning's part of the checkpoint. Every rank validates, and the ranks agree on the
-        outcome before any collective read, so a bad checkpoint raises the same error everywhere."""
+        outcome before any collective read, so a bad checkpoint raises the same error everywhere. An adapter-only
+        checkpoint's frozen base is read first, by `load_base` (the strategy's `pretrained=` load)."""
         self.writer.wait()  # the checkpoint may be the one still being written
         location = Location.parse(_from_rank_zero(str(path)))
         rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-        source, own_error = None, None
+        source, own_error, base = None, None, []
         try:
             source = _FORMATS["sharded" if location.is_dir() else "full"].open(location, rank, world_size)
+            base = adapter_only.base_to_restore(
+                source, self.pretrained, model, strict, location.url, self._held_elsewhere
+            )
         except CheckpointLoadError as error:
             own_error = error
         problem = first_problem(str(own_error) if own_error is not None else None)
         if problem is not None:  # the rank that found it keeps its type (`UnsafeCheckpointError`, ...)
             raise own_error if own_error is not None and str(own_error) == problem else CheckpointLoadError(problem)
         assert source is not None
-        report = source.load(model, optimizers, strict, self._held_elsewhere)
+        if base:
+            load_base()  # checked above: the same base the checkpoint was trained on
+        report = source.load(model, optimizers, strict and not base, self._held_elsewhere)
+        report.missing = [key for key in report.missing if key not in frozenset(base)]
         if report.missing or report.unexpected:
             rank_zero_warn(
                 f"Loaded {location.url!r} with `strict_loading=False`. Keys of the model not in the checkpoint (left"

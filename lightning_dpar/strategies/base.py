@@ -51,9 +51,11 @@ from lightning_dpar.batchnorm import (
 )
 from lightning_dpar.buffers import BufferSync
 from lightning_dpar.callback_checks import optimizer_problem, refuse_unsupported_callbacks
+from lightning_dpar.checkpoint.adapter_only import CheckpointWeights
 from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
+from lightning_dpar.checkpoint.peft_export import peft_model_record
 from lightning_dpar.checkpoint.resume import skip_seen_batches
 from lightning_dpar.class_names import class_name
 from lightning_dpar.compilation import (
@@ -134,9 +136,12 @@ class DparStrategy(ParallelStrategy):
         checkpoint_format: `"sharded"` (default; a DCP directory, each rank writes its shards) or `"full"` (one file
             that `torch.load` and `LightningModule.load_from_checkpoint` read; gathers the model on rank 0).
         async_save: write sharded checkpoints in the background (staged to CPU memory first).
+        checkpoint_weights: `"all"` (default) saves every parameter; `"trainable"` leaves out the frozen base that
+            `pretrained=` supplies (adapter-only checkpoints, e.g. LoRA), which a resume reads from `pretrained=`
+            again. See `lightning_dpar.checkpoint.adapter_only`.
         pretrained: a Hugging Face `save_pretrained` directory (or `PretrainedWeights(path, prefix, strict)`) read
             into the model once it is parallelised, each rank reading only its shards; skipped when a checkpoint is
-            resumed (`ckpt_path`). See `lightning_dpar.pretrained`.
+            resumed (`ckpt_path`), but for an adapter-only checkpoint's frozen base. See `lightning_dpar.pretrained`.
     """
 
     strategy_name = "dpar"
@@ -155,6 +160,7 @@ class DparStrategy(ParallelStrategy):
         start_method: StartMethod = "popen",
         checkpoint_format: CheckpointFormatName = "sharded",
         async_save: bool = False,
+        checkpoint_weights: CheckpointWeights = "all",
         pretrained: PretrainedSpec | None = None,
         pipeline_parallel_size: int = 1,
         pipeline: PipelineConfig | None = None,
@@ -207,8 +213,10 @@ class DparStrategy(ParallelStrategy):
         self._tied: list[tuple[str, ...]] = []
         # Checkpointing (see the checkpointing section below).
         #: The single owner of save, load, async writes, removal and the resume state (`checkpoint.manager`).
-        self.checkpoints = CheckpointManager(checkpoint_format, async_save, timeout)
         self._pretrained = to_pretrained_weights(pretrained)
+        self.checkpoints = CheckpointManager(
+            checkpoint_format, async_save, timeout, checkpoint_weights, self._pretrained
+        )
 
     @classmethod
     def register_class_names(cls, strategy_registry: StrategyRegistryType) -> None:
@@ -624,8 +632,16 @@ class DparStrategy(ParallelStrategy):
         if self._pretrained is None:
             return
         if trainer.ckpt_path is not None:
-            rank_zero_info(f"Resuming from {trainer.ckpt_path!r}: the pretrained weights are not read.")
+            rank_zero_info(
+                f"Resuming from {trainer.ckpt_path!r}: the pretrained weights are not read (an adapter-only"
+                " checkpoint's frozen base is, before the checkpoint)."
+            )
             return
+        self._read_pretrained(module)
+
+    def _read_pretrained(self, module: nn.Module) -> None:
+        """Read `pretrained` into the parallelised parameters (collective)."""
+        assert self._pretrained is not None
         loaded = load_pretrained(module, self._pretrained, self.checkpoints.keys_held_elsewhere, self._tied)
         rank_zero_info(loaded.summary())
         if loaded.mapping.missing or loaded.mapping.unexpected:
@@ -806,6 +822,7 @@ class DparStrategy(ParallelStrategy):
         data_parallel = self.dims.data_parallel if self.dims is not None else None
         record = self.checkpoints.resume.record(trainer, type(self).__name__, self.world_size, data_parallel)
         checkpoint.update(hf_model_record(self.lightning_module))  # for `consolidate --format hf`
+        checkpoint.update(peft_model_record(self.lightning_module))  # for `consolidate --format peft`
         self.checkpoints.save(checkpoint, filepath, record)
 
     def _point_last_link(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
@@ -830,6 +847,7 @@ class DparStrategy(ParallelStrategy):
             self.lightning_module.strict_loading,
             fitting,
             iteration_based=trainer.max_steps != -1,
+            load_base=lambda: self._read_pretrained(self.lightning_module),
         )
 
     def process_dataloader(self, dataloader: object) -> object:

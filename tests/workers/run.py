@@ -49,6 +49,7 @@ MODULES = [
         "conformance_callbacks",
         "model_zoo",
         "peft",
+        "adapter_checkpoints",
     )
 ]
 
