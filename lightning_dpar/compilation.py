@@ -14,7 +14,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from lightning_dpar.hf_plan import transformers_models
+from lightning_dpar.helpers import transformers_models
 from lightning_dpar.parallelize import data_parallel_roots
 from lightning_dpar.plan import repeated_blocks
 

@@ -14,15 +14,14 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_dpar._private_api import transformers_tp_plan_attribute
+from lightning_dpar.helpers import transformers_models
 from lightning_dpar.plan import StyleBuilder, rowwise_style
 
 __all__ = [
     "HF_STYLES",
     "UNSUPPORTED_HF_STYLES",
     "check_style_supported",
-    "is_transformers_model",
     "model_tp_plan",
-    "transformers_models",
     "transformers_tp_plan",
 ]
 
@@ -60,22 +59,6 @@ UNSUPPORTED_HF_STYLES = (
     "all_reduce",
     "local_params",
 )
-
-
-def is_transformers_model(module: nn.Module) -> bool:
-    """Whether `module` is a `transformers.PreTrainedModel` (checked by name: transformers is optional)."""
-    return any(
-        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__
-    )
-
-
-def transformers_models(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost transformers models inside `root` (or `root` itself), with their module names."""
-    found: list[tuple[str, nn.Module]] = []
-    for fqn, module in root.named_modules():
-        if is_transformers_model(module) and not any(fqn.startswith(f"{outer}.") or not outer for outer, _ in found):
-            found.append((fqn, module))
-    return found
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:

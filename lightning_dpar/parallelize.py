@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, is_composable_replicated
+from lightning_dpar.helpers import has_parameters
 from lightning_dpar.materialize import materialize_meta_tensors
 from lightning_dpar.pipeline.stage import PipelinedModel, split_into_stages
 from lightning_dpar.plan import ModulePlan
@@ -148,7 +149,7 @@ def data_parallel_roots(root: nn.Module) -> list[str]:
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             fqn = f"{prefix}{name}"
-            if not any(True for _ in child.parameters()):
+            if not has_parameters(child):
                 continue
             if isinstance(child, CONTAINERS):
                 if direct_parameters(child):

@@ -8,7 +8,7 @@ same way (and with the same message) in training, on every rank, and in the `pla
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Union
 
@@ -20,6 +20,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+
+from lightning_dpar.helpers import divisors, has_parameters, show_names
 
 if TYPE_CHECKING:
     from lightning_dpar.pipeline.split import PipelineSplit
@@ -146,7 +148,7 @@ def resolve_tp_plan(
         if not hits:
             raise ValueError(
                 f"tp_plan pattern {pattern!r} matches no module of {type(root).__name__}. Module names look like"
-                f" {_examples(fqn for fqn, _ in modules)}; patterns are relative to the LightningModule."
+                f" {show_names(fqn for fqn, _ in modules)}; patterns are relative to the LightningModule."
             )
         for fqn, module in hits:
             if fqn in matched_by:
@@ -216,8 +218,8 @@ def _check_divisible(fqn: str, module: nn.Module, style: ParallelStyle, tensor_p
         raise TensorParallelSizeError(
             f"`tensor_parallel_size={tensor_parallel_size}` does not divide {attribute}={size} of module {fqn!r},"
             f" which {type(style).__name__} splits across the tensor-parallel ranks. Use a tensor-parallel size among"
-            f" {_divisors(size)} (for `dpar_2d` the default is the devices of one node), or change the model.",
-            _divisors(size),
+            f" {divisors(size)} (for `dpar_2d` the default is the devices of one node), or change the model.",
+            divisors(size),
         )
 
 
@@ -245,8 +247,8 @@ def _check_head_counts(root: nn.Module, resolved: Mapping[str, ParallelStyle], t
                 raise TensorParallelSizeError(
                     f"`tensor_parallel_size={tensor_parallel_size}` does not divide the {heads} heads of {fqn!r}"
                     f" (out_features {module.out_features} = {heads} heads x head_dim {head_dim}): each rank must hold"
-                    f" whole heads. Use a tensor-parallel size among {_divisors(heads)}.",
-                    _divisors(heads),
+                    f" whole heads. Use a tensor-parallel size among {divisors(heads)}.",
+                    divisors(heads),
                 )
     for fqn, module in root.named_modules():
         config = getattr(module, "config", None)
@@ -258,19 +260,9 @@ def _check_head_counts(root: nn.Module, resolved: Mapping[str, ParallelStyle], t
                 raise TensorParallelSizeError(
                     f"`tensor_parallel_size={tensor_parallel_size}` does not divide {attribute}={count} of the"
                     f" {type(module).__name__} at {fqn or '<root>'!r}: column-wise attention projections must give"
-                    f" each rank whole heads. Use a tensor-parallel size among {_divisors(count)}.",
-                    _divisors(count),
+                    f" each rank whole heads. Use a tensor-parallel size among {divisors(count)}.",
+                    divisors(count),
                 )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _examples(names: Iterable[str], limit: int = 6) -> str:
-    names = list(names)
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return f"[{shown}{', ...' if len(names) > limit else ''}]"
 
 
 def select_modules(root: nn.Module, selectors: Sequence[ModuleSelector], what: str) -> list[str]:
@@ -286,7 +278,7 @@ def select_modules(root: nn.Module, selectors: Sequence[ModuleSelector], what: s
             classes = sorted({type(m).__name__ for _, m in modules})
             raise ValueError(
                 f"`{what}` entry {selector!r} matches no module. Give a class name (one of {classes[:12]}) or a"
-                f" module-name glob (names look like {_examples(fqn for fqn, _ in modules)})."
+                f" module-name glob (names look like {show_names(fqn for fqn, _ in modules)})."
             )
         chosen.extend(fqn for fqn in hits if fqn not in chosen)
     order = {fqn: i for i, (fqn, _) in enumerate(modules)}
@@ -306,7 +298,7 @@ def repeated_blocks(root: nn.Module) -> list[str]:
         for fqn, module in root.named_modules()
         if isinstance(module, nn.ModuleList)
         for name, child in module.named_children()
-        if any(True for _ in child.parameters())
+        if has_parameters(child)
     ]
 
 

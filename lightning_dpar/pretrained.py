@@ -17,8 +17,8 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
@@ -26,25 +26,20 @@ import torch
 from torch import nn
 
 from lightning_dpar import hf_keys
-from lightning_dpar.hf_plan import transformers_models
-from lightning_dpar.pipeline.split import is_under
-from lightning_dpar.ties import tied_parameters
+from lightning_dpar.helpers import is_under, show_names, transformers_models
+from lightning_dpar.key_matching import KeyMapping, map_keys, tied_groups
 
 __all__ = [
-    "KeyMapping",
     "PretrainedLoad",
     "PretrainedLoadError",
     "PretrainedSpec",
     "PretrainedWeights",
     "checkpoint_item_sizes",
     "checkpoint_shapes",
-    "describe",
     "infer_prefix",
     "load_pretrained",
-    "map_keys",
     "safetensors_files",
     "stored_names",
-    "tied_groups",
     "to_pretrained_weights",
 ]
 
@@ -129,12 +124,6 @@ def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def tied_groups(module: nn.Module) -> list[list[str]]:
-    """Names that share one parameter (e.g. `lm_head.weight` and `embed_tokens.weight` under
-    `tie_word_embeddings`); any one of them in the checkpoint sets them all."""
-    return [list(group) for group in tied_parameters(module)]
-
-
 def infer_prefix(model_keys: Sequence[str], checkpoint_keys: Sequence[str]) -> str:
     """The prefix `p` for which most checkpoint keys `k` have `p + k` among the model's keys.
 
@@ -148,9 +137,10 @@ def infer_prefix(model_keys: Sequence[str], checkpoint_keys: Sequence[str]) -> s
             prefixes_by_suffix.setdefault(".".join(parts[i:]), []).append(".".join(parts[:i]) + ("." if i else ""))
     votes = Counter(prefix for key in checkpoint_keys for prefix in prefixes_by_suffix.get(key, ()))
     if not votes:
+        ours, theirs = show_names(checkpoint_keys, 3, bracketed=False), show_names(model_keys, 3, bracketed=False)
         raise PretrainedLoadError(
-            f"None of the checkpoint's keys (e.g. {_sample(checkpoint_keys)}) is a key of the LightningModule (e.g."
-            f" {_sample(model_keys)}) under any prefix: the directory holds another model's weights."
+            f"None of the checkpoint's keys (e.g. {ours}) is a key of the LightningModule (e.g. {theirs}) under any"
+            " prefix: the directory holds another model's weights."
         )
     ranked = votes.most_common()
     best, count = ranked[0]
@@ -161,57 +151,6 @@ def infer_prefix(model_keys: Sequence[str], checkpoint_keys: Sequence[str]) -> s
             " one meant as `PretrainedWeights(path, prefix=...)`."
         )
     return best
-
-
-@dataclass
-class KeyMapping:
-    """Which checkpoint key fills which model key, and what does not fit."""
-
-    to_model: dict[str, str] = field(default_factory=dict)  # checkpoint key -> model key
-    missing: list[str] = field(default_factory=list)  # model keys the checkpoint has no value for
-    unexpected: list[str] = field(default_factory=list)  # checkpoint keys the model lacks
-    mismatched: list[str] = field(default_factory=list)  # "key: checkpoint (..), model (..)"
-
-    def problems(self, strict: bool) -> list[str]:
-        found = [f"shapes differ: {', '.join(self.mismatched)}"] if self.mismatched else []
-        if strict and self.missing:
-            found.append(f"keys of the model not in the checkpoint: {_listing(self.missing)}")
-        if strict and self.unexpected:
-            found.append(f"keys of the checkpoint not in the model: {_listing(self.unexpected)}")
-        return found
-
-
-def map_keys(
-    model_shapes: Mapping[str, tuple[int, ...]],
-    checkpoint: Mapping[str, tuple[int, ...]],
-    prefix: str,
-    tied: Sequence[Sequence[str]] = (),
-) -> KeyMapping:
-    """Match checkpoint keys to model keys (`prefix + key`), counting a tied name as present when another name of
-    its group is. Pure: the model and checkpoint are described by their keys and (global) shapes."""
-    mapping = KeyMapping()
-    for key, shape in checkpoint.items():
-        model_key = prefix + key
-        if model_key not in model_shapes:
-            mapping.unexpected.append(key)
-        elif tuple(model_shapes[model_key]) != tuple(shape):
-            mapping.mismatched.append(f"{key}: checkpoint {tuple(shape)}, model {tuple(model_shapes[model_key])}")
-        else:
-            mapping.to_model[key] = model_key
-    loaded = set(mapping.to_model.values())
-    tie_of = {name: group for group in tied for name in group}
-    for model_key in model_shapes:
-        if model_key not in loaded and not any(name in loaded for name in tie_of.get(model_key, ())):
-            mapping.missing.append(model_key)
-    # One read per shared parameter: a second name of the same group would write the same storage again.
-    seen_groups: set[int] = set()
-    for key, model_key in list(mapping.to_model.items()):
-        group = tie_of.get(model_key)
-        if group is not None:
-            if id(group) in seen_groups:
-                del mapping.to_model[key]
-            seen_groups.add(id(group))
-    return mapping
 
 
 @dataclass
@@ -322,22 +261,3 @@ def stored_names(module: nn.Module, checkpoint_names: Sequence[str]) -> dict[str
             )
         by_loaded[loaded] = stored
     return by_loaded
-
-
-def _sample(keys: Sequence[str], limit: int = 3) -> str:
-    return ", ".join(repr(k) for k in list(keys)[:limit])
-
-
-def _listing(keys: Sequence[str], limit: int = 20) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
-def describe(mapping: KeyMapping) -> str:
-    """One line for the log about a non-strict load's gaps."""
-    parts: list[str] = []
-    if mapping.missing:
-        parts.append(f"kept their own initialisation (not in the checkpoint): {_listing(mapping.missing)}")
-    if mapping.unexpected:
-        parts.append(f"ignored (not in the model): {_listing(mapping.unexpected)}")
-    return "; ".join(parts)

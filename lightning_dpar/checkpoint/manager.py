@@ -25,7 +25,7 @@ from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.sharded import ShardedFormat
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import CheckpointWriter
-from lightning_dpar.pipeline.split import is_under
+from lightning_dpar.helpers import is_under
 
 __all__ = ["CheckpointFormatName", "CheckpointManager"]
 

@@ -26,13 +26,13 @@ from typing import Literal, Union
 
 from torch import nn
 
+from lightning_dpar.helpers import has_parameters, is_under, show_names
 from lightning_dpar.plan import ModulePlan
 
 __all__ = [
     "PipelineSplit",
     "SplitSpec",
     "StagePlacement",
-    "is_under",
     "local_plan",
     "pipeline_units",
     "resolve_split",
@@ -44,10 +44,6 @@ SplitSpec = Union[Literal["auto"], Sequence[str]]
 #: `"loop"`: stage s on pipeline rank s % p (GPipe, 1F1B, interleaved schedules). `"v"`: rank r holds stages r and
 #: 2p - 1 - r (the V-shaped zero-bubble schedules), so the first and last stage sit on the same rank.
 StagePlacement = Literal["loop", "v"]
-
-
-def _holds_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
 
 
 def pipeline_units(root: nn.Module, blocks: Sequence[str], call_order: Sequence[str] = ()) -> list[str]:
@@ -79,7 +75,7 @@ def pipeline_units(root: nn.Module, blocks: Sequence[str], call_order: Sequence[
             fqn = f"{prefix}{name}"
             if fqn in block_set:
                 units.append(fqn)
-            elif not _holds_parameters(child):
+            elif not has_parameters(child):
                 continue
             elif contains_block(fqn):
                 visit(f"{fqn}.", child)
@@ -96,12 +92,12 @@ def _in_call_order(root: nn.Module, units: list[str], call_order: Sequence[str])
     if unknown:
         raise ValueError(
             f"`pipeline_call_order` names {unknown}, which are not modules of {type(root).__name__}; name modules"
-            f" holding units, in the order the forward calls them (units: {_examples(units)})."
+            f" holding units, in the order the forward calls them (units: {show_names(units)})."
         )
     ordered = [unit for name in call_order for unit in units if is_under(unit, [name])]
     missing = [unit for unit in units if unit not in ordered]
     if missing or len(set(ordered)) != len(ordered):
-        problem = f"leaves out {_examples(missing)}" if missing else "names a unit twice (nested names)"
+        problem = f"leaves out {show_names(missing)}" if missing else "names a unit twice (nested names)"
         raise ValueError(
             f"`pipeline_call_order={list(call_order)}` {problem}: list modules that together hold every unit once,"
             " e.g. the LightningModule's top-level children in the order the forward calls them."
@@ -198,11 +194,6 @@ def _check_no_parameter_shared_across_stages(root: nn.Module, split: PipelineSpl
                     )
 
 
-def is_under(fqn: str, units: Sequence[str]) -> bool:
-    """Whether `fqn` names one of `units` or something inside one (a parameter, a submodule)."""
-    return any(fqn == unit or fqn.startswith(f"{unit}.") for unit in units)
-
-
 def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> ModulePlan:
     """`plan` (resolved on the whole model) restricted to the modules of `pipeline_rank`'s stages, with every unit of
     those stages an FSDP unit: units are what stages are made of, and each stage's FSDP root holds exactly them."""
@@ -224,7 +215,7 @@ def _auto_stages(units: list[str], blocks: list[str], num_stages: int, model: st
     if len(block_units) < num_stages:
         raise ValueError(
             f"{num_stages} pipeline stages need at least {num_stages} blocks, but {model} has {len(block_units)}"
-            f" ({_examples(block_units)}), so a stage would be empty. Lower `pipeline_parallel_size` x"
+            f" ({show_names(block_units)}), so a stage would be empty. Lower `pipeline_parallel_size` x"
             " `pipeline_stages_per_rank`, or give `pipeline_split` explicitly."
         )
     first, last = units.index(block_units[0]), units.index(block_units[-1])
@@ -254,13 +245,13 @@ def _explicit_stages(root: nn.Module, units: list[str], split_points: list[str],
             what = "is a module but not a unit" if point in names else "names no module"
             raise ValueError(
                 f"Pipeline split point {point!r} {what} of {type(root).__name__}. A split point is the name of the"
-                f" unit that starts a stage: one of {_examples(units, limit=12)}."
+                f" unit that starts a stage: one of {show_names(units, limit=12)}."
             )
         positions.append(units.index(point))
     if len(split_points) != num_stages - 1:
         raise ValueError(
             f"`pipeline_split` names {len(split_points)} split points, but {num_stages} stages need"
-            f" {num_stages - 1} (the first unit of every stage after the first). Units: {_examples(units)}."
+            f" {num_stages - 1} (the first unit of every stage after the first). Units: {show_names(units)}."
         )
     bounds = [0, *positions, len(units)]
     for stage, (start, end) in enumerate(pairwise(bounds)):
@@ -270,8 +261,3 @@ def _explicit_stages(root: nn.Module, units: list[str], split_points: list[str],
                 " the previous one in the model's unit order."
             )
     return [units[start:end] for start, end in pairwise(bounds)]
-
-
-def _examples(names: Sequence[str], limit: int = 6) -> str:
-    shown = ", ".join(repr(name) for name in names[:limit])
-    return f"[{shown}{', ...' if len(names) > limit else ''}]"

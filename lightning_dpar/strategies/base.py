@@ -60,7 +60,9 @@ from lightning_dpar.compilation import (
     compile_options,
     compile_units,
 )
+from lightning_dpar.helpers import has_parameters
 from lightning_dpar.hf_plan import transformers_tp_plan
+from lightning_dpar.key_matching import describe as describe_pretrained
 from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
 from lightning_dpar.materialize import check_initialisable
 from lightning_dpar.mesh import PIPELINE, TENSOR_PARALLEL, MeshLayout, ParallelDims, SizeArg, build_device_mesh
@@ -83,7 +85,6 @@ from lightning_dpar.plan import (
 )
 from lightning_dpar.precision import DparPrecision, to_dpar_precision
 from lightning_dpar.pretrained import PretrainedSpec, load_pretrained, to_pretrained_weights
-from lightning_dpar.pretrained import describe as describe_pretrained
 from lightning_dpar.process_group import start_process_group
 from lightning_dpar.sampling import check_sampler_shards
 from lightning_dpar.ties import check_tied_layouts, tied_parameters
@@ -323,7 +324,7 @@ class DparStrategy(ParallelStrategy):
             module is not None
             and not is_overridden("configure_model", module)
             and not parallelize.is_parallelized(module)  # e.g. `validate` after `fit`: planned and applied already
-            and any(True for _ in module.parameters())
+            and has_parameters(module)
         ):
             assert self.dims is not None
             self.module_plan(module, self.dims)
