@@ -33,7 +33,9 @@ __all__ = [
     "PipelineSplit",
     "SplitSpec",
     "StagePlacement",
+    "check_placement",
     "local_plan",
+    "parse_split",
     "pipeline_units",
     "resolve_split",
     "stage_ranks",
@@ -124,14 +126,29 @@ class PipelineSplit:
         return [unit for stage in self.stages_of_rank(pipeline_rank) for unit in self.stages[stage]]
 
 
+def check_placement(placement: StagePlacement, stages_per_rank: int, schedule: str = "A V-shaped schedule") -> None:
+    """Raise unless `stages_per_rank` fits the placement: a V holds exactly 2 stages per rank."""
+    if placement == "v" and stages_per_rank != 2:
+        raise ValueError(
+            f"{schedule} places exactly 2 stages per rank in a V; got `pipeline_stages_per_rank={stages_per_rank}`."
+            " Set it to 2."
+        )
+
+
+def parse_split(spec: object) -> SplitSpec:
+    """A valid `pipeline_split`: `"auto"`, or the split points as a tuple of module names."""
+    if isinstance(spec, str) and spec == "auto":
+        return spec
+    if isinstance(spec, str) or not isinstance(spec, Sequence) or not all(isinstance(point, str) for point in spec):
+        detail = "" if isinstance(spec, str) else " (the first unit of each stage after the first)"
+        raise ValueError(f"`pipeline_split={spec!r}` is invalid: use 'auto' or a list of module names{detail}.")
+    return tuple(spec)
+
+
 def stage_ranks(num_ranks: int, stages_per_rank: int, placement: StagePlacement) -> tuple[int, ...]:
     """The pipeline rank of each stage."""
+    check_placement(placement, stages_per_rank)
     if placement == "v":
-        if stages_per_rank != 2:
-            raise ValueError(
-                f"V-shaped schedules hold exactly 2 stages per rank; got `pipeline_stages_per_rank={stages_per_rank}`."
-                " Set it to 2."
-            )
         return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
     return tuple(stage % num_ranks for stage in range(num_ranks * stages_per_rank))
 
@@ -157,10 +174,9 @@ def resolve_split(
     """Split `root`'s units into `num_ranks * stages_per_rank` stages, checking every stage gets at least one unit."""
     units = pipeline_units(root, blocks, call_order)
     num_stages = num_ranks * stages_per_rank
+    spec = parse_split(spec)
     if spec == "auto":
         stages = _auto_stages(units, list(blocks), num_stages, type(root).__name__)
-    elif isinstance(spec, str):
-        raise ValueError(f"`pipeline_split={spec!r}` is invalid: use 'auto' or a list of module names.")
     else:
         stages = _explicit_stages(root, units, list(spec), num_stages)
     split = PipelineSplit(tuple(tuple(stage) for stage in stages), stage_ranks(num_ranks, stages_per_rank, placement))
