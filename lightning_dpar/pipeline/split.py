@@ -27,14 +27,12 @@ from typing import Literal, Union
 from torch import nn
 
 from lightning_dpar.helpers import has_parameters, is_under, show_names
-from lightning_dpar.plan import ModulePlan
 
 __all__ = [
     "PipelineSplit",
     "SplitSpec",
     "StagePlacement",
     "check_placement",
-    "local_plan",
     "parse_split",
     "pipeline_units",
     "resolve_split",
@@ -208,22 +206,6 @@ def _check_no_parameter_shared_across_stages(root: nn.Module, split: PipelineSpl
                         " layer its own copy), or train without `pipeline_parallel_size`, where the unit enclosing"
                         " both holds it."
                     )
-
-
-def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> ModulePlan:
-    """`plan` (resolved on the whole model) restricted to the modules of `pipeline_rank`'s stages, with every unit of
-    those stages an FSDP unit: units are what stages are made of, and each stage's FSDP root holds exactly them."""
-    units = split.units_of_rank(pipeline_rank)
-    return ModulePlan(
-        tensor_parallel={fqn: style for fqn, style in plan.tensor_parallel.items() if is_under(fqn, units)},
-        activation_checkpointing=[fqn for fqn in plan.activation_checkpointing if is_under(fqn, units)],
-        shard_units=list(dict.fromkeys([*units, *(fqn for fqn in plan.shard_units if is_under(fqn, units))])),
-        compile_units=[fqn for fqn in plan.compile_units if is_under(fqn, units)],
-        adopted=plan.adopted,
-        pipeline=split,
-        pipeline_rank=pipeline_rank,
-        tied=[group for group in plan.tied if all(is_under(name, units) for name in group)],
-    )
 
 
 def _auto_stages(units: list[str], blocks: list[str], num_stages: int, model: str) -> list[list[str]]:

@@ -44,7 +44,6 @@ from lightning_dpar._private_api import (
     sync_ddp_if_available,
 )
 from lightning_dpar.batchnorm import (
-    check_no_batch_norm_in_pipeline,
     check_sync_batchnorm_supported,
     convert_sync_batchnorm,
 )
@@ -54,40 +53,20 @@ from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.checkpoint.resume import skip_seen_batches
-from lightning_dpar.compilation import (
-    CompileSpec,
-    check_compile_with_tensor_parallel,
-    compile_options,
-    compile_units,
-)
+from lightning_dpar.compilation import CompileSpec, compile_options
 from lightning_dpar.helpers import has_parameters
-from lightning_dpar.hf_plan import transformers_tp_plan
 from lightning_dpar.key_matching import describe as describe_pretrained
 from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
-from lightning_dpar.materialize import check_initialisable
 from lightning_dpar.mesh import PIPELINE, TENSOR_PARALLEL, MeshLayout, ParallelDims, SizeArg, build_device_mesh
 from lightning_dpar.optimizers import ParameterLayout, check_optimizers
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.runtime import PipelineRuntime
-from lightning_dpar.pipeline.split import local_plan, resolve_split
-from lightning_dpar.plan import (
-    AUTO,
-    ModulePlan,
-    ModuleSelector,
-    PlanStyle,
-    TensorParallelSizeError,
-    TPPlanSpec,
-    parse_tp_plan,
-    repeated_blocks,
-    resolve_activation_checkpointing,
-    resolve_tp_plan,
-    tensor_parallel_size_fix,
-)
+from lightning_dpar.plan import AUTO, ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec, parse_tp_plan, plan_modules
+from lightning_dpar.plan.structure import is_parallelized
 from lightning_dpar.precision import DparPrecision, to_dpar_precision
 from lightning_dpar.pretrained import PretrainedSpec, load_pretrained, to_pretrained_weights
 from lightning_dpar.process_group import start_process_group
 from lightning_dpar.sampling import check_sampler_shards
-from lightning_dpar.ties import check_tied_layouts, tied_parameters
 from lightning_dpar.weight_averaging import lay_out_averaged_copies
 
 if TYPE_CHECKING:
@@ -323,7 +302,7 @@ class DparStrategy(ParallelStrategy):
         if (
             module is not None
             and not is_overridden("configure_model", module)
-            and not parallelize.is_parallelized(module)  # e.g. `validate` after `fit`: planned and applied already
+            and not is_parallelized(module)  # e.g. `validate` after `fit`: planned and applied already
             and has_parameters(module)
         ):
             assert self.dims is not None
@@ -389,138 +368,31 @@ class DparStrategy(ParallelStrategy):
         with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
+    @property
+    def plan_options(self) -> PlanOptions:
+        """What this strategy's arguments say about the plan (`lightning_dpar.plan.planner`); subclasses add theirs."""
+        kept = {"pipeline_parallel_size": self._pipeline_parallel_size, "replicate_size": self._replicate_size}
+        return PlanOptions(
+            strategy=type(self).__name__,
+            tp_plan=self._tp_plan,
+            activation_checkpointing=self._activation_checkpointing,
+            compile=self._compile_options,
+            pipeline=self._pipeline_config,
+            kept_size_args=tuple((name, value) for name, value in kept.items() if value != 1),
+        )
+
     def module_plan(self, module: nn.Module, dims: ParallelDims | None = None, rank: int | None = None) -> ModulePlan:
         """What will be applied to which submodule on a world of `dims` (default: this run's), as seen by global rank
-        `rank` (default: this one; it matters only with pipeline parallelism, where each rank holds other stages).
-
-        Pure (no process group): it runs on every rank before any collective, and in the `plan` dry run, so a plan
-        that does not fit the model (a pattern matching nothing, a tensor-parallel size that does not divide a
-        sharded dimension or head count, a split leaving a stage empty) fails the same way everywhere.
-        """
+        `rank` (default: this one); see `lightning_dpar.plan.plan_modules`, which training and the `plan` dry run
+        share."""
         dims = dims if dims is not None else self.dims
         assert dims is not None, "the mesh sizes are resolved in `setup_environment`"
-        parallelize.check_not_wrapped_by_other_parallelism(module, type(self).__name__)
-        if dims.pipeline > 1:
-            return self._pipeline_plan(module, dims, self.global_rank if rank is None else rank)
-        if parallelize.is_parallelized(module):
-            self._check_adoptable(module)
-            shard_units = self._shard_units(module)
-            return ModulePlan({}, [], shard_units, compile_units(module, shard_units), adopted=True)
-        tied = tied_parameters(module)
-        tp_plan = self._tp_plan_for(module, dims)
-        tensor_parallel = self._resolve_tp_plan(module, tp_plan, dims) if tp_plan else {}
-        check_tied_layouts(module, tied, tensor_parallel)
-        check_compile_with_tensor_parallel(module, tensor_parallel, self._compile_options)
-        shard_units = self._shard_units(module)
-        roots = parallelize.data_parallel_roots(module)  # refuses containers holding parameters of their own
-        self._check_ties_fit_the_wrapper(tied, roots, dims)
-        check_initialisable(module)
-        return ModulePlan(
-            tensor_parallel=tensor_parallel,
-            activation_checkpointing=resolve_activation_checkpointing(
-                module, self._activation_checkpointing, shard_units
-            ),
-            shard_units=shard_units,
-            compile_units=compile_units(module, shard_units),
-            tied=tied,
-        )
-
-    def _pipeline_plan(self, module: nn.Module, dims: ParallelDims, rank: int) -> ModulePlan:
-        """The split into stages, and the plan (resolved on the whole model) restricted to `rank`'s stages."""
-        if parallelize.is_parallelized(module):
-            raise TypeError(
-                f"{type(module).__name__} was already parallelised (in `configure_model` or before `fit`); with"
-                " `pipeline_parallel_size > 1` the strategy splits the model into stages first and parallelises each"
-                " stage itself. Remove the manual `fully_shard` / `parallelize_module` calls and give a `tp_plan`."
-            )
-        config = self._pipeline_config
-        config.check(dims.pipeline)
-        check_no_batch_norm_in_pipeline(module, dims.pipeline)
-        shard_units = self._shard_units(module)
-        split = resolve_split(
-            module,
-            shard_units or repeated_blocks(module),
-            config.split,
-            dims.pipeline,
-            config.stages_per_rank,
-            config.schedule.placement,
-            config.call_order,
-        )
-        tp_plan = self._tp_plan_for(module, dims)
-        check_initialisable(module)
-        tied = tied_parameters(module)
-        tensor_parallel = self._resolve_tp_plan(module, tp_plan, dims) if tp_plan else {}
-        check_tied_layouts(module, tied, tensor_parallel)
-        check_compile_with_tensor_parallel(module, tensor_parallel, self._compile_options)
-        whole = ModulePlan(
-            tensor_parallel=tensor_parallel,
-            activation_checkpointing=resolve_activation_checkpointing(
-                module, self._activation_checkpointing, shard_units
-            ),
-            shard_units=shard_units,
-            compile_units=compile_units(module, shard_units),
-            tied=tied,
-        )
-        return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
-
-    def _resolve_tp_plan(self, module: nn.Module, tp_plan: dict[str, PlanStyle], dims: ParallelDims) -> dict[str, Any]:
-        """`resolve_tp_plan`; a size that does not divide the model says how to set one that does, for this class."""
-        try:
-            return resolve_tp_plan(module, tp_plan, dims.tensor_parallel)
-        except TensorParallelSizeError as error:
-            kept = {"pipeline_parallel_size": self._pipeline_parallel_size, "replicate_size": self._replicate_size}
-            kept = {name: value for name, value in kept.items() if value != 1}
-            per_size = dims.pipeline * dims.replicate  # ranks per tensor-parallel rank outside the shard dim
-
-            def tiles(size: int) -> bool:
-                return dims.world_size % (size * per_size) == 0
-
-            fix = tensor_parallel_size_fix(type(self).__name__, error.valid_sizes, tiles, kept)
-            raise TensorParallelSizeError(f"{error}{fix}", error.valid_sizes) from None
-
-    def _tp_plan_for(self, module: nn.Module, dims: ParallelDims) -> dict[str, PlanStyle] | None:
-        """The plan's source, first found: the strategy's `tp_plan` argument, the LightningModule's `tp_plan`
-        attribute, the plan of the transformers model it holds (also what `tp_plan="auto"` asks for)."""
-        if dims.tensor_parallel == 1:
-            return None
-        attribute = getattr(module, "tp_plan", None)
-        for source in (self._tp_plan, attribute):
-            if source is not None and source != AUTO:
-                return parse_tp_plan(source)
-        plan = parse_tp_plan(transformers_tp_plan(module))
-        if plan is not None:
-            return plan
-        name = type(module).__name__
-        if AUTO in (self._tp_plan, attribute):
-            found = f"`tp_plan='auto'` found no transformers model with a tensor-parallel plan in {name}"
-        else:
-            found = f"none was given (strategy argument, `tp_plan` attribute on {name}, or a transformers model's plan)"
-        raise ValueError(
-            f"`tensor_parallel_size={dims.tensor_parallel}` needs a `tp_plan`, but {found}. Give a `tp_plan`"
-            " ({module-name pattern: style}), or write a `configure_model` that parallelises the model with"
-            " `self.device_mesh`."
-        )
-
-    def _shard_units(self, module: nn.Module) -> list[str]:
-        """FSDP units below the top-level children; none for strategies that do not shard."""
-        return []
-
-    def _check_ties_fit_the_wrapper(self, tied: list[tuple[str, ...]], roots: list[str], dims: ParallelDims) -> None:
-        """Refuse tied parameters the data-parallel wrapper cannot keep one parameter (FSDP can: the unit enclosing
-        all their users holds them)."""
+        return plan_modules(module, dims, self.plan_options, self.global_rank if rank is None else rank)
 
     @abstractmethod
     def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
         """The function that applies this strategy's data-parallel wrapper on `layout`; it sets no strategy state,
         so the `plan` dry run can call it on a fake world."""
-
-    def _check_adoptable(self, module: nn.Module) -> None:
-        """A model the user parallelised in `configure_model` is only accepted by strategies that allow it."""
-        raise TypeError(
-            f"{type(module).__name__} was already parallelised (in `configure_model` or before `fit`);"
-            f" {type(self).__name__} applies its own parallelism. Remove the manual `fully_shard` /"
-            " `parallelize_module` / `replicate` calls, or use strategy='dpar_2d', which adopts them."
-        )
 
     @property
     def compile_options(self) -> dict[str, Any] | None:

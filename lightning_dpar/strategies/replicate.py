@@ -12,15 +12,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType, compiled_autograd, swap_ddp_optimize_mode
 from lightning_dpar.comm_hooks import COMPRESS_HOOK_DTYPES, CommHook, resolve_comm_hook
 from lightning_dpar.compilation import compiled_autograd_compiler
 from lightning_dpar.mesh import REPLICATE, SHARD, MeshLayout, ParallelDims, SizeArg
-from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, select_modules
+from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec, select_modules
+from lightning_dpar.plan.structure import data_parallel_roots
 from lightning_dpar.strategies.base import DparStrategy
-from lightning_dpar.ties import check_each_in_one_unit
 from lightning_dpar.unit_guard import UnitCallGuard
 
 if TYPE_CHECKING:
@@ -113,9 +114,10 @@ class ReplicateStrategy(DparStrategy):
             self._check_tp_compatible_options()  # a configuration error: before the plan is even looked at
         return ParallelDims(world_size, replicate=dims.data_parallel, shard=1, tensor_parallel=dims.tensor_parallel)
 
-    def _check_ties_fit_the_wrapper(self, tied: list[tuple[str, ...]], roots: list[str], dims: ParallelDims) -> None:
-        if dims.tensor_parallel == 1:  # DDP mode; with TP the replicas are FSDP units, which can share
-            check_each_in_one_unit(tied, roots, type(self).__name__)
+    @property
+    @override
+    def plan_options(self) -> PlanOptions:
+        return replace(super().plan_options, ddp_units=True)  # DDP mode: tied parameters inside one unit
 
     def holds_whole_parameters(self, dims: ParallelDims) -> bool:
         return dims.tensor_parallel == 1
@@ -184,7 +186,7 @@ class ReplicateStrategy(DparStrategy):
             self._frozen_at_wrap = [p for p in module.parameters() if not p.requires_grad and p not in not_synced]
         if self.dims.tensor_parallel == 1 and not self._compiled_autograd:
             # Compiled autograd traces the backward, hooks included; the guard's check is eager-only.
-            units = {name: module.get_submodule(name) for name in parallelize.data_parallel_roots(module)}
+            units = {name: module.get_submodule(name) for name in data_parallel_roots(module)}
             self._unit_guard = UnitCallGuard({n: u for n, u in units.items() if u in self._grad_sync_modules})
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -1,6 +1,7 @@
 """Hugging Face `transformers` tensor-parallel plans, as data: the style names transformers writes in
 `config.base_model_tp_plan` and `model._tp_plan`, mapped to torch `ParallelStyle`s, and the plan of the
-`transformers` model a LightningModule holds (`tp_plan="auto"`), with names prefixed by where that model sits.
+`transformers` model a LightningModule holds (`tp_plan="auto"`), with names prefixed by where that model sits. The
+style names themselves are in the one registry, `lightning_dpar.plan.styles`.
 
 transformers' attention reshapes with `-1` heads (`view(*input_shape, -1, head_dim)`), so column-wise q/k/v
 projections give each rank `heads / tp` query heads and `kv_heads / tp` key/value heads with the same GQA ratio; the
@@ -10,55 +11,16 @@ plan resolution checks that the tensor-parallel size divides both head counts of
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from lightning_dpar._private_api import transformers_tp_plan_attribute
 from lightning_dpar.helpers import transformers_models
-from lightning_dpar.plan import StyleBuilder, rowwise_style
+from lightning_dpar.plan.styles import HF_STYLES, UNSUPPORTED_HF_STYLES
 
 __all__ = [
-    "HF_STYLES",
-    "UNSUPPORTED_HF_STYLES",
     "check_style_supported",
     "model_tp_plan",
     "transformers_tp_plan",
 ]
-
-
-def _replicate_with_grad_sum(module: nn.Module) -> SequenceParallel:
-    # Per-head norms (Qwen3 / Gemma3 `q_norm`, `k_norm`) see only this rank's heads, on the second-to-last dim of
-    # their input: replicated weights on a heads-sharded input; DTensor sums their partial gradients over the
-    # tensor-parallel ranks, as transformers' `ReplicatedWithGradAllReduce` does by hand.
-    return SequenceParallel(sequence_dim=-2, use_local_output=True)
-
-
-#: transformers style name -> builder of the equivalent torch style (`None`: keep the module whole on every rank).
-#: `colwise`, `rowwise` and `sequence_parallel` are also this package's own names (`lightning_dpar.plan.STYLE_NAMES`),
-#: which take precedence; none of the model families below uses `sequence_parallel`.
-HF_STYLES: dict[str, StyleBuilder] = {
-    "colwise": lambda module: ColwiseParallel(),
-    "rowwise": rowwise_style,
-    "colwise_gather_output": lambda module: ColwiseParallel(output_layouts=Replicate()),
-    "colwise_rep": lambda module: ColwiseParallel(output_layouts=Replicate()),
-    "rowwise_split_input": lambda module: RowwiseParallel(input_layouts=Replicate()),
-    "rowwise_rep": lambda module: RowwiseParallel(input_layouts=Replicate()),
-    "embedding_rowwise": lambda module: RowwiseParallel(input_layouts=Replicate()),
-    "embedding_colwise": lambda module: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-    "replicated_with_grad_allreduce": _replicate_with_grad_sum,
-    "replicate": lambda module: None,
-}
-
-#: transformers styles with no torch equivalent here (packed expert weights, expert parallelism, MLA projections).
-UNSUPPORTED_HF_STYLES = (
-    "packed_colwise",
-    "packed_rowwise",
-    "moe_tp_experts",
-    "moe_identity_expert",
-    "mla_kv_a_proj",
-    "all_reduce",
-    "local_params",
-)
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
