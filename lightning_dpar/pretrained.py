@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Union
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_dpar import hf_keys
 from lightning_dpar.helpers import is_under, show_names, transformers_models
-from lightning_dpar.key_matching import KeyMapping, map_keys, tied_groups
+from lightning_dpar.key_matching import KeyMapping, describe, map_keys, tied_groups
 
 __all__ = [
     "PretrainedLoad",
@@ -38,6 +39,7 @@ __all__ = [
     "checkpoint_shapes",
     "infer_prefix",
     "load_pretrained",
+    "load_unless_resuming",
     "safetensors_files",
     "stored_names",
     "to_pretrained_weights",
@@ -213,6 +215,25 @@ def load_pretrained(
     item_sizes = checkpoint_item_sizes(weights.path)
     read = sum(_local_numel(target) * item_sizes[key] for key, target in targets.items())
     return PretrainedLoad(weights, prefix, mapping, read, time.perf_counter() - start)
+
+
+def load_unless_resuming(
+    module: nn.Module,
+    weights: PretrainedWeights,
+    ckpt_path: object,
+    held_elsewhere: Sequence[str] = (),
+    tied: Sequence[Sequence[str]] | None = None,
+) -> None:
+    """The strategy's load (`DparStrategy(pretrained=...)`), once the model is parallelised: skipped when a
+    checkpoint (`ckpt_path`) is about to replace the weights; otherwise `load_pretrained`, logging what it read and,
+    for a non-strict load, what it left out."""
+    if ckpt_path is not None:
+        rank_zero_info(f"Resuming from {ckpt_path!r}: the pretrained weights are not read.")
+        return
+    loaded = load_pretrained(module, weights, held_elsewhere, tied)
+    rank_zero_info(loaded.summary())
+    if loaded.mapping.missing or loaded.mapping.unexpected:
+        rank_zero_warn(f"Loaded {weights.path!r} with `strict=False`: {describe(loaded.mapping)}.")
 
 
 #: Bytes per element of each safetensors dtype.

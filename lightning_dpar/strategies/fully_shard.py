@@ -95,6 +95,7 @@ class FullyShardStrategy(DparStrategy):
         """Whether sharded parameters, gradients and optimizer state live in CPU memory."""
         return self._cpu_offload
 
+    @override
     def _computes_whole_updates(self, optimizer: Optimizer) -> bool:
         # Offloaded shards live in CPU memory, which the accelerator's collectives do not gather from.
         return not self._cpu_offload and super()._computes_whole_updates(optimizer)
@@ -104,6 +105,7 @@ class FullyShardStrategy(DparStrategy):
     def plan_options(self) -> PlanOptions:
         return replace(super().plan_options, shards=True, shard_modules=self._shard_modules)
 
+    @override
     def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
         mesh = fsdp_mesh(layout.mesh, layout.dims)
         mp_policy = self.precision_plugin.mixed_precision_policy
@@ -128,6 +130,7 @@ class FullyShardStrategy(DparStrategy):
         return wrap
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register("dpar_fsdp", cls, description="FSDP2 fully_shard", override=True)
         strategy_registry.register(
@@ -176,6 +179,7 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
         """A `ModelParallelStrategy`-style `configure_model` runs unchanged; FSDP is added if it only applied TP."""
         return replace(super().plan_options, adopts_parallelized=True)
 
+    @override
     def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
         fully_shard_units = super().data_parallel_wrapper(layout)
 
@@ -187,6 +191,7 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
         return wrap
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register("dpar_2d", cls, description="2D: FSDP2 + tensor parallelism", override=True)
         strategy_registry.register(
