@@ -12,7 +12,8 @@ How a step flows: `strategies` (Lightning's hooks) -> `plan` (what goes where, a
 - `checkpoint/`: checkpoints, behind `checkpoint.manager.CheckpointManager`;
 - `mesh`: mesh sizes and the device mesh; `parallelize`: applying a plan; `materialize`: meta tensors into shards;
 - `ties`: tied parameters; `precision`, `clipping`: precision and gradient clipping; `optimizers`,
-  `distributed_muon`: optimizers on shards; `buffers`, `batchnorm`, `sampling`, `callback_checks`: DDP semantics;
+  `distributed_muon`: optimizers on shards; `buffers`, `batchnorm`, `sampling`: DDP semantics kept;
+  `callback_checks`, `trainer_checks`: callbacks and Trainer settings a layout refuses before any collective;
 - `pretrained`, `key_matching`, `hf_keys`: Hugging Face weights; `consolidate`: a checkpoint to one file;
 - `compilation`, `comm_hooks`, `unit_guard`, `unit_outputs`: compile options, DDP hooks, unit guards;
 - `launchers`, `process_group`: starting the ranks; `cli`, `__main__`, `plan_report`, `progress`, `callbacks`,

@@ -42,7 +42,6 @@ from lightning_dpar._private_api import (
     IS_INTERACTIVE,
     StrategyRegistryType,
     attach_device_mesh,
-    detect_anomaly_requested,
     layer_sync_requested,
     optimizers_to_device,
     replace_model_checkpoint_link,
@@ -71,6 +70,7 @@ from lightning_dpar.pretrained import PretrainedSpec, load_unless_resuming, to_p
 from lightning_dpar.process_group import start_process_group
 from lightning_dpar.sampling import check_sampler_shards
 from lightning_dpar.strategies.pipeline_steps import PipelineSteps
+from lightning_dpar.trainer_checks import check_anomaly_detection, check_pipeline_optimization
 from lightning_dpar.weight_averaging import lay_out_averaged_copies
 
 if TYPE_CHECKING:
@@ -275,10 +275,10 @@ class DparStrategy(ParallelStrategy):
         self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
         if self.dims.pipeline > 1:
             self._pipeline_config.check(self.dims.pipeline)
-            self._check_pipeline_optimization(self.dims.pipeline)
+            check_pipeline_optimization(self.lightning_module, self.dims.pipeline)
         if self.lightning_module is not None:
             self._check_layer_sync(self.lightning_module)
-            self._check_anomaly_detection(self.dims.tensor_parallel)
+            check_anomaly_detection(_attached_trainer(self.lightning_module), self.dims.tensor_parallel)
         self._check_plan_before_collectives()
         trainer = _attached_trainer(self.lightning_module)
         if trainer is not None:
@@ -316,29 +316,6 @@ class DparStrategy(ParallelStrategy):
         ):
             assert self.dims is not None
             self.module_plan(module, self.dims)
-
-    def _check_pipeline_optimization(self, pipeline_parallel_size: int) -> None:
-        """Manual optimisation cannot be pipelined: the schedule runs each microbatch's forward and backward itself."""
-        module = self.lightning_module
-        if module is not None and not module.automatic_optimization:
-            raise ValueError(
-                f"{type(module).__name__} sets `automatic_optimization = False`, and `pipeline_parallel_size="
-                f"{pipeline_parallel_size}` runs `training_step` through a pipeline schedule that"
-                " does each microbatch's forward and backward itself, so `manual_backward` and your own optimizer"
-                " steps cannot run inside it. Use automatic optimisation, or `pipeline_parallel_size=1`."
-            )
-
-    def _check_anomaly_detection(self, tensor_parallel_size: int) -> None:
-        """`Trainer(detect_anomaly=True)` with tensor parallelism: torch's anomaly mode checks every gradient with an
-        operator DTensor has no sharding rule for, so the first backward would fail on every rank."""
-        trainer = _attached_trainer(self.lightning_module)
-        if tensor_parallel_size > 1 and detect_anomaly_requested(trainer):
-            raise ValueError(
-                f"`Trainer(detect_anomaly=True)` cannot run with `tensor_parallel_size={tensor_parallel_size}`: torch's"
-                " anomaly mode checks each gradient with `aten._is_any_true`, which tensor-parallel (DTensor)"
-                " gradients do not support. Use `detect_anomaly=False`, or look for the anomaly with"
-                " `tensor_parallel_size=1` (e.g. `strategy='dpar_fsdp'`)."
-            )
 
     def _check_layer_sync(self, module: nn.Module) -> None:
         """`Trainer(sync_batchnorm=True)` when fitting: refused where torch's `SyncBatchNorm` cannot run (before the
