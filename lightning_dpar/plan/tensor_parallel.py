@@ -89,7 +89,7 @@ def _sharded_dim(module: nn.Module, style: ParallelStyle) -> tuple[str, int] | N
 
 class TensorParallelSizeError(ValueError):
     """The tensor-parallel size does not divide a dimension the plan splits (a weight dimension or a head count).
-    `valid_sizes`: the sizes that divide it; the strategy adds how to set one (`strategies.base`)."""
+    `valid_sizes`: the sizes that divide it; the planner adds how to set one for the strategy (`plan.planner`)."""
 
     def __init__(self, message: str, valid_sizes: Sequence[int]) -> None:
         super().__init__(message)
