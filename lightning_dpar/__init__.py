@@ -1,7 +1,24 @@
 """lightning_dpar: composable data, fully sharded and tensor parallelism for PyTorch Lightning.
 
 Importing the package registers the strategy names (`"dpar_replicate"`, `"dpar_fsdp"`, `"dpar_fsdp_offload"`,
-`"dpar_hsdp"`, `"dpar_2d"`) with Lightning, so `Trainer(strategy="dpar_2d")` works.
+`"dpar_hsdp"`, `"dpar_2d"`, `"dpar_3d"`) with Lightning, so `Trainer(strategy="dpar_2d")` works.
+
+How a step flows: `strategies` (Lightning's hooks) -> `plan` (what goes where, as data) -> `parallelize` (applied)
+-> `checkpoint` (its manager owns save, load and resume). See `docs/architecture.md`. Packages and modules:
+
+- `strategies/`: the Lightning strategies (`base`, `fully_shard`, `replicate`, `pipeline_steps`);
+- `plan/`: planning, one function `plan_modules` (see its docstring for its modules);
+- `pipeline/`: pipeline parallelism (split, schedules, stages, runtime);
+- `checkpoint/`: checkpoints, behind `checkpoint.manager.CheckpointManager`;
+- `mesh`: mesh sizes and the device mesh; `parallelize`: applying a plan; `materialize`: meta tensors into shards;
+- `ties`: tied parameters; `precision`, `clipping`: precision and gradient clipping; `optimizers`,
+  `distributed_muon`: optimizers on shards; `buffers`, `batchnorm`, `sampling`: DDP semantics kept;
+  `callback_checks`, `trainer_checks`: callbacks and Trainer settings a layout refuses before any collective;
+- `pretrained`, `key_matching`, `hf_keys`: Hugging Face weights; `consolidate`: a checkpoint to one file;
+- `compilation`, `comm_hooks`, `unit_guard`, `unit_outputs`: compile options, DDP hooks, unit guards;
+- `launchers`, `process_group`: starting the ranks; `cli`, `__main__`, `plan_report`, `progress`, `callbacks`,
+  `memory`, `weight_averaging`, `examples/`: the command line, the dry run and the rest of the user-facing tools;
+- `_private_api`: every private torch / Lightning API; `helpers`: small shared helpers, a leaf.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dpar._private_api import privateuse1_backend_name
-from lightning_dpar.class_names import class_name
+from lightning_dpar.helpers import class_name
 
 __all__ = [
     "BATCH_NORM_TYPES",

@@ -27,8 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_dpar._private_api import transformers_module_initialiser
-from lightning_dpar.class_names import class_name
-from lightning_dpar.hf_plan import is_transformers_model
+from lightning_dpar.helpers import class_name, is_transformers_model
 from lightning_dpar.ties import retie, tied_parameters
 
 __all__ = [

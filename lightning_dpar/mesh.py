@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.placement_types import Placement
 
 from lightning_dpar._private_api import flatten_mesh
+from lightning_dpar.helpers import divisors
 
 __all__ = [
     "DATA_PARALLEL",
@@ -83,7 +84,7 @@ class ParallelDims:
         if world_size % pipeline:
             raise ValueError(
                 f"`pipeline_parallel_size={pipeline}` does not divide the world size {world_size}. Choose a pipeline"
-                f" size among {_divisors(world_size)} or change the number of devices."
+                f" size among {divisors(world_size)} or change the number of devices."
             )
         full_world, world_size = world_size, world_size // pipeline  # the ranks of one pipeline stage
         tp = (
@@ -96,7 +97,7 @@ class ParallelDims:
         if world_size % tp:
             raise ValueError(
                 f"`tensor_parallel_size={tp}` does not divide the {'ranks per stage' if pipeline > 1 else 'world size'}"
-                f" {world_size}{stage_ranks}. Choose a tensor-parallel size among {_divisors(world_size)} or change"
+                f" {world_size}{stage_ranks}. Choose a tensor-parallel size among {divisors(world_size)} or change"
                 " the number of devices."
             )
         dp = world_size // tp
@@ -109,7 +110,7 @@ class ParallelDims:
         if dp % replicate:
             raise ValueError(
                 f"`replicate_size={replicate}` must divide the data-parallel size {dp} (world size {world_size} /"
-                f" tensor_parallel_size {tp}). Valid replicate sizes: {_divisors(dp)}."
+                f" tensor_parallel_size {tp}). Valid replicate sizes: {divisors(dp)}."
             )
         return cls(
             world_size=full_world, replicate=replicate, shard=dp // replicate, tensor_parallel=tp, pipeline=pipeline
@@ -121,10 +122,6 @@ class ParallelDims:
             f"world={self.world_size} = {pipeline}replicate {self.replicate} x shard {self.shard}"
             f" x tensor_parallel {self.tensor_parallel}"
         )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def build_device_mesh(dims: ParallelDims, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:

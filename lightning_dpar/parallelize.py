@@ -28,14 +28,13 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, is_composable_replicated
-from lightning_dpar.class_names import class_name
+from lightning_dpar._private_api import checkpoint_activations, ddp_replicate
 from lightning_dpar.materialize import materialize_meta_tensors
 from lightning_dpar.pipeline.stage import PipelinedModel, split_into_stages
 from lightning_dpar.plan import ModulePlan
+from lightning_dpar.plan.structure import data_parallel_roots, direct_parameters
 from lightning_dpar.ties import TiedGroup, parameter_owners, retie
 from lightning_dpar.unit_outputs import fully_shard_unit
 
@@ -48,11 +47,7 @@ __all__ = [
     "apply_fully_shard",
     "apply_plan",
     "apply_tensor_parallel",
-    "check_not_wrapped_by_other_parallelism",
-    "data_parallel_roots",
-    "has_fully_shard",
     "ignored_parameters",
-    "is_parallelized",
     "materialize_meta_tensors",
 ]
 
@@ -127,42 +122,6 @@ def apply_compile(root: nn.Module, fqns: Sequence[str], options: Mapping[str, An
     """Compile each listed block in place (`nn.Module.compile`): names and state-dict keys stay unchanged."""
     for fqn in fqns:
         root.get_submodule(fqn).compile(**options)
-
-
-def direct_parameters(root: nn.Module) -> list[str]:
-    """Names of parameters registered on `root` itself rather than on a child module."""
-    return [name for name, _ in root.named_parameters(recurse=False)]
-
-
-CONTAINERS = (nn.ModuleList, nn.ModuleDict)
-
-
-def data_parallel_roots(root: nn.Module) -> list[str]:
-    """Children of the LightningModule that hold parameters: each becomes a top-level wrapped unit.
-
-    A container child (`nn.ModuleList` / `nn.ModuleDict`) has no `forward`, so a wrapper's forward hooks on it would
-    never run (`fully_shard` refuses it; `replicate` would silently skip the gradient all-reduce): its items take its
-    place, recursively.
-    """
-    roots: list[str] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            fqn = f"{prefix}{name}"
-            if not any(True for _ in child.parameters()):
-                continue
-            if isinstance(child, CONTAINERS):
-                if direct_parameters(child):
-                    raise ValueError(
-                        f"Container {fqn!r} ({class_name(child)}) holds parameters of its own"
-                        f" ({direct_parameters(child)}); put them in a module that the model calls."
-                    )
-                visit(f"{fqn}.", child)
-            else:
-                roots.append(fqn)
-
-    visit("", root)
-    return roots
 
 
 def reshard(modules: Sequence[FSDPModule]) -> None:
@@ -381,28 +340,3 @@ def apply_ddp_replicate(
 
 def ignored_parameters(root: nn.Module, patterns: Sequence[str]) -> set[nn.Parameter]:
     return {p for fqn in patterns for p in root.get_submodule(fqn).parameters()}
-
-
-def is_parallelized(module: nn.Module) -> bool:
-    """Whether any parallelism (ours or the user's own `configure_model`) was already applied."""
-    return any(isinstance(m, FSDPModule) or is_composable_replicated(m) for m in module.modules()) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    )
-
-
-def has_fully_shard(module: nn.Module) -> bool:
-    return any(isinstance(m, FSDPModule) for m in module.modules())
-
-
-def check_not_wrapped_by_other_parallelism(module: nn.Module, strategy_name: str) -> None:
-    """Refuse modules wrapped in classic (non-composable) DDP or FSDP1: their FQNs and hooks cannot compose."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    for fqn, m in module.named_modules():
-        if isinstance(m, (DistributedDataParallel, FullyShardedDataParallel)):
-            raise TypeError(
-                f"Module {fqn or '<root>'!r} is already wrapped in {class_name(m)}; {strategy_name} applies its"
-                " own parallelism. Remove the wrapper from your model (or `configure_model`) and pass the plain"
-                " module."
-            )

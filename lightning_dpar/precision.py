@@ -42,9 +42,9 @@ class DparPrecision(Precision):
                 f" {list(SUPPORTED_PRECISION)}; fp16 needs a sharded grad scaler, use 'bf16-mixed' instead."
             )
         self.precision: PrecisionName = precision  # type: ignore[assignment]
-        #: Device type to autocast on; set by the strategy only when its wrapper cannot apply bf16-mixed itself
+        #: Device type to autocast on (`autocast_on`), only when the wrapper cannot apply bf16-mixed itself
         #: (DDP-style replicate). `None`: the wrapper (FSDP2's MixedPrecisionPolicy) handles it.
-        self.autocast_device_type: str | None = None
+        self._autocast_device_type: str | None = None
         self._clipper = clipping.GradientClipper()
 
     def mixed_precision_policy(self, root_unit: bool = False) -> MixedPrecisionPolicy:
@@ -80,8 +80,8 @@ class DparPrecision(Precision):
         return self.tensor_init_context()
 
     def forward_context(self) -> Any:
-        if self.precision == "bf16-mixed" and self.autocast_device_type is not None:
-            return torch.autocast(device_type=self.autocast_device_type, dtype=torch.bfloat16)
+        if self.precision == "bf16-mixed" and self._autocast_device_type is not None:
+            return torch.autocast(device_type=self._autocast_device_type, dtype=torch.bfloat16)
         return nullcontext()
 
     def convert_input(self, data: Any) -> Any:
@@ -91,11 +91,16 @@ class DparPrecision(Precision):
             data, torch.Tensor, lambda t: t.to(self.true_dtype) if torch.is_floating_point(t) else t
         )
 
+    def autocast_on(self, device_type: str) -> None:
+        """Run `bf16-mixed` forwards under `torch.autocast` on `device_type`: for a data-parallel wrapper that does
+        not apply mixed precision itself (DDP-style replicate)."""
+        self._autocast_device_type = device_type
+
     def reduce_norms_across(self, group: dist.ProcessGroup, device: torch.device) -> None:
         """Gradient norms also sum over `group` (the pipeline stages), whose ranks hold different parameters; a rank
-        without gradients takes part with zero, on `device`."""
-        self._clipper.across = (group,)
-        self._clipper.device = device
+        without gradients takes part with zero, on `device`. Called once the model is parallelised, before any step
+        (the new clipper has no cached layout to lose)."""
+        self._clipper = clipping.GradientClipper(across=(group,), device=device)
 
     def clip_grad_by_norm(self, optimizer: Optimizable, clip_val: int | float) -> None:
         self._clipper.clip_grad_norm_(self.main_params(optimizer), float(clip_val))

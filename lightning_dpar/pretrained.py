@@ -18,35 +18,32 @@ import os
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_dpar import hf_keys, peft_keys
-from lightning_dpar.class_names import class_name
-from lightning_dpar.hf_plan import transformers_models
-from lightning_dpar.pipeline.split import is_under
-from lightning_dpar.ties import tied_parameters
+from lightning_dpar.helpers import class_name, is_under, show_names, transformers_models
+from lightning_dpar.key_matching import KeyMapping, describe, map_keys, tied_groups
 
 __all__ = [
-    "KeyMapping",
     "PretrainedLoad",
     "PretrainedLoadError",
     "PretrainedSpec",
     "PretrainedWeights",
     "checkpoint_item_sizes",
     "checkpoint_shapes",
-    "describe",
     "infer_prefix",
     "load_pretrained",
-    "map_keys",
+    "load_unless_resuming",
     "match_pretrained",
+    "read_pretrained",
     "safetensors_files",
     "stored_names",
-    "tied_groups",
     "to_pretrained_weights",
 ]
 
@@ -131,12 +128,6 @@ def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def tied_groups(module: nn.Module) -> list[list[str]]:
-    """Names that share one parameter (e.g. `lm_head.weight` and `embed_tokens.weight` under
-    `tie_word_embeddings`); any one of them in the checkpoint sets them all."""
-    return [list(group) for group in tied_parameters(module)]
-
-
 def infer_prefix(model_keys: Sequence[str], checkpoint_keys: Sequence[str]) -> str:
     """The prefix `p` for which most checkpoint keys `k` have `p + k` among the model's keys.
 
@@ -150,9 +141,10 @@ def infer_prefix(model_keys: Sequence[str], checkpoint_keys: Sequence[str]) -> s
             prefixes_by_suffix.setdefault(".".join(parts[i:]), []).append(".".join(parts[:i]) + ("." if i else ""))
     votes = Counter(prefix for key in checkpoint_keys for prefix in prefixes_by_suffix.get(key, ()))
     if not votes:
+        ours, theirs = show_names(checkpoint_keys, 3, bracketed=False), show_names(model_keys, 3, bracketed=False)
         raise PretrainedLoadError(
-            f"None of the checkpoint's keys (e.g. {_sample(checkpoint_keys)}) is a key of the LightningModule (e.g."
-            f" {_sample(model_keys)}) under any prefix: the directory holds another model's weights."
+            f"None of the checkpoint's keys (e.g. {ours}) is a key of the LightningModule (e.g. {theirs}) under any"
+            " prefix: the directory holds another model's weights."
         )
     ranked = votes.most_common()
     best, count = ranked[0]
@@ -163,57 +155,6 @@ def infer_prefix(model_keys: Sequence[str], checkpoint_keys: Sequence[str]) -> s
             " one meant as `PretrainedWeights(path, prefix=...)`."
         )
     return best
-
-
-@dataclass
-class KeyMapping:
-    """Which checkpoint key fills which model key, and what does not fit."""
-
-    to_model: dict[str, str] = field(default_factory=dict)  # checkpoint key -> model key
-    missing: list[str] = field(default_factory=list)  # model keys the checkpoint has no value for
-    unexpected: list[str] = field(default_factory=list)  # checkpoint keys the model lacks
-    mismatched: list[str] = field(default_factory=list)  # "key: checkpoint (..), model (..)"
-
-    def problems(self, strict: bool) -> list[str]:
-        found = [f"shapes differ: {', '.join(self.mismatched)}"] if self.mismatched else []
-        if strict and self.missing:
-            found.append(f"keys of the model not in the checkpoint: {_listing(self.missing)}")
-        if strict and self.unexpected:
-            found.append(f"keys of the checkpoint not in the model: {_listing(self.unexpected)}")
-        return found
-
-
-def map_keys(
-    model_shapes: Mapping[str, tuple[int, ...]],
-    checkpoint: Mapping[str, tuple[int, ...]],
-    prefix: str,
-    tied: Sequence[Sequence[str]] = (),
-) -> KeyMapping:
-    """Match checkpoint keys to model keys (`prefix + key`), counting a tied name as present when another name of
-    its group is. Pure: the model and checkpoint are described by their keys and (global) shapes."""
-    mapping = KeyMapping()
-    for key, shape in checkpoint.items():
-        model_key = prefix + key
-        if model_key not in model_shapes:
-            mapping.unexpected.append(key)
-        elif tuple(model_shapes[model_key]) != tuple(shape):
-            mapping.mismatched.append(f"{key}: checkpoint {tuple(shape)}, model {tuple(model_shapes[model_key])}")
-        else:
-            mapping.to_model[key] = model_key
-    loaded = set(mapping.to_model.values())
-    tie_of = {name: group for group in tied for name in group}
-    for model_key in model_shapes:
-        if model_key not in loaded and not any(name in loaded for name in tie_of.get(model_key, ())):
-            mapping.missing.append(model_key)
-    # One read per shared parameter: a second name of the same group would write the same storage again.
-    seen_groups: set[int] = set()
-    for key, model_key in list(mapping.to_model.items()):
-        group = tie_of.get(model_key)
-        if group is not None:
-            if id(group) in seen_groups:
-                del mapping.to_model[key]
-            seen_groups.add(id(group))
-    return mapping
 
 
 @dataclass
@@ -295,6 +236,39 @@ def load_pretrained(
     return PretrainedLoad(weights, prefix, mapping, read, time.perf_counter() - start)
 
 
+def load_unless_resuming(
+    module: nn.Module,
+    weights: PretrainedWeights,
+    ckpt_path: object,
+    held_elsewhere: Sequence[str] = (),
+    tied: Sequence[Sequence[str]] | None = None,
+) -> None:
+    """The strategy's load (`DparStrategy(pretrained=...)`), once the model is parallelised: skipped when a
+    checkpoint (`ckpt_path`) is about to replace the weights; otherwise `load_pretrained`, logging what it read and,
+    for a non-strict load, what it left out."""
+    if ckpt_path is not None:
+        rank_zero_info(
+            f"Resuming from {ckpt_path!r}: the pretrained weights are not read (an adapter-only checkpoint's frozen"
+            " base is, before the checkpoint)."
+        )
+        return
+    read_pretrained(module, weights, held_elsewhere, tied)
+
+
+def read_pretrained(
+    module: nn.Module,
+    weights: PretrainedWeights,
+    held_elsewhere: Sequence[str] = (),
+    tied: Sequence[Sequence[str]] | None = None,
+) -> None:
+    """`load_pretrained` into the parallelised parameters (collective), logging what it read and, for a non-strict
+    load, what it left out: the strategy's first load, and an adapter-only checkpoint's frozen base on resume."""
+    loaded = load_pretrained(module, weights, held_elsewhere, tied)
+    rank_zero_info(loaded.summary())
+    if loaded.mapping.missing or loaded.mapping.unexpected:
+        rank_zero_warn(f"Loaded {weights.path!r} with `strict=False`: {describe(loaded.mapping)}.")
+
+
 #: Bytes per element of each safetensors dtype.
 SAFETENSORS_ITEM_SIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2}
 SAFETENSORS_ITEM_SIZES |= {"I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -342,22 +316,3 @@ def stored_names(module: nn.Module, checkpoint_names: Sequence[str]) -> dict[str
             )
         by_loaded[loaded] = stored
     return peft_keys.with_base_layers(models[0][1], by_loaded)
-
-
-def _sample(keys: Sequence[str], limit: int = 3) -> str:
-    return ", ".join(repr(k) for k in list(keys)[:limit])
-
-
-def _listing(keys: Sequence[str], limit: int = 20) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
-def describe(mapping: KeyMapping) -> str:
-    """One line for the log about a non-strict load's gaps."""
-    parts: list[str] = []
-    if mapping.missing:
-        parts.append(f"kept their own initialisation (not in the checkpoint): {_listing(mapping.missing)}")
-    if mapping.unexpected:
-        parts.append(f"ignored (not in the model): {_listing(mapping.unexpected)}")
-    return "; ".join(parts)

@@ -11,9 +11,9 @@ from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.runtime import LogRecorder
 from lightning_dpar.pipeline.schedule import SCHEDULES, schedule_spec
-from lightning_dpar.pipeline.split import local_plan, pipeline_units, resolve_split, stage_ranks
+from lightning_dpar.pipeline.split import pipeline_units, resolve_split, stage_ranks
 from lightning_dpar.pipeline.values import describe, fabricate, rebuild, tensors
-from lightning_dpar.plan import ModulePlan, repeated_blocks
+from lightning_dpar.plan import ModulePlan, local_plan, repeated_blocks
 from tests.models import Net, ParityModule
 
 

@@ -18,7 +18,6 @@ export then:
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,8 @@ import torch
 from torch import nn
 
 from lightning_dpar import hf_keys
-from lightning_dpar.pretrained import map_keys, tied_groups  # the key matching of loading pretrained weights
+from lightning_dpar.helpers import transformers_models
+from lightning_dpar.key_matching import map_keys, tied_groups  # the key matching of loading pretrained weights
 
 #: Key of the record in a checkpoint's metadata (`meta.pt`, or the dict of a full-format file).
 __all__ = [
@@ -52,11 +52,7 @@ def hf_model_record(module: nn.Module) -> dict[str, Any]:
 
     Cheap (configs only), and never imports `transformers` itself: a model of that library means it is imported.
     """
-    transformers = sys.modules.get("transformers")
-    if transformers is None:
-        return {}
-    held = [(name, m) for name, m in module.named_modules() if isinstance(m, transformers.PreTrainedModel)]
-    outermost = [(n, m) for n, m in held if not any(n.startswith(f"{o}.") for o, _ in held if o and o != n)]
+    outermost = transformers_models(module)
     if len(outermost) != 1 or outermost[0][0] == "":
         return {}
     name, model = outermost[0]

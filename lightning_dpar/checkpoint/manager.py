@@ -21,12 +21,18 @@ from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.errors import CheckpointSaveError
 from lightning_dpar.checkpoint.full import FullFormat
 from lightning_dpar.checkpoint.layout import LoadReport
-from lightning_dpar.checkpoint.resume import RNG_STATES_KEY, ResumeState, align_loop_state, capture_rng_state
+from lightning_dpar.checkpoint.resume import (
+    RNG_STATES_KEY,
+    ResumeState,
+    align_loop_state,
+    capture_rng_state,
+    skip_seen_batches,
+)
 from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.sharded import ShardedFormat
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import CheckpointWriter
-from lightning_dpar.pipeline.split import is_under
+from lightning_dpar.helpers import is_under
 from lightning_dpar.pretrained import PretrainedWeights
 
 __all__ = ["CheckpointFormatName", "CheckpointManager"]
@@ -94,13 +100,22 @@ class CheckpointManager:
         self.writer = CheckpointWriter(timeout=timeout)
         self.resume = ResumeState()
         self.async_save = async_save
-        #: Units (FQN prefixes) whose parameters other ranks hold entirely: other pipeline stages. A checkpoint's
-        #: keys under them are neither loaded here nor unexpected.
-        self.keys_held_elsewhere: Sequence[str] = ()
-        #: The pipeline stages' process group: each stage's optimizer knows only its own parameters.
-        self.pipeline_group: dist.ProcessGroup | None = None
+        self._keys_held_elsewhere: Sequence[str] = ()
+        self._pipeline_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ configuration
+    def hold_pipeline_stages(self, keys_held_elsewhere: Sequence[str], pipeline_group: dist.ProcessGroup) -> None:
+        """This rank holds some pipeline stages only: `keys_held_elsewhere` names the units (FQN prefixes) other
+        ranks hold entirely, whose checkpoint keys are neither loaded here nor unexpected; `pipeline_group` joins the
+        stages, each of whose optimizers knows only its own parameters."""
+        self._keys_held_elsewhere = tuple(keys_held_elsewhere)
+        self._pipeline_group = pipeline_group
+
+    @property
+    def keys_held_elsewhere(self) -> Sequence[str]:
+        """Units whose parameters other ranks hold entirely (other pipeline stages); empty without pipelining."""
+        return self._keys_held_elsewhere
+
     @property
     def async_save(self) -> bool:
         return self.writer.async_save
@@ -122,8 +137,8 @@ class CheckpointManager:
 
     def optimizer_state(self, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
         state = self.format.optimizer_state(model, optimizer)
-        if self.pipeline_group is not None:
-            state["param_groups"] = _param_groups_of_all_stages(state["param_groups"], self.pipeline_group)
+        if self._pipeline_group is not None:
+            state["param_groups"] = _param_groups_of_all_stages(state["param_groups"], self._pipeline_group)
         return state
 
     def save(self, checkpoint: dict[str, Any], path: Any, record: dict[str, Any]) -> None:
@@ -202,8 +217,34 @@ class CheckpointManager:
             self.resume.loop_note, self.resume.reruns_epoch_end = align_loop_state(source.rest, iteration_based)
         return source.rest
 
+    # ------------------------------------------------------------------ resuming
+    def record(self, trainer: Any, strategy_name: str, world_size: int, data_parallel_size: int | None) -> dict:
+        """Our part of the next save's metadata: layout and data position (`ResumeState.record`); local."""
+        return self.resume.record(trainer, strategy_name, world_size, data_parallel_size)
+
+    def resumes_mid_epoch(self) -> bool:
+        """Whether the checkpoint just loaded for `fit` was saved in the middle of an epoch."""
+        return self.resume.mid_epoch
+
+    def position_loader(self, dataloader: object, data_parallel_size: int | None) -> None:
+        """Make the training loader resumable mid-epoch and position it where the loaded checkpoint left off; for a
+        mid-epoch resume, the line saying how it resumes is logged by `start_training`, once the loop is set."""
+        mid_epoch = self.resume.mid_epoch
+        how, exact = self.resume.position_loader(dataloader, data_parallel_size)
+        if mid_epoch:
+            self.resume.announcement = (how, exact)
+
+    def start_training(self, trainer: Any | None, world_size: int, global_rank: int) -> str | None:
+        """Right before training continues (after loaders and sanity checks): log how a mid-epoch resume goes, skip
+        the batches a custom sampler already gave, and restore this rank's RNG streams. Returns a note when the
+        streams cannot be mapped to this world size."""
+        if trainer is not None:
+            self.resume.announce(trainer)
+            skip_seen_batches(self.resume, trainer)
+        return self.resume.restore_rng(world_size, global_rank)
+
     def _held_elsewhere(self, key: str) -> bool:
-        return is_under(key, self.keys_held_elsewhere)
+        return is_under(key, self._keys_held_elsewhere)
 
 
 def _param_groups_of_all_stages(groups: list[dict[str, Any]], pipeline_group: dist.ProcessGroup) -> list[dict]:

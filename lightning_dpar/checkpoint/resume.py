@@ -257,6 +257,11 @@ class ResumeState:
         #: The line `position_loader` composed for a mid-epoch resume, logged by `announce` once the loop is set.
         self.announcement: tuple[str, bool] | None = None
 
+    @property
+    def mid_epoch(self) -> bool:
+        """Whether the checkpoint just loaded for `fit` was saved in the middle of an epoch."""
+        return self.pending.get("epoch_batches", {}).get("batches", 0) > 0
+
     def record(self, trainer: Any, strategy_name: str, world_size: int, data_parallel_size: int | None) -> dict:
         """Our part of a checkpoint's metadata: layout and the data position. Local, no collective: every rank's RNG
         streams (`RNG_STATES_KEY`) join the record on the way to disk, carried by a collective the save performs

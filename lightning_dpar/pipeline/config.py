@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_dpar.pipeline.schedule import ScheduleSpec, schedule_spec
-from lightning_dpar.pipeline.split import SplitSpec
+from lightning_dpar.pipeline.split import SplitSpec, parse_split
 
 __all__ = ["PipelineConfig"]
 
@@ -35,16 +35,7 @@ class PipelineConfig:
         call_order: Sequence[str] | None = None,
     ) -> PipelineConfig:
         spec = schedule_spec(schedule)
-        split = "auto" if split is None else split
-        if isinstance(split, str) and split != "auto":
-            raise ValueError(f"`pipeline_split={split!r}` is invalid: use 'auto' or a list of module names.")
-        if not isinstance(split, str):
-            if not isinstance(split, Sequence) or not all(isinstance(point, str) for point in split):
-                raise ValueError(
-                    f"`pipeline_split={split!r}` is invalid: use 'auto' or a list of module names (the first unit of"
-                    " each stage after the first)."
-                )
-            split = tuple(split)
+        split = parse_split("auto" if split is None else split)
         if call_order is not None and (
             isinstance(call_order, str) or not all(isinstance(name, str) for name in call_order)
         ):

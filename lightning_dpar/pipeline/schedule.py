@@ -21,7 +21,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from lightning_dpar.pipeline.split import StagePlacement
+from lightning_dpar.pipeline.split import StagePlacement, check_placement
 
 __all__ = ["SCHEDULES", "ScheduleSpec", "build_schedule", "schedule_spec"]
 
@@ -53,11 +53,7 @@ class ScheduleSpec:
                 f"Schedule {self.name!r} runs one stage per rank, but `pipeline_stages_per_rank={stages_per_rank}`."
                 f" Set it to 1, or use a schedule that runs several: {looped}."
             )
-        if self.placement == "v" and stages_per_rank != 2:
-            raise ValueError(
-                f"Schedule {self.name!r} places exactly 2 stages per rank in a V; got"
-                f" `pipeline_stages_per_rank={stages_per_rank}`. Set it to 2."
-            )
+        check_placement(self.placement, stages_per_rank, f"Schedule {self.name!r}")
         num_stages = num_ranks * stages_per_rank
         if self.needs_microbatches_per_stage and num_microbatches < num_stages:
             raise ValueError(

@@ -26,15 +26,14 @@ from typing import Literal, Union
 
 from torch import nn
 
-from lightning_dpar.class_names import class_name
-from lightning_dpar.plan import ModulePlan
+from lightning_dpar.helpers import class_name, has_parameters, is_under, show_names
 
 __all__ = [
     "PipelineSplit",
     "SplitSpec",
     "StagePlacement",
-    "is_under",
-    "local_plan",
+    "check_placement",
+    "parse_split",
     "pipeline_units",
     "resolve_split",
     "stage_ranks",
@@ -45,10 +44,6 @@ SplitSpec = Union[Literal["auto"], Sequence[str]]
 #: `"loop"`: stage s on pipeline rank s % p (GPipe, 1F1B, interleaved schedules). `"v"`: rank r holds stages r and
 #: 2p - 1 - r (the V-shaped zero-bubble schedules), so the first and last stage sit on the same rank.
 StagePlacement = Literal["loop", "v"]
-
-
-def _holds_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
 
 
 def pipeline_units(root: nn.Module, blocks: Sequence[str], call_order: Sequence[str] = ()) -> list[str]:
@@ -80,7 +75,7 @@ def pipeline_units(root: nn.Module, blocks: Sequence[str], call_order: Sequence[
             fqn = f"{prefix}{name}"
             if fqn in block_set:
                 units.append(fqn)
-            elif not _holds_parameters(child):
+            elif not has_parameters(child):
                 continue
             elif contains_block(fqn):
                 visit(f"{fqn}.", child)
@@ -97,12 +92,12 @@ def _in_call_order(root: nn.Module, units: list[str], call_order: Sequence[str])
     if unknown:
         raise ValueError(
             f"`pipeline_call_order` names {unknown}, which are not modules of {class_name(root)}; name modules"
-            f" holding units, in the order the forward calls them (units: {_examples(units)})."
+            f" holding units, in the order the forward calls them (units: {show_names(units)})."
         )
     ordered = [unit for name in call_order for unit in units if is_under(unit, [name])]
     missing = [unit for unit in units if unit not in ordered]
     if missing or len(set(ordered)) != len(ordered):
-        problem = f"leaves out {_examples(missing)}" if missing else "names a unit twice (nested names)"
+        problem = f"leaves out {show_names(missing)}" if missing else "names a unit twice (nested names)"
         raise ValueError(
             f"`pipeline_call_order={list(call_order)}` {problem}: list modules that together hold every unit once,"
             " e.g. the LightningModule's top-level children in the order the forward calls them."
@@ -129,14 +124,29 @@ class PipelineSplit:
         return [unit for stage in self.stages_of_rank(pipeline_rank) for unit in self.stages[stage]]
 
 
+def check_placement(placement: StagePlacement, stages_per_rank: int, schedule: str = "A V-shaped schedule") -> None:
+    """Raise unless `stages_per_rank` fits the placement: a V holds exactly 2 stages per rank."""
+    if placement == "v" and stages_per_rank != 2:
+        raise ValueError(
+            f"{schedule} places exactly 2 stages per rank in a V; got `pipeline_stages_per_rank={stages_per_rank}`."
+            " Set it to 2."
+        )
+
+
+def parse_split(spec: object) -> SplitSpec:
+    """A valid `pipeline_split`: `"auto"`, or the split points as a tuple of module names."""
+    if isinstance(spec, str) and spec == "auto":
+        return spec
+    if isinstance(spec, str) or not isinstance(spec, Sequence) or not all(isinstance(point, str) for point in spec):
+        detail = "" if isinstance(spec, str) else " (the first unit of each stage after the first)"
+        raise ValueError(f"`pipeline_split={spec!r}` is invalid: use 'auto' or a list of module names{detail}.")
+    return tuple(spec)
+
+
 def stage_ranks(num_ranks: int, stages_per_rank: int, placement: StagePlacement) -> tuple[int, ...]:
     """The pipeline rank of each stage."""
+    check_placement(placement, stages_per_rank)
     if placement == "v":
-        if stages_per_rank != 2:
-            raise ValueError(
-                f"V-shaped schedules hold exactly 2 stages per rank; got `pipeline_stages_per_rank={stages_per_rank}`."
-                " Set it to 2."
-            )
         return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
     return tuple(stage % num_ranks for stage in range(num_ranks * stages_per_rank))
 
@@ -162,10 +172,9 @@ def resolve_split(
     """Split `root`'s units into `num_ranks * stages_per_rank` stages, checking every stage gets at least one unit."""
     units = pipeline_units(root, blocks, call_order)
     num_stages = num_ranks * stages_per_rank
+    spec = parse_split(spec)
     if spec == "auto":
         stages = _auto_stages(units, list(blocks), num_stages, class_name(root))
-    elif isinstance(spec, str):
-        raise ValueError(f"`pipeline_split={spec!r}` is invalid: use 'auto' or a list of module names.")
     else:
         stages = _explicit_stages(root, units, list(spec), num_stages)
     split = PipelineSplit(tuple(tuple(stage) for stage in stages), stage_ranks(num_ranks, stages_per_rank, placement))
@@ -199,33 +208,12 @@ def _check_no_parameter_shared_across_stages(root: nn.Module, split: PipelineSpl
                     )
 
 
-def is_under(fqn: str, units: Sequence[str]) -> bool:
-    """Whether `fqn` names one of `units` or something inside one (a parameter, a submodule)."""
-    return any(fqn == unit or fqn.startswith(f"{unit}.") for unit in units)
-
-
-def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> ModulePlan:
-    """`plan` (resolved on the whole model) restricted to the modules of `pipeline_rank`'s stages, with every unit of
-    those stages an FSDP unit: units are what stages are made of, and each stage's FSDP root holds exactly them."""
-    units = split.units_of_rank(pipeline_rank)
-    return ModulePlan(
-        tensor_parallel={fqn: style for fqn, style in plan.tensor_parallel.items() if is_under(fqn, units)},
-        activation_checkpointing=[fqn for fqn in plan.activation_checkpointing if is_under(fqn, units)],
-        shard_units=list(dict.fromkeys([*units, *(fqn for fqn in plan.shard_units if is_under(fqn, units))])),
-        compile_units=[fqn for fqn in plan.compile_units if is_under(fqn, units)],
-        adopted=plan.adopted,
-        pipeline=split,
-        pipeline_rank=pipeline_rank,
-        tied=[group for group in plan.tied if all(is_under(name, units) for name in group)],
-    )
-
-
 def _auto_stages(units: list[str], blocks: list[str], num_stages: int, model: str) -> list[list[str]]:
     block_units = [unit for unit in units if unit in set(blocks)]
     if len(block_units) < num_stages:
         raise ValueError(
             f"{num_stages} pipeline stages need at least {num_stages} blocks, but {model} has {len(block_units)}"
-            f" ({_examples(block_units)}), so a stage would be empty. Lower `pipeline_parallel_size` x"
+            f" ({show_names(block_units)}), so a stage would be empty. Lower `pipeline_parallel_size` x"
             " `pipeline_stages_per_rank`, or give `pipeline_split` explicitly."
         )
     first, last = units.index(block_units[0]), units.index(block_units[-1])
@@ -255,13 +243,13 @@ def _explicit_stages(root: nn.Module, units: list[str], split_points: list[str],
             what = "is a module but not a unit" if point in names else "names no module"
             raise ValueError(
                 f"Pipeline split point {point!r} {what} of {class_name(root)}. A split point is the name of the"
-                f" unit that starts a stage: one of {_examples(units, limit=12)}."
+                f" unit that starts a stage: one of {show_names(units, limit=12)}."
             )
         positions.append(units.index(point))
     if len(split_points) != num_stages - 1:
         raise ValueError(
             f"`pipeline_split` names {len(split_points)} split points, but {num_stages} stages need"
-            f" {num_stages - 1} (the first unit of every stage after the first). Units: {_examples(units)}."
+            f" {num_stages - 1} (the first unit of every stage after the first). Units: {show_names(units)}."
         )
     bounds = [0, *positions, len(units)]
     for stage, (start, end) in enumerate(pairwise(bounds)):
@@ -271,8 +259,3 @@ def _explicit_stages(root: nn.Module, units: list[str], split_points: list[str],
                 " the previous one in the model's unit order."
             )
     return [units[start:end] for start, end in pairwise(bounds)]
-
-
-def _examples(names: Sequence[str], limit: int = 6) -> str:
-    shown = ", ".join(repr(name) for name in names[:limit])
-    return f"[{shown}{', ...' if len(names) > limit else ''}]"

@@ -1,7 +1,11 @@
-"""What every lightning_dpar strategy shares: process group and mesh, launch, data-parallel sampling and reductions,
-precision, gradient-sync control, checkpointing, and the fixed order in which parallelism is applied.
+"""What every lightning_dpar strategy shares, as Lightning's hooks (each marked `@override`): process group and mesh,
+launch, data-parallel sampling and reductions, precision, gradient-sync control, and checkpointing.
 
-A concrete strategy only says how it wraps the model for data parallelism (`data_parallel_wrapper`).
+The hooks delegate: planning to `lightning_dpar.plan.plan_modules` (with this strategy's `plan_options`), applying
+the plan to `lightning_dpar.parallelize.apply_plan`, checkpoints and resume state to the `CheckpointManager`
+(`lightning_dpar.checkpoint.manager`), pretrained weights to `lightning_dpar.pretrained`, and pipelined steps to
+`lightning_dpar.strategies.pipeline_steps`. A concrete strategy only says how it wraps the model for data parallelism
+(`data_parallel_wrapper`) and what its arguments add to the plan (`plan_options`).
 """
 
 from __future__ import annotations
@@ -24,28 +28,26 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_dpar import distributed_muon, parallelize
 from lightning_dpar._private_api import (
     IS_INTERACTIVE,
     StrategyRegistryType,
     attach_device_mesh,
-    detect_anomaly_requested,
     layer_sync_requested,
     optimizers_to_device,
     replace_model_checkpoint_link,
     sync_ddp_if_available,
 )
-from lightning_dpar.adapters import adapter_tp_plan
 from lightning_dpar.batchnorm import (
-    check_no_batch_norm_in_pipeline,
     check_sync_batchnorm_supported,
     convert_sync_batchnorm,
 )
@@ -56,41 +58,21 @@ from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.checkpoint.peft_export import peft_model_record
-from lightning_dpar.checkpoint.resume import skip_seen_batches
-from lightning_dpar.class_names import class_name
-from lightning_dpar.compilation import (
-    CompileSpec,
-    check_compile_with_tensor_parallel,
-    compile_options,
-    compile_units,
-)
-from lightning_dpar.hf_plan import transformers_tp_plan
+from lightning_dpar.compilation import CompileSpec, compile_options
+from lightning_dpar.helpers import has_parameters
 from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
-from lightning_dpar.materialize import check_initialisable
 from lightning_dpar.mesh import PIPELINE, TENSOR_PARALLEL, MeshLayout, ParallelDims, SizeArg, build_device_mesh
 from lightning_dpar.optimizers import ParameterLayout, check_optimizers
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.runtime import PipelineRuntime
-from lightning_dpar.pipeline.split import local_plan, resolve_split
-from lightning_dpar.plan import (
-    AUTO,
-    ModulePlan,
-    ModuleSelector,
-    PlanStyle,
-    TensorParallelSizeError,
-    TPPlanSpec,
-    parse_tp_plan,
-    repeated_blocks,
-    resolve_activation_checkpointing,
-    resolve_tp_plan,
-    tensor_parallel_size_fix,
-)
+from lightning_dpar.plan import AUTO, ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec, parse_tp_plan, plan_modules
+from lightning_dpar.plan.structure import is_parallelized
 from lightning_dpar.precision import DparPrecision, to_dpar_precision
-from lightning_dpar.pretrained import PretrainedSpec, load_pretrained, to_pretrained_weights
-from lightning_dpar.pretrained import describe as describe_pretrained
+from lightning_dpar.pretrained import PretrainedSpec, load_unless_resuming, read_pretrained, to_pretrained_weights
 from lightning_dpar.process_group import start_process_group
 from lightning_dpar.sampling import check_sampler_shards
-from lightning_dpar.ties import check_tied_layouts, tied_parameters
+from lightning_dpar.strategies.pipeline_steps import PipelineSteps
+from lightning_dpar.trainer_checks import check_anomaly_detection, check_pipeline_optimization
 from lightning_dpar.weight_averaging import lay_out_averaged_copies
 
 if TYPE_CHECKING:
@@ -187,7 +169,7 @@ class DparStrategy(ParallelStrategy):
             )
         self._pipeline_parallel_size = pipeline_parallel_size
         self._pipeline_config = pipeline if pipeline is not None else PipelineConfig.of("1F1B", None, 1, "auto")
-        self._pipeline: PipelineRuntime | None = None
+        self._pipeline: PipelineSteps | None = None
         self._tensor_parallel_size = tensor_parallel_size
         self._data_parallel_size = data_parallel_size
         self._replicate_size = replicate_size
@@ -230,12 +212,14 @@ class DparStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ precision
     @property
+    @override
     def precision_plugin(self) -> DparPrecision:
         if self._precision_plugin is None:  # kept, so its cached clipping layout lives as long as the strategy
             self._precision_plugin = DparPrecision()
         return self._precision_plugin
 
     @precision_plugin.setter
+    @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         # Lightning's connector hands us the plugin it picked for `Trainer(precision=...)` (autocast for
         # bf16-mixed); translate it so the wrappers can do mixed precision themselves, and refuse what we cannot do.
@@ -243,6 +227,7 @@ class DparStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ processes and mesh
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -279,6 +264,7 @@ class DparStrategy(ParallelStrategy):
             pipeline_parallel_size=self._pipeline_parallel_size,
         )
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         start_method = "fork" if self._start_method == "popen" and IS_INTERACTIVE else self._start_method
@@ -289,6 +275,7 @@ class DparStrategy(ParallelStrategy):
         else:
             self._launcher = InteractiveLauncher(self, start_method=start_method)
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
@@ -296,10 +283,10 @@ class DparStrategy(ParallelStrategy):
         self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
         if self.dims.pipeline > 1:
             self._pipeline_config.check(self.dims.pipeline)
-            self._check_pipeline_optimization(self.dims.pipeline)
+            check_pipeline_optimization(self.lightning_module, self.dims.pipeline)
         if self.lightning_module is not None:
             self._check_layer_sync(self.lightning_module)
-            self._check_anomaly_detection(self.dims.tensor_parallel)
+            check_anomaly_detection(_attached_trainer(self.lightning_module), self.dims.tensor_parallel)
         self._check_plan_before_collectives()
         trainer = _attached_trainer(self.lightning_module)
         if trainer is not None:
@@ -332,34 +319,11 @@ class DparStrategy(ParallelStrategy):
         if (
             module is not None
             and not is_overridden("configure_model", module)
-            and not parallelize.is_parallelized(module)  # e.g. `validate` after `fit`: planned and applied already
-            and any(True for _ in module.parameters())
+            and not is_parallelized(module)  # e.g. `validate` after `fit`: planned and applied already
+            and has_parameters(module)
         ):
             assert self.dims is not None
             self.module_plan(module, self.dims)
-
-    def _check_pipeline_optimization(self, pipeline_parallel_size: int) -> None:
-        """Manual optimisation cannot be pipelined: the schedule runs each microbatch's forward and backward itself."""
-        module = self.lightning_module
-        if module is not None and not module.automatic_optimization:
-            raise ValueError(
-                f"{class_name(module)} sets `automatic_optimization = False`, and `pipeline_parallel_size="
-                f"{pipeline_parallel_size}` runs `training_step` through a pipeline schedule that"
-                " does each microbatch's forward and backward itself, so `manual_backward` and your own optimizer"
-                " steps cannot run inside it. Use automatic optimisation, or `pipeline_parallel_size=1`."
-            )
-
-    def _check_anomaly_detection(self, tensor_parallel_size: int) -> None:
-        """`Trainer(detect_anomaly=True)` with tensor parallelism: torch's anomaly mode checks every gradient with an
-        operator DTensor has no sharding rule for, so the first backward would fail on every rank."""
-        trainer = _attached_trainer(self.lightning_module)
-        if tensor_parallel_size > 1 and detect_anomaly_requested(trainer):
-            raise ValueError(
-                f"`Trainer(detect_anomaly=True)` cannot run with `tensor_parallel_size={tensor_parallel_size}`: torch's"
-                " anomaly mode checks each gradient with `aten._is_any_true`, which tensor-parallel (DTensor)"
-                " gradients do not support. Use `detect_anomaly=False`, or look for the anomaly with"
-                " `tensor_parallel_size=1` (e.g. `strategy='dpar_fsdp'`)."
-            )
 
     def _check_layer_sync(self, module: nn.Module) -> None:
         """`Trainer(sync_batchnorm=True)` when fitting: refused where torch's `SyncBatchNorm` cannot run (before the
@@ -386,6 +350,7 @@ class DparStrategy(ParallelStrategy):
         return True
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         mesh = self._data_parallel_mesh
         assert mesh is not None, "the data-parallel mesh is built in `setup_environment`"
@@ -393,143 +358,37 @@ class DparStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ model setup
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # With empty_init the model is built on the meta device and only shards are ever allocated (in `setup`).
         with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
+    @property
+    def plan_options(self) -> PlanOptions:
+        """What this strategy's arguments say about the plan (`lightning_dpar.plan.planner`); subclasses add theirs."""
+        kept = {"pipeline_parallel_size": self._pipeline_parallel_size, "replicate_size": self._replicate_size}
+        return PlanOptions(
+            strategy=type(self).__name__,
+            tp_plan=self._tp_plan,
+            activation_checkpointing=self._activation_checkpointing,
+            compile=self._compile_options,
+            pipeline=self._pipeline_config,
+            kept_size_args=tuple((name, value) for name, value in kept.items() if value != 1),
+        )
+
     def module_plan(self, module: nn.Module, dims: ParallelDims | None = None, rank: int | None = None) -> ModulePlan:
         """What will be applied to which submodule on a world of `dims` (default: this run's), as seen by global rank
-        `rank` (default: this one; it matters only with pipeline parallelism, where each rank holds other stages).
-
-        Pure (no process group): it runs on every rank before any collective, and in the `plan` dry run, so a plan
-        that does not fit the model (a pattern matching nothing, a tensor-parallel size that does not divide a
-        sharded dimension or head count, a split leaving a stage empty) fails the same way everywhere.
-        """
+        `rank` (default: this one); see `lightning_dpar.plan.plan_modules`, which training and the `plan` dry run
+        share."""
         dims = dims if dims is not None else self.dims
         assert dims is not None, "the mesh sizes are resolved in `setup_environment`"
-        parallelize.check_not_wrapped_by_other_parallelism(module, type(self).__name__)
-        if dims.pipeline > 1:
-            return self._pipeline_plan(module, dims, self.global_rank if rank is None else rank)
-        if parallelize.is_parallelized(module):
-            self._check_adoptable(module)
-            shard_units = self._shard_units(module)
-            return ModulePlan({}, [], shard_units, compile_units(module, shard_units), adopted=True)
-        tied = tied_parameters(module)
-        tp_plan = self._tp_plan_for(module, dims)
-        tensor_parallel = self._resolve_tp_plan(module, tp_plan, dims) if tp_plan else {}
-        check_tied_layouts(module, tied, tensor_parallel)
-        check_compile_with_tensor_parallel(module, tensor_parallel, self._compile_options)
-        shard_units = self._shard_units(module)
-        roots = parallelize.data_parallel_roots(module)  # refuses containers holding parameters of their own
-        self._check_ties_fit_the_wrapper(tied, roots, dims)
-        check_initialisable(module)
-        return ModulePlan(
-            tensor_parallel=tensor_parallel,
-            activation_checkpointing=resolve_activation_checkpointing(
-                module, self._activation_checkpointing, shard_units
-            ),
-            shard_units=shard_units,
-            compile_units=compile_units(module, shard_units),
-            tied=tied,
-        )
-
-    def _pipeline_plan(self, module: nn.Module, dims: ParallelDims, rank: int) -> ModulePlan:
-        """The split into stages, and the plan (resolved on the whole model) restricted to `rank`'s stages."""
-        if parallelize.is_parallelized(module):
-            raise TypeError(
-                f"{class_name(module)} was already parallelised (in `configure_model` or before `fit`); with"
-                " `pipeline_parallel_size > 1` the strategy splits the model into stages first and parallelises each"
-                " stage itself. Remove the manual `fully_shard` / `parallelize_module` calls and give a `tp_plan`."
-            )
-        config = self._pipeline_config
-        config.check(dims.pipeline)
-        check_no_batch_norm_in_pipeline(module, dims.pipeline)
-        shard_units = self._shard_units(module)
-        split = resolve_split(
-            module,
-            shard_units or repeated_blocks(module),
-            config.split,
-            dims.pipeline,
-            config.stages_per_rank,
-            config.schedule.placement,
-            config.call_order,
-        )
-        tp_plan = self._tp_plan_for(module, dims)
-        check_initialisable(module)
-        tied = tied_parameters(module)
-        tensor_parallel = self._resolve_tp_plan(module, tp_plan, dims) if tp_plan else {}
-        check_tied_layouts(module, tied, tensor_parallel)
-        check_compile_with_tensor_parallel(module, tensor_parallel, self._compile_options)
-        whole = ModulePlan(
-            tensor_parallel=tensor_parallel,
-            activation_checkpointing=resolve_activation_checkpointing(
-                module, self._activation_checkpointing, shard_units
-            ),
-            shard_units=shard_units,
-            compile_units=compile_units(module, shard_units),
-            tied=tied,
-        )
-        return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
-
-    def _resolve_tp_plan(self, module: nn.Module, tp_plan: dict[str, PlanStyle], dims: ParallelDims) -> dict[str, Any]:
-        """`resolve_tp_plan`; a size that does not divide the model says how to set one that does, for this class."""
-        try:
-            return resolve_tp_plan(module, adapter_tp_plan(module, tp_plan), dims.tensor_parallel)
-        except TensorParallelSizeError as error:
-            kept = {"pipeline_parallel_size": self._pipeline_parallel_size, "replicate_size": self._replicate_size}
-            kept = {name: value for name, value in kept.items() if value != 1}
-            per_size = dims.pipeline * dims.replicate  # ranks per tensor-parallel rank outside the shard dim
-
-            def tiles(size: int) -> bool:
-                return dims.world_size % (size * per_size) == 0
-
-            fix = tensor_parallel_size_fix(type(self).__name__, error.valid_sizes, tiles, kept)
-            raise TensorParallelSizeError(f"{error}{fix}", error.valid_sizes) from None
-
-    def _tp_plan_for(self, module: nn.Module, dims: ParallelDims) -> dict[str, PlanStyle] | None:
-        """The plan's source, first found: the strategy's `tp_plan` argument, the LightningModule's `tp_plan`
-        attribute, the plan of the transformers model it holds (also what `tp_plan="auto"` asks for)."""
-        if dims.tensor_parallel == 1:
-            return None
-        attribute = getattr(module, "tp_plan", None)
-        for source in (self._tp_plan, attribute):
-            if source is not None and source != AUTO:
-                return parse_tp_plan(source)
-        plan = parse_tp_plan(transformers_tp_plan(module))
-        if plan is not None:
-            return plan
-        name = class_name(module)
-        if AUTO in (self._tp_plan, attribute):
-            found = f"`tp_plan='auto'` found no transformers model with a tensor-parallel plan in {name}"
-        else:
-            found = f"none was given (strategy argument, `tp_plan` attribute on {name}, or a transformers model's plan)"
-        raise ValueError(
-            f"`tensor_parallel_size={dims.tensor_parallel}` needs a `tp_plan`, but {found}. Give a `tp_plan`"
-            " ({module-name pattern: style}), or write a `configure_model` that parallelises the model with"
-            " `self.device_mesh`."
-        )
-
-    def _shard_units(self, module: nn.Module) -> list[str]:
-        """FSDP units below the top-level children; none for strategies that do not shard."""
-        return []
-
-    def _check_ties_fit_the_wrapper(self, tied: list[tuple[str, ...]], roots: list[str], dims: ParallelDims) -> None:
-        """Refuse tied parameters the data-parallel wrapper cannot keep one parameter (FSDP can: the unit enclosing
-        all their users holds them)."""
+        return plan_modules(module, dims, self.plan_options, self.global_rank if rank is None else rank)
 
     @abstractmethod
     def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
         """The function that applies this strategy's data-parallel wrapper on `layout`; it sets no strategy state,
         so the `plan` dry run can call it on a fake world."""
-
-    def _check_adoptable(self, module: nn.Module) -> None:
-        """A model the user parallelised in `configure_model` is only accepted by strategies that allow it."""
-        raise TypeError(
-            f"{class_name(module)} was already parallelised (in `configure_model` or before `fit`);"
-            f" {type(self).__name__} applies its own parallelism. Remove the manual `fully_shard` /"
-            " `parallelize_module` / `replicate` calls, or use strategy='dpar_2d', which adopts them."
-        )
 
     @property
     def compile_options(self) -> dict[str, Any] | None:
@@ -563,11 +422,12 @@ class DparStrategy(ParallelStrategy):
         self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
         if applied.pipeline is not None:
             group = self.device_mesh.get_group(PIPELINE)
-            self._pipeline = PipelineRuntime(applied.pipeline, module, self._pipeline_config, group, self.root_device)
+            runtime = PipelineRuntime(applied.pipeline, module, self._pipeline_config, group, self.root_device)
+            self._pipeline = PipelineSteps(runtime)
             self.precision_plugin.reduce_norms_across(group, self.root_device)  # the norm spans every stage
-            self.checkpoints.keys_held_elsewhere = applied.pipeline.remote_units
-            self.checkpoints.pipeline_group = group
+            self.checkpoints.hold_pipeline_stages(applied.pipeline.remote_units, group)
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -610,6 +470,7 @@ class DparStrategy(ParallelStrategy):
         split across ranks (`lightning_dpar.distributed_muon`)."""
         return distributed_muon.supports(optimizer)
 
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """Lightning's `configure_optimizers`; with pipeline parallelism, an error on some stages is raised on every
         rank (each stage builds its optimizer over its own parameters, so it can fail on one stage alone)."""
@@ -629,25 +490,9 @@ class DparStrategy(ParallelStrategy):
 
     def _load_pretrained(self, module: nn.Module, trainer: pl.Trainer) -> None:
         """Fill the parallelised parameters from `pretrained`, unless a checkpoint about to be loaded replaces them."""
-        if self._pretrained is None:
-            return
-        if trainer.ckpt_path is not None:
-            rank_zero_info(
-                f"Resuming from {trainer.ckpt_path!r}: the pretrained weights are not read (an adapter-only"
-                " checkpoint's frozen base is, before the checkpoint)."
-            )
-            return
-        self._read_pretrained(module)
-
-    def _read_pretrained(self, module: nn.Module) -> None:
-        """Read `pretrained` into the parallelised parameters (collective)."""
-        assert self._pretrained is not None
-        loaded = load_pretrained(module, self._pretrained, self.checkpoints.keys_held_elsewhere, self._tied)
-        rank_zero_info(loaded.summary())
-        if loaded.mapping.missing or loaded.mapping.unexpected:
-            rank_zero_warn(
-                f"Loaded {self._pretrained.path!r} with `strict=False`: {describe_pretrained(loaded.mapping)}."
-            )
+        if self._pretrained is not None:
+            held_elsewhere = self.checkpoints.keys_held_elsewhere
+            load_unless_resuming(module, self._pretrained, trainer.ckpt_path, held_elsewhere, self._tied)
 
     # ------------------------------------------------------------------ steps
     @contextmanager
@@ -665,6 +510,7 @@ class DparStrategy(ParallelStrategy):
             synced = training and torch.is_grad_enabled() and not self._backward_sync_blocked and not manual
             self._buffer_sync.after_forward(synced)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """With pipeline parallelism: one schedule step over the batch's microbatches, forward and backward (see
         `lightning_dpar.pipeline.runtime`); returns the loss on every rank."""
@@ -673,10 +519,9 @@ class DparStrategy(ParallelStrategy):
                 return super().training_step(*args, **kwargs)
             trainer = _attached_trainer(self.lightning_module)
             accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-            batch, *step_args = args
-            with self.precision_plugin.train_step_context():
-                return self._pipeline.train_step(batch, tuple(step_args), accumulate)
+            return self._pipeline.training_step(self.precision_plugin, args, accumulate)
 
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """The step, then every FSDP unit's parameters sharded again: a root, or a unit no backward went through
         (all its parameters frozen), keeps them unsharded, and callbacks between steps must see the shards
@@ -685,42 +530,38 @@ class DparStrategy(ParallelStrategy):
         parallelize.reshard(self._fsdp_modules)
         return output
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """With pipeline parallelism the schedule already ran every microbatch's backward inside `training_step`;
         its gradients are added here, between the hooks around backward."""
         if self._pipeline is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        assert self.lightning_module is not None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._pipeline.add_step_gradients()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
+        return self._pipeline.backward(self, closure_loss)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_forward(training=False):
             if self._pipeline is None:
                 output = super().validation_step(*args, **kwargs)
                 parallelize.reshard(self._fsdp_modules)  # see `optimizer_step`
                 return output
-            with self.precision_plugin.val_step_context():
-                return self._pipeline.eval_step("validation_step", args[0], tuple(args[1:]))
+            return self._pipeline.eval_step(self.precision_plugin, "validation_step", args)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_forward(training=False):
             if self._pipeline is None:
                 return super().test_step(*args, **kwargs)
-            with self.precision_plugin.test_step_context():
-                return self._pipeline.eval_step("test_step", args[0], tuple(args[1:]))
+            return self._pipeline.eval_step(self.precision_plugin, "test_step", args)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_forward(training=False):
             if self._pipeline is None:
                 return super().predict_step(*args, **kwargs)
-            with self.precision_plugin.predict_step_context():
-                return self._pipeline.eval_step("predict_step", args[0], tuple(args[1:]))
+            return self._pipeline.eval_step(self.precision_plugin, "predict_step", args)
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -735,6 +576,7 @@ class DparStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ gradient sync
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip gradient all-reduce / reduce-scatter on non-final micro-batches of gradient accumulation."""
         for module in self._grad_sync_modules:
@@ -748,6 +590,7 @@ class DparStrategy(ParallelStrategy):
                 module.set_requires_gradient_sync(True)
 
     # ------------------------------------------------------------------ collectives
+    @override
     def barrier(self, name: str | None = None) -> None:
         if not dist.is_initialized() or name == "Trainer.save_checkpoint":
             # Lightning's barrier after each save: a synchronous save already ends in a collective on which every
@@ -758,6 +601,7 @@ class DparStrategy(ParallelStrategy):
         else:
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not dist.is_initialized():
             return obj
@@ -765,6 +609,7 @@ class DparStrategy(ParallelStrategy):
         dist.broadcast_object_list(objects, src)
         return objects[0]
 
+    @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
@@ -773,10 +618,12 @@ class DparStrategy(ParallelStrategy):
             return tensor
         return sync_ddp_if_available(tensor, group if group is not None else self.data_parallel_group, reduce_op)
 
+    @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Gather from data-parallel peers by default (one entry per distinct batch)."""
         return super().all_gather(tensor, group if group is not None else self.data_parallel_group, sync_grads)
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         # Over the whole world: every rank must take the same decision (early stopping, checkpointing).
         if not dist.is_initialized():
@@ -787,13 +634,16 @@ class DparStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpointing
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # shards can only be loaded into the wrapped model
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False  # `load_checkpoint` loads optimizer shards itself
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state to save; its unsharded buffers are rank 0's (of each data-parallel group), as in a DDP
         checkpoint, whichever rank writes them."""
@@ -801,18 +651,22 @@ class DparStrategy(ParallelStrategy):
         state = self.checkpoints.model_state(self.model)
         return self._buffer_sync.first_rank_copies(state) if self._buffer_sync is not None else state
 
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
         return self.checkpoints.optimizer_state(self.model, optimizer)
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # done by `load_checkpoint`, which has the wrapped model
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # done by `load_checkpoint`
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Sharded: every rank writes its shards (atomically; in the background with `async_save`). Full: rank 0
         writes one file. See `docs/checkpointing.md`."""
@@ -820,7 +674,7 @@ class DparStrategy(ParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
         trainer = _attached_trainer(self.lightning_module)
         data_parallel = self.dims.data_parallel if self.dims is not None else None
-        record = self.checkpoints.resume.record(trainer, type(self).__name__, self.world_size, data_parallel)
+        record = self.checkpoints.record(trainer, type(self).__name__, self.world_size, data_parallel)
         checkpoint.update(hf_model_record(self.lightning_module))  # for `consolidate --format hf`
         checkpoint.update(peft_model_record(self.lightning_module))  # for `consolidate --format peft`
         self.checkpoints.save(checkpoint, filepath, record)
@@ -830,10 +684,12 @@ class DparStrategy(ParallelStrategy):
         if not self.checkpoints.link(filepath, linkpath, trainer.is_global_zero):
             self.barrier()  # as Lightning's: no rank reads the link before rank 0 made it
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """Called by `ModelCheckpoint` for superseded checkpoints; kept until a save in flight is complete."""
         self.checkpoints.remove(filepath, self.is_global_zero)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load model (and, when fitting, optimizer) state in place, resharding to this layout; return the rest.
         A bad path or file raises the same `CheckpointLoadError` on every rank instead of hanging."""
@@ -847,9 +703,12 @@ class DparStrategy(ParallelStrategy):
             self.lightning_module.strict_loading,
             fitting,
             iteration_based=trainer.max_steps != -1,
-            load_base=lambda: self._read_pretrained(self.lightning_module),
+            load_base=lambda: read_pretrained(
+                self.lightning_module, self._pretrained, self.checkpoints.keys_held_elsewhere, self._tied
+            ),
         )
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """Make the training loader resumable mid-epoch and position it if a checkpoint was just loaded."""
         trainer = _attached_trainer(self.lightning_module)
@@ -860,23 +719,18 @@ class DparStrategy(ParallelStrategy):
         data_parallel = self.dims.data_parallel if self.dims is not None else None
         if data_parallel is not None:
             check_sampler_shards(dataloader, data_parallel, self.world_size)
-        mid_epoch = self.checkpoints.resume.pending.get("epoch_batches", {}).get("batches", 0) > 0
-        if mid_epoch:
+        if self.checkpoints.resumes_mid_epoch():
             # Lightning judges resumability by the loader's own `state_dict`, which ours does not need; the one line
-            # below (or `skip_seen_batches`'s) says whether this resume is exact instead.
+            # the checkpoint manager logs in `on_train_start` says whether this resume is exact instead.
             warnings.filterwarnings("ignore", message=LIGHTNING_RESUME_WARNING, category=PossibleUserWarning)
-        how, exact = self.checkpoints.resume.position_loader(dataloader, data_parallel)
-        if mid_epoch:
-            self.checkpoints.resume.announcement = (how, exact)  # logged in `on_train_start`, once the loop is set
+        self.checkpoints.position_loader(dataloader, data_parallel)
         return dataloader
 
+    @override
     def on_train_start(self) -> None:
         """Restore this rank's RNG streams right before training continues (after loaders and sanity checks)."""
         trainer = _attached_trainer(self.lightning_module)
-        if trainer is not None:
-            self.checkpoints.resume.announce(trainer)
-            skip_seen_batches(self.checkpoints.resume, trainer)
-        note = self.checkpoints.resume.restore_rng(self.world_size, self.global_rank)
+        note = self.checkpoints.start_training(trainer, self.world_size, self.global_rank)
         if note is not None:
             rank_zero_info(note)
 
@@ -899,14 +753,17 @@ class DparStrategy(ParallelStrategy):
         self.checkpoints.wait()
         self.barrier()
 
+    @override
     def on_train_end(self) -> None:
         """The end of `fit` waits for the last background save, so its checkpoint is complete on return."""
         self.wait_for_checkpoint()
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """After an error, wait a bounded time for a background save and log how it ended (teardown follows)."""
         self.checkpoints.close()
 
+    @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
         self.checkpoints.close()

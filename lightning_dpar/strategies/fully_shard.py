@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType
-from lightning_dpar.class_names import class_name
 from lightning_dpar.mesh import MeshLayout, SizeArg, fsdp_mesh
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import SplitSpec
-from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, resolve_blocks
+from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec
+from lightning_dpar.plan.structure import has_fully_shard
 from lightning_dpar.strategies.base import DparStrategy
 
 __all__ = [
@@ -93,13 +95,17 @@ class FullyShardStrategy(DparStrategy):
         """Whether sharded parameters, gradients and optimizer state live in CPU memory."""
         return self._cpu_offload
 
+    @override
     def _computes_whole_updates(self, optimizer: Optimizer) -> bool:
         # Offloaded shards live in CPU memory, which the accelerator's collectives do not gather from.
         return not self._cpu_offload and super()._computes_whole_updates(optimizer)
 
-    def _shard_units(self, module: nn.Module) -> list[str]:
-        return resolve_blocks(module, self._shard_modules, "shard_modules")
+    @property
+    @override
+    def plan_options(self) -> PlanOptions:
+        return replace(super().plan_options, shards=True, shard_modules=self._shard_modules)
 
+    @override
     def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
         mesh = fsdp_mesh(layout.mesh, layout.dims)
         mp_policy = self.precision_plugin.mixed_precision_policy
@@ -124,6 +130,7 @@ class FullyShardStrategy(DparStrategy):
         return wrap
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register("dpar_fsdp", cls, description="FSDP2 fully_shard", override=True)
         strategy_registry.register(
@@ -166,25 +173,25 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
             tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size, tp_plan=tp_plan, **kwargs
         )
 
-    def _check_adoptable(self, module: nn.Module) -> None:
+    @property
+    @override
+    def plan_options(self) -> PlanOptions:
         """A `ModelParallelStrategy`-style `configure_model` runs unchanged; FSDP is added if it only applied TP."""
-        if self._tp_plan is not None:
-            raise ValueError(
-                f"{class_name(module)}.configure_model already parallelised the model, and the strategy was"
-                " also given a `tp_plan`. Use one or the other, so the plan is not applied twice."
-            )
+        return replace(super().plan_options, adopts_parallelized=True)
 
+    @override
     def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
         fully_shard_units = super().data_parallel_wrapper(layout)
 
         def wrap(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
-            if plan.adopted and parallelize.has_fully_shard(module):
+            if plan.adopted and has_fully_shard(module):
                 return _outermost_fsdp_modules(module)
             return fully_shard_units(module, plan, stage_roots)
 
         return wrap
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register("dpar_2d", cls, description="2D: FSDP2 + tensor parallelism", override=True)
         strategy_registry.register(

@@ -12,15 +12,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType, compiled_autograd, swap_ddp_optimize_mode
 from lightning_dpar.comm_hooks import COMPRESS_HOOK_DTYPES, CommHook, resolve_comm_hook
 from lightning_dpar.compilation import compiled_autograd_compiler
 from lightning_dpar.mesh import REPLICATE, SHARD, MeshLayout, ParallelDims, SizeArg
-from lightning_dpar.plan import ModulePlan, ModuleSelector, TPPlanSpec, select_modules
+from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec, select_modules
+from lightning_dpar.plan.structure import data_parallel_roots
 from lightning_dpar.strategies.base import DparStrategy
-from lightning_dpar.ties import check_each_in_one_unit
 from lightning_dpar.unit_guard import UnitCallGuard
 
 if TYPE_CHECKING:
@@ -106,6 +107,7 @@ class ReplicateStrategy(DparStrategy):
         self._direct_parameters: list[nn.Parameter] = []
         self._frozen_at_wrap: list[nn.Parameter] = []
 
+    @override
     def resolve_dims(self, world_size: int, devices_per_node: int, num_nodes: int) -> ParallelDims:
         # Every data-parallel rank is a replica: the shard dim has size 1.
         dims = super().resolve_dims(world_size, devices_per_node, num_nodes)
@@ -113,22 +115,26 @@ class ReplicateStrategy(DparStrategy):
             self._check_tp_compatible_options()  # a configuration error: before the plan is even looked at
         return ParallelDims(world_size, replicate=dims.data_parallel, shard=1, tensor_parallel=dims.tensor_parallel)
 
-    def _check_ties_fit_the_wrapper(self, tied: list[tuple[str, ...]], roots: list[str], dims: ParallelDims) -> None:
-        if dims.tensor_parallel == 1:  # DDP mode; with TP the replicas are FSDP units, which can share
-            check_each_in_one_unit(tied, roots, type(self).__name__)
+    @property
+    @override
+    def plan_options(self) -> PlanOptions:
+        return replace(super().plan_options, ddp_units=True)  # DDP mode: tied parameters inside one unit
 
+    @override
     def holds_whole_parameters(self, dims: ParallelDims) -> bool:
         return dims.tensor_parallel == 1
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.dims is not None
         if self.dims.tensor_parallel == 1:
-            self.precision_plugin.autocast_device_type = self.root_device.type
+            self.precision_plugin.autocast_on(self.root_device.type)
             if self._compiled_autograd and self._previous_ddp_optimize_mode is None:
                 # Before the first forward, when composable `replicate` builds its DDP reducer.
                 self._previous_ddp_optimize_mode = swap_ddp_optimize_mode("python_reducer")
         super().setup(trainer)
 
+    @override
     def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
         ignored_selectors = self._ignored_modules
 
@@ -169,6 +175,7 @@ class ReplicateStrategy(DparStrategy):
 
         return wrap_fsdp_replicas
 
+    @override
     def _parallelize(self, module: nn.Module) -> None:
         super()._parallelize(module)
         assert self.dims is not None
@@ -184,9 +191,10 @@ class ReplicateStrategy(DparStrategy):
             self._frozen_at_wrap = [p for p in module.parameters() if not p.requires_grad and p not in not_synced]
         if self.dims.tensor_parallel == 1 and not self._compiled_autograd:
             # Compiled autograd traces the backward, hooks included; the guard's check is eager-only.
-            units = {name: module.get_submodule(name) for name in parallelize.data_parallel_roots(module)}
+            units = {name: module.get_submodule(name) for name in data_parallel_roots(module)}
             self._unit_guard = UnitCallGuard({n: u for n, u in units.items() if u in self._grad_sync_modules})
 
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         # Every rank unfreezes the same parameters at the same step (callbacks run alike everywhere).
         unsynced = self._direct_parameters + [p for p in self._frozen_at_wrap if p.requires_grad]
@@ -210,6 +218,7 @@ class ReplicateStrategy(DparStrategy):
                 gradient.copy_(averaged.view_as(gradient))
         return result
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if not self._compiled_autograd:
             try:
@@ -221,6 +230,7 @@ class ReplicateStrategy(DparStrategy):
         with compiled_autograd(compiled_autograd_compiler(self._compile_options)):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def teardown(self) -> None:
         if self._previous_ddp_optimize_mode is not None:
             swap_ddp_optimize_mode(self._previous_ddp_optimize_mode)
@@ -241,6 +251,7 @@ class ReplicateStrategy(DparStrategy):
             )
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         strategy_registry.register("dpar_replicate", cls, description="Composable DDP (replicate)", override=True)
         cls.register_class_names(strategy_registry)

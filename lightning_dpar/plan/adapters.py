@@ -43,8 +43,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_dpar.class_names import class_name
-from lightning_dpar.plan import NamedStyle, PlanStyle, fqn_matches
+from lightning_dpar.helpers import class_name
+from lightning_dpar.plan.selectors import fqn_matches
+from lightning_dpar.plan.styles import NamedStyle, PlanStyle
 
 __all__ = [
     "AdapterLayoutError",

@@ -1,0 +1,76 @@
+"""Small helpers shared across the package, each defined once: module-name matching, divisors, showing a few names in
+an error message, naming a class, and facts about a module (does it hold parameters, is it a transformers model).
+
+A leaf: this module imports nothing from `lightning_dpar`, so any module may import it without an import cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from torch import nn
+
+__all__ = [
+    "class_name",
+    "divisors",
+    "has_parameters",
+    "is_transformers_model",
+    "is_under",
+    "show_names",
+    "transformers_models",
+]
+
+
+def is_under(fqn: str, units: Sequence[str]) -> bool:
+    """Whether `fqn` names one of `units` or something inside one (a parameter, a submodule)."""
+    return any(fqn == unit or fqn.startswith(f"{unit}.") for unit in units)
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of `n`, ascending: the sizes that split `n` evenly (valid sizes in error messages)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def show_names(names: Iterable[str], limit: int = 6, *, bracketed: bool = True, count_rest: bool = False) -> str:
+    """The first `limit` names, quoted, for an error message: `['a', 'b', ...]`; unbracketed `'a', 'b'`; with
+    `count_rest`, `'a', 'b' and 3 more`."""
+    names = list(names)
+    shown = ", ".join(repr(name) for name in names[:limit])
+    if len(names) > limit:
+        if count_rest:
+            shown += f" and {len(names) - limit} more"
+        elif bracketed:
+            shown += ", ..."
+    return f"[{shown}]" if bracketed else shown
+
+
+def has_parameters(module: nn.Module) -> bool:
+    """Whether `module` or any submodule holds a parameter (without materialising the list)."""
+    return any(True for _ in module.parameters())
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    """Whether `module` is a `transformers.PreTrainedModel` (checked by name: transformers is optional)."""
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.") for cls in type(module).__mro__
+    )
+
+
+def transformers_models(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost transformers models inside `root` (or `root` itself), with their module names."""
+    found: list[tuple[str, nn.Module]] = []
+    for fqn, module in root.named_modules():
+        if is_transformers_model(module) and not any(fqn.startswith(f"{outer}.") or not outer for outer, _ in found):
+            found.append((fqn, module))
+    return found
+
+
+def class_name(obj: object) -> str:
+    """The qualified name of `obj`'s class (of `obj` itself if it is a class): `module.QualName`; builtins bare.
+
+    How error messages name a class: a bare name can contradict the message it stands in (peft's LoRA wrapper of a
+    `torch.nn.Linear` is also called `Linear`, so "cannot shard 'q_proj' (Linear): it supports Linear only" said
+    nothing).
+    """
+    cls = obj if isinstance(obj, type) else type(obj)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"

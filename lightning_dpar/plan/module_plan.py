@@ -1,0 +1,51 @@
+"""The module plan, as data: which modules get which tensor-parallel style, which are activation-checkpointed,
+compiled and FSDP units, and, with pipeline parallelism, the split into stages and the part of the plan one rank
+applies (`local_plan`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_dpar.helpers import is_under
+from lightning_dpar.pipeline.split import PipelineSplit
+
+__all__ = ["ModulePlan", "local_plan"]
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """What will be applied to which module, in application order (TP, activation checkpointing, compile, FSDP).
+
+    `adopted` marks a model the user parallelised in `configure_model`: no TP or activation checkpointing is added.
+    With pipeline parallelism, `pipeline` is the split into stages and the other entries name only the modules of
+    `pipeline_rank`'s stages (the split is applied first). `tied` lists the parameters reachable under several names
+    (tied embeddings, a module shared by several blocks), found on the model before any parallelism: each stays one
+    parameter (see `lightning_dpar.ties`).
+    """
+
+    tensor_parallel: dict[str, ParallelStyle]
+    activation_checkpointing: list[str]
+    shard_units: list[str]
+    compile_units: list[str] = field(default_factory=list)
+    adopted: bool = False
+    pipeline: PipelineSplit | None = None
+    pipeline_rank: int = 0
+    tied: list[tuple[str, ...]] = field(default_factory=list)
+
+
+def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> ModulePlan:
+    """`plan` (resolved on the whole model) restricted to the modules of `pipeline_rank`'s stages, with every unit of
+    those stages an FSDP unit: units are what stages are made of, and each stage's FSDP root holds exactly them."""
+    units = split.units_of_rank(pipeline_rank)
+    return ModulePlan(
+        tensor_parallel={fqn: style for fqn, style in plan.tensor_parallel.items() if is_under(fqn, units)},
+        activation_checkpointing=[fqn for fqn in plan.activation_checkpointing if is_under(fqn, units)],
+        shard_units=list(dict.fromkeys([*units, *(fqn for fqn in plan.shard_units if is_under(fqn, units))])),
+        compile_units=[fqn for fqn in plan.compile_units if is_under(fqn, units)],
+        adopted=plan.adopted,
+        pipeline=split,
+        pipeline_rank=pipeline_rank,
+        tied=[group for group in plan.tied if all(is_under(name, units) for name in group)],
+    )

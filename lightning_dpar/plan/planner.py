@@ -1,0 +1,225 @@
+"""Planning: one function of the model, the mesh sizes and the strategy's frozen options, shared by training and
+the `plan` dry run, that returns the `ModulePlan`.
+
+The model passes through once, in this order: refuse what cannot compose (classic DDP / FSDP1 wrappers), note
+whether it was parallelised already (adopted as is), find its repeated blocks and tied parameters, split it into
+pipeline stages, resolve the tensor-parallel plan, choose the FSDP units, activation-checkpointed and compiled
+modules. Each fact is found once here and carried in the plan; `parallelize.apply_plan` only applies it. Pure (no
+process group): a plan that does not fit fails the same way on every rank before any collective, and in the dry run.
+
+A new parallelism (expert parallelism next) is one more step here, filling one more field of `ModulePlan`, and one
+more function in `lightning_dpar.parallelize` that applies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_dpar.batchnorm import check_no_batch_norm_in_pipeline
+from lightning_dpar.helpers import class_name
+from lightning_dpar.materialize import check_initialisable
+from lightning_dpar.mesh import ParallelDims
+from lightning_dpar.pipeline.config import PipelineConfig
+from lightning_dpar.pipeline.split import resolve_split
+from lightning_dpar.plan.adapters import adapter_tp_plan
+from lightning_dpar.plan.compile import check_compile_with_tensor_parallel, compile_units
+from lightning_dpar.plan.module_plan import ModulePlan, local_plan
+from lightning_dpar.plan.selectors import ModuleSelector, resolve_activation_checkpointing, resolve_blocks
+from lightning_dpar.plan.structure import (
+    check_not_wrapped_by_other_parallelism,
+    data_parallel_roots,
+    is_parallelized,
+    repeated_blocks,
+)
+from lightning_dpar.plan.styles import AUTO, PlanStyle, parse_tp_plan
+from lightning_dpar.plan.tensor_parallel import TensorParallelSizeError, resolve_tp_plan, tensor_parallel_size_fix
+from lightning_dpar.plan.transformers import transformers_tp_plan
+from lightning_dpar.ties import check_each_in_one_unit, check_tied_layouts, tied_parameters
+
+__all__ = ["PlanOptions", "plan_modules"]
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What a strategy's arguments say about the plan; built by the strategy (`DparStrategy.plan_options`).
+
+    Args:
+        strategy: the strategy's class name, for error messages.
+        tp_plan: the strategy's `tp_plan` argument, parsed, or `"auto"`, or `None` (then the LightningModule's
+            `tp_plan` attribute, then a transformers model's own plan).
+        activation_checkpointing: `True`, or class names / module-name globs.
+        compile: `torch.compile` options, or `None` (eager).
+        pipeline: the pipeline settings (used when the mesh has a pipeline dim).
+        kept_size_args: the strategy arguments an error's suggested fix keeps (`pipeline_parallel_size=2`).
+        shards: whether the data-parallel wrapper shards (FSDP): then FSDP units are planned.
+        shard_modules: the FSDP units' selectors (`None`: the repeated blocks).
+        adopts_parallelized: whether a model parallelised in `configure_model` is adopted (`dpar_2d`) or refused.
+        ddp_units: whether the wrapper is DDP when there is no tensor parallelism (`dpar_replicate`): then tied
+            parameters must sit inside one of its units.
+    """
+
+    strategy: str
+    tp_plan: Mapping[str, PlanStyle] | str | None = None
+    activation_checkpointing: bool | Sequence[ModuleSelector] = False
+    compile: Mapping[str, Any] | None = None
+    pipeline: PipelineConfig | None = None
+    kept_size_args: tuple[tuple[str, object], ...] = ()
+    shards: bool = False
+    shard_modules: Sequence[ModuleSelector] | None = None
+    adopts_parallelized: bool = False
+    ddp_units: bool = False
+
+
+def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, rank: int = 0) -> ModulePlan:
+    """What will be applied to which submodule of `module` on a world of `dims`, as seen by global rank `rank` (it
+    matters only with pipeline parallelism, where each rank holds other stages).
+
+    Pure (no process group): a plan that does not fit the model (a pattern matching nothing, a tensor-parallel size
+    that does not divide a sharded dimension or head count, a split leaving a stage empty) fails the same way on
+    every rank and in the `plan` dry run.
+    """
+    check_not_wrapped_by_other_parallelism(module, options.strategy)
+    parallelized = is_parallelized(module)
+    blocks = repeated_blocks(module)
+    if dims.pipeline > 1:
+        return _pipeline_plan(module, dims, options, rank, parallelized, blocks)
+    if parallelized:
+        _check_adoptable(module, options)
+        shard_units = _shard_units(module, options, blocks)
+        return ModulePlan({}, [], shard_units, compile_units(module, shard_units, blocks), adopted=True)
+    tied = tied_parameters(module)
+    tensor_parallel = _tensor_parallel(module, dims, options)
+    check_tied_layouts(module, tied, tensor_parallel)
+    check_compile_with_tensor_parallel(module, tensor_parallel, options.compile)
+    shard_units = _shard_units(module, options, blocks)
+    roots = data_parallel_roots(module)  # refuses containers holding parameters of their own
+    if options.ddp_units and dims.tensor_parallel == 1:  # with TP the replicas are FSDP units, which can share
+        check_each_in_one_unit(tied, roots, options.strategy)
+    check_initialisable(module)
+    return _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied)
+
+
+def _pipeline_plan(
+    module: nn.Module, dims: ParallelDims, options: PlanOptions, rank: int, parallelized: bool, blocks: list[str]
+) -> ModulePlan:
+    """The split into stages, and the plan (resolved on the whole model) restricted to `rank`'s stages."""
+    if parallelized:
+        raise TypeError(
+            f"{class_name(module)} was already parallelised (in `configure_model` or before `fit`); with"
+            " `pipeline_parallel_size > 1` the strategy splits the model into stages first and parallelises each"
+            " stage itself. Remove the manual `fully_shard` / `parallelize_module` calls and give a `tp_plan`."
+        )
+    config = options.pipeline
+    assert config is not None, "a strategy that pipelines gives its pipeline settings"
+    config.check(dims.pipeline)
+    check_no_batch_norm_in_pipeline(module, dims.pipeline)
+    shard_units = _shard_units(module, options, blocks)
+    split = resolve_split(
+        module,
+        shard_units or blocks,
+        config.split,
+        dims.pipeline,
+        config.stages_per_rank,
+        config.schedule.placement,
+        config.call_order,
+    )
+    tp_plan = _tp_plan_source(module, dims, options)
+    check_initialisable(module)
+    tied = tied_parameters(module)
+    tensor_parallel = _resolve_tp_plan(module, tp_plan, dims, options) if tp_plan else {}
+    check_tied_layouts(module, tied, tensor_parallel)
+    check_compile_with_tensor_parallel(module, tensor_parallel, options.compile)
+    whole = _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied)
+    return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
+
+
+def _whole_plan(
+    module: nn.Module,
+    options: PlanOptions,
+    tensor_parallel: dict[str, ParallelStyle],
+    shard_units: list[str],
+    blocks: list[str],
+    tied: list[tuple[str, ...]],
+) -> ModulePlan:
+    """The one place a (not adopted) `ModulePlan` is assembled."""
+    return ModulePlan(
+        tensor_parallel=tensor_parallel,
+        activation_checkpointing=resolve_activation_checkpointing(
+            module, options.activation_checkpointing, shard_units, blocks
+        ),
+        shard_units=shard_units,
+        compile_units=compile_units(module, shard_units, blocks),
+        tied=tied,
+    )
+
+
+def _shard_units(module: nn.Module, options: PlanOptions, blocks: list[str]) -> list[str]:
+    """FSDP units below the top-level children; none for a wrapper that does not shard."""
+    return resolve_blocks(module, options.shard_modules, "shard_modules", blocks) if options.shards else []
+
+
+def _check_adoptable(module: nn.Module, options: PlanOptions) -> None:
+    """A model the user parallelised in `configure_model` is only accepted by strategies that adopt it (`dpar_2d`,
+    with no `tp_plan` of its own, so the plan is not applied twice)."""
+    if not options.adopts_parallelized:
+        raise TypeError(
+            f"{class_name(module)} was already parallelised (in `configure_model` or before `fit`);"
+            f" {options.strategy} applies its own parallelism. Remove the manual `fully_shard` /"
+            " `parallelize_module` / `replicate` calls, or use strategy='dpar_2d', which adopts them."
+        )
+    if options.tp_plan is not None:
+        raise ValueError(
+            f"{class_name(module)}.configure_model already parallelised the model, and the strategy was"
+            " also given a `tp_plan`. Use one or the other, so the plan is not applied twice."
+        )
+
+
+def _tensor_parallel(module: nn.Module, dims: ParallelDims, options: PlanOptions) -> dict[str, ParallelStyle]:
+    tp_plan = _tp_plan_source(module, dims, options)
+    return _resolve_tp_plan(module, tp_plan, dims, options) if tp_plan else {}
+
+
+def _resolve_tp_plan(
+    module: nn.Module, tp_plan: Mapping[str, PlanStyle], dims: ParallelDims, options: PlanOptions
+) -> dict[str, ParallelStyle]:
+    """`resolve_tp_plan`; a size that does not divide the model says how to set one that does, for this strategy."""
+    try:
+        return resolve_tp_plan(module, adapter_tp_plan(module, tp_plan), dims.tensor_parallel)
+    except TensorParallelSizeError as error:
+        per_size = dims.pipeline * dims.replicate  # ranks per tensor-parallel rank outside the shard dim
+
+        def tiles(size: int) -> bool:
+            return dims.world_size % (size * per_size) == 0
+
+        kept = dict(options.kept_size_args)
+        fix = tensor_parallel_size_fix(options.strategy, error.valid_sizes, tiles, kept)
+        raise TensorParallelSizeError(f"{error}{fix}", error.valid_sizes) from None
+
+
+def _tp_plan_source(module: nn.Module, dims: ParallelDims, options: PlanOptions) -> dict[str, PlanStyle] | None:
+    """The plan's source, first found: the strategy's `tp_plan` argument, the LightningModule's `tp_plan`
+    attribute, the plan of the transformers model it holds (also what `tp_plan="auto"` asks for)."""
+    if dims.tensor_parallel == 1:
+        return None
+    attribute = getattr(module, "tp_plan", None)
+    for source in (options.tp_plan, attribute):
+        if source is not None and source != AUTO:
+            return parse_tp_plan(source)
+    plan = parse_tp_plan(transformers_tp_plan(module))
+    if plan is not None:
+        return plan
+    name = class_name(module)
+    if AUTO in (options.tp_plan, attribute):
+        found = f"`tp_plan='auto'` found no transformers model with a tensor-parallel plan in {name}"
+    else:
+        found = f"none was given (strategy argument, `tp_plan` attribute on {name}, or a transformers model's plan)"
+    raise ValueError(
+        f"`tensor_parallel_size={dims.tensor_parallel}` needs a `tp_plan`, but {found}. Give a `tp_plan`"
+        " ({module-name pattern: style}), or write a `configure_model` that parallelises the model with"
+        " `self.device_mesh`."
+    )
