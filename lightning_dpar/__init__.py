@@ -6,11 +6,11 @@ Importing the package registers the strategy names (`"dpar_replicate"`, `"dpar_f
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_dpar.callbacks import PerformanceMonitor
 from lightning_dpar.checkpoint import CheckpointLoadError
 from lightning_dpar.checkpoint.inference import load_from_checkpoint
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.optimizers import OptimizerLayoutError, declare_update_kind
+from lightning_dpar.performance_monitor import PerformanceMonitor
 from lightning_dpar.precision import DparPrecision
 from lightning_dpar.pretrained import PretrainedWeights
 from lightning_dpar.strategies import (
