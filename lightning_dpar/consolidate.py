@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from lightning_dpar.checkpoint import hf_export
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.checkpoint.export import OfflineCheckpoint
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 
 __all__ = [
     "main",

@@ -6,6 +6,6 @@ saves), `resume` (per-rank RNG and data position), `full` (the single-file forma
 (`load_from_checkpoint` on one process), `export` (reading a sharded checkpoint offline, for `consolidate`).
 """
 
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
 
 __all__ = ["CheckpointLoadError"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.checkpoint.layout import PARTIAL_PREFIX, REPLACED_PREFIX, checkpoint_problem, written_at
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.storage import Location
 
 __all__ = ["DirectoryScan", "resolve_last"]

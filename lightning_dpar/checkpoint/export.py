@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.checkpoint.full import names_to_positions
 from lightning_dpar.checkpoint.layout import (
     DCP_INDEX_FILENAME,
@@ -27,7 +28,6 @@ from lightning_dpar.checkpoint.layout import (
     optimizer_key,
 )
 from lightning_dpar.checkpoint.safe_io import (
-    CheckpointLoadError,
     SafeLoadPlanner,
     safe_storage_reader,
     translate_dcp_errors,

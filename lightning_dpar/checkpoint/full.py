@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_dpar._private_api import local_shape_and_offset
 from lightning_dpar.checkpoint.agreement import first_problem
-from lightning_dpar.checkpoint.errors import CheckpointSaveError
+from lightning_dpar.checkpoint.errors import CheckpointLoadError, CheckpointSaveError
 from lightning_dpar.checkpoint.layout import (
     DPAR_KEY,
     LoadReport,
@@ -43,7 +43,7 @@ from lightning_dpar.checkpoint.model_shaped import (
     keyed_like,
     model_shaped_entries,
 )
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, safe_torch_load
+from lightning_dpar.checkpoint.safe_io import safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import publish, remove_leftovers, with_per_rank
 

@@ -46,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_dpar.checkpoint.agreement import first_problem
-from lightning_dpar.checkpoint.errors import CheckpointSaveError
+from lightning_dpar.checkpoint.errors import CheckpointSaveError, describe_dcp_failures
 from lightning_dpar.checkpoint.layout import (
     DPAR_KEY,
     METADATA_FILENAME,
@@ -292,9 +292,9 @@ def _is_timeout(error: BaseException) -> bool:
 
 
 def _describe(error: BaseException) -> str:
-    """One line per failing rank for DCP's `CheckpointException` (whose own text is a dict of tracebacks)."""
+    """Each failing rank's cause for DCP's `CheckpointException`, one per rank (a save's message names them all)."""
     if isinstance(error, CheckpointException):
-        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in sorted(error.failures.items()))
+        return describe_dcp_failures(error, merge_ranks=False)
     return f"{type(error).__name__}: {error}"
 
 
