@@ -32,7 +32,7 @@ import torch
 
 from lightning_dpar.checkpoint import hf_export
 from lightning_dpar.checkpoint.errors import CheckpointLoadError
-from lightning_dpar.checkpoint.export import OfflineCheckpoint
+from lightning_dpar.checkpoint.offline_reader import OfflineCheckpoint
 
 __all__ = [
     "main",

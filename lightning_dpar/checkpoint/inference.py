@@ -17,7 +17,7 @@ import lightning as L
 import torch
 
 from lightning_dpar.checkpoint.errors import CheckpointLoadError
-from lightning_dpar.checkpoint.export import OfflineCheckpoint
+from lightning_dpar.checkpoint.offline_reader import OfflineCheckpoint
 from lightning_dpar.checkpoint.full import read_full
 from lightning_dpar.checkpoint.layout import describe_problem
 from lightning_dpar.checkpoint.storage import Location
