@@ -26,8 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_dpar._private_api import local_shape_and_offset
 from lightning_dpar.checkpoint.agreement import first_problem
-from lightning_dpar.checkpoint.errors import CheckpointLoadError, CheckpointSaveError
-from lightning_dpar.checkpoint.layout import (
+from lightning_dpar.checkpoint.contents import (
     DPAR_KEY,
     LoadReport,
     check_format_version,
@@ -35,6 +34,7 @@ from lightning_dpar.checkpoint.layout import (
     partial_name,
     read_with_remedy,
 )
+from lightning_dpar.checkpoint.errors import CheckpointLoadError, CheckpointSaveError
 from lightning_dpar.checkpoint.mapped import MappedFile
 from lightning_dpar.checkpoint.model_shaped import (
     distribute_like,

@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 import lightning as L
 import torch
 
+from lightning_dpar.checkpoint.contents import describe_problem
 from lightning_dpar.checkpoint.errors import CheckpointLoadError
-from lightning_dpar.checkpoint.offline_reader import OfflineCheckpoint
 from lightning_dpar.checkpoint.full import read_full
-from lightning_dpar.checkpoint.layout import describe_problem
+from lightning_dpar.checkpoint.offline_reader import OfflineCheckpoint
 from lightning_dpar.checkpoint.storage import Location
 
 __all__ = [

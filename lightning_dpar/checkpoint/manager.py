@@ -17,9 +17,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_dpar.checkpoint.agreement import first_problem
+from lightning_dpar.checkpoint.contents import LoadReport
 from lightning_dpar.checkpoint.errors import CheckpointLoadError, CheckpointSaveError
 from lightning_dpar.checkpoint.full import FullFormat
-from lightning_dpar.checkpoint.layout import LoadReport
 from lightning_dpar.checkpoint.resume import RNG_STATES_KEY, ResumeState, align_loop_state, capture_rng_state
 from lightning_dpar.checkpoint.sharded import ShardedFormat
 from lightning_dpar.checkpoint.storage import Location

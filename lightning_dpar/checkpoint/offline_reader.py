@@ -16,9 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from lightning_dpar.checkpoint.errors import CheckpointLoadError
-from lightning_dpar.checkpoint.full import names_to_positions
-from lightning_dpar.checkpoint.layout import (
+from lightning_dpar.checkpoint.contents import (
     DCP_INDEX_FILENAME,
     DPAR_KEY,
     METADATA_FILENAME,
@@ -27,6 +25,8 @@ from lightning_dpar.checkpoint.layout import (
     inspect_checkpoint,
     optimizer_key,
 )
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
+from lightning_dpar.checkpoint.full import names_to_positions
 from lightning_dpar.checkpoint.safe_io import (
     SafeLoadPlanner,
     safe_storage_reader,

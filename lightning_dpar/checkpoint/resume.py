@@ -45,7 +45,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_dpar._private_api import unfetched_training_iterator
-from lightning_dpar.checkpoint.layout import FORMAT_VERSION
+from lightning_dpar.checkpoint.contents import FORMAT_VERSION
 
 #: Key of the record holding every rank's RNG streams, in rank order (a list of `capture_rng_state` values).
 RNG_STATES_KEY = "rng_states"

@@ -46,8 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_dpar.checkpoint.agreement import first_problem
-from lightning_dpar.checkpoint.errors import CheckpointSaveError, describe_dcp_failures
-from lightning_dpar.checkpoint.layout import (
+from lightning_dpar.checkpoint.contents import (
     DPAR_KEY,
     METADATA_FILENAME,
     PARTIAL_PREFIX,
@@ -57,6 +56,7 @@ from lightning_dpar.checkpoint.layout import (
     partial_name,
     partial_names_for,
 )
+from lightning_dpar.checkpoint.errors import CheckpointSaveError, describe_dcp_failures
 from lightning_dpar.checkpoint.staging import ReusedBufferStager
 from lightning_dpar.checkpoint.storage import Location
 
