@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_dpar.checkpoint import contents, staging, writer
+from lightning_dpar.checkpoint import atomic, contents, staging, writer
 from lightning_dpar.checkpoint.errors import CheckpointSaveError
 from lightning_dpar.checkpoint.storage import Location
 
@@ -42,7 +42,7 @@ def _complete(path: Path, content: str) -> Location:
 def test_publish_replaces_an_existing_checkpoint_and_leaves_no_hidden_directory(tmp_path):
     final = _complete(tmp_path / "last.ckpt", "old")
     partial = _complete(tmp_path / contents.partial_name("last.ckpt", "abcd"), "new")
-    writer.publish(partial, final)
+    atomic.publish(partial, final)
     assert os.listdir(tmp_path) == ["last.ckpt"]
     assert (tmp_path / "last.ckpt" / "meta.pt").read_text() == "new"
 
@@ -50,7 +50,7 @@ def test_publish_replaces_an_existing_checkpoint_and_leaves_no_hidden_directory(
 def test_publish_replaces_a_dangling_link(tmp_path):
     os.symlink("step=9.ckpt", tmp_path / "last.ckpt")
     partial = _complete(tmp_path / contents.partial_name("last.ckpt", "abcd"), "new")
-    writer.publish(partial, Location.parse(tmp_path / "last.ckpt"))
+    atomic.publish(partial, Location.parse(tmp_path / "last.ckpt"))
     assert not os.path.islink(tmp_path / "last.ckpt") and os.listdir(tmp_path) == ["last.ckpt"]
 
 
@@ -58,7 +58,7 @@ def test_remove_leftovers_sweeps_only_this_names_interrupted_saves(tmp_path):
     mine = tmp_path / contents.partial_name("step=1.ckpt", "aaaa")
     other = tmp_path / contents.partial_name("step=2.ckpt", "bbbb")
     mine.mkdir(), other.mkdir()
-    writer.remove_leftovers(Location.parse(tmp_path / "step=1.ckpt"))
+    atomic.remove_leftovers(Location.parse(tmp_path / "step=1.ckpt"))
     assert sorted(os.listdir(tmp_path)) == [other.name]
 
 
@@ -115,7 +115,7 @@ def test_dcp_failures_become_one_error_naming_checkpoint_and_each_rank(tmp_path)
     partial = _complete(tmp_path / contents.partial_name("step=3.ckpt", "abcd"), "partial")
     failures = {0: (OSError(28, "No space left on device"), None), 1: (OSError(28, "No space left on device"), None)}
     with pytest.raises(CheckpointSaveError) as raised:
-        with writer._reported_as_save_error(final, partial, timeout=None):
+        with atomic.reported_as_save_error(final, partial, timeout=None):
             raise CheckpointException("save failed", failures)
     message = str(raised.value)
     assert "step=3.ckpt" in message and "rank 0: OSError" in message and "rank 1: OSError" in message
@@ -128,7 +128,7 @@ def test_a_timeout_is_reported_as_an_unresponsive_rank(tmp_path):
     partial = Location.parse(tmp_path / contents.partial_name("step=3.ckpt", "abcd"))
     timeout = timedelta(seconds=20)
     with pytest.raises(CheckpointSaveError, match=r"stopped responding during the checkpoint write.*20 s"):
-        with writer._reported_as_save_error(final, partial, timeout):
+        with atomic.reported_as_save_error(final, partial, timeout):
             raise RuntimeError("[gloo] Timed out waiting 20000ms for recv operation to complete")
 
 
@@ -191,9 +191,9 @@ def test_staged_dtensors_are_kept_across_saves_while_their_layout_holds(fake_wor
 
 def test_per_rank_values_join_the_record_as_lists_in_rank_order():
     record = {"world_size": 2, "strategy": "FullyShardStrategy"}
-    merged = writer.with_per_rank(record, [{"rng_states": "rank 0's"}, {"rng_states": "rank 1's"}])
+    merged = atomic.with_per_rank(record, [{"rng_states": "rank 0's"}, {"rng_states": "rank 1's"}])
     assert merged == {**record, "rng_states": ["rank 0's", "rank 1's"]}
-    assert writer.with_per_rank(record, [{}, {}]) == record
+    assert atomic.with_per_rank(record, [{}, {}]) == record
 
 
 def test_async_save_that_cannot_stage_names_the_checkpoint_and_writes_nothing(tmp_path):

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_dpar._private_api import local_shape_and_offset
 from lightning_dpar.checkpoint.agreement import first_problem
+from lightning_dpar.checkpoint.atomic import publish, remove_leftovers, with_per_rank
 from lightning_dpar.checkpoint.contents import (
     DPAR_KEY,
     LoadReport,
@@ -45,7 +46,6 @@ from lightning_dpar.checkpoint.model_shaped import (
 )
 from lightning_dpar.checkpoint.safe_io import safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
-from lightning_dpar.checkpoint.writer import publish, remove_leftovers, with_per_rank
 
 __all__ = [
     "full_model_state",
