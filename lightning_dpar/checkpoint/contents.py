@@ -3,9 +3,9 @@
 A sharded checkpoint (the default format) is a directory:
 
 - DCP data files (`__<rank>_<i>.distcp`) and DCP's index `.metadata`, holding the model under `state_dict` and each
-  optimizer under `optimizer_<i>`, every rank writing only its shards (the layout of Lightning's
-  `ModelParallelStrategy`, so checkpoints move both ways; `FSDPStrategy(state_dict_type="sharded")` differs only in
-  naming the model `model`);
+  optimizer under `optimizer_<i>`, every rank writing only its shards (the files and keys Lightning's
+  `ModelParallelStrategy` writes, so checkpoints move both ways; `FSDPStrategy(state_dict_type="sharded")` differs
+  only in naming the model `model`);
 - `meta.pt`: Lightning's non-tensor state (loops, callbacks, schedulers, hyperparameters, precision) plus our own
   record under `dpar` (format version, layout, per-rank RNG streams, data position, file checksums), written last.
 

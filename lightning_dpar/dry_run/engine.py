@@ -142,17 +142,17 @@ def _plan_on_fake_world(
     # Each pipeline rank drops the other stages' units, so the other stages are planned on copies of the whole model.
     unsplit = _meta_copy(module) if dims.pipeline > 1 else None
     model_params = sum(p.numel() for p in module.parameters())
-    layout = MeshLayout(dims, mesh, data_parallel_mesh, torch.device("meta"))
-    applied, plan_, optimizers, optimizer_error = _apply(strategy, module, dims, rank, layout)
+    meshes = MeshLayout(dims, mesh, data_parallel_mesh, torch.device("meta"))
+    applied, module_plan, optimizers, optimizer_error = _apply(strategy, module, dims, rank, meshes)
     notes = []
-    if plan_.adopted:
+    if module_plan.adopted:
         notes.append("the model's configure_model applied its own parallelism; it is shown as applied")
     if optimizer_error is not None:  # e.g. configure_optimizers reads self.trainer, which a dry run does not have
         notes.append(f"configure_optimizers could not run without a Trainer ({optimizer_error})")
     pipeline = None
     if applied.pipeline is not None:
-        assert unsplit is not None and plan_.pipeline is not None
-        pipeline = _pipeline_report(strategy, unsplit, dims, rank, layout, (applied, optimizers))
+        assert unsplit is not None and module_plan.pipeline is not None
+        pipeline = _pipeline_report(strategy, unsplit, dims, rank, meshes, (applied, optimizers))
     if getattr(strategy, "cpu_offload", False):
         notes.append(
             "cpu_offload: parameters, gradients and optimizer state below live in CPU memory; the accelerator holds"
@@ -174,7 +174,7 @@ def _plan_on_fake_world(
         rank=rank,
         coordinate=dict(zip(mesh.mesh_dim_names or (), mesh.get_coordinate() or ())),
         precision=precision,
-        modules=_describe_modules(module, plan_, strategy.compile_options is not None),
+        modules=_describe_modules(module, module_plan, strategy.compile_options is not None),
         params=[
             ParamRow(
                 name,
@@ -197,19 +197,19 @@ def _plan_on_fake_world(
         notes=notes,
         pipeline=pipeline,
         model_params=model_params if pipeline is not None else None,
-        tied=[_describe_tie(module, group, plan_) for group in plan_.tied],
+        tied=[_describe_tie(module, group, module_plan) for group in module_plan.tied],
         optimizer_exactness=exactness_summary(
             optimizers, ParameterLayout.of(dims), type(strategy).__name__, strategy._computes_whole_updates
         ),
     )
 
 
-def _describe_tie(module: nn.Module, group: Sequence[str], plan_: ModulePlan) -> str:
+def _describe_tie(module: nn.Module, group: Sequence[str], module_plan: ModulePlan) -> str:
     """`a.weight = b.weight: tensor parallel Shard(0), FSDP unit net`: what the parallelised model makes of one tied
     parameter (the innermost FSDP unit enclosing all its names holds it)."""
     parts = []
-    if plan_.tensor_parallel:
-        parts.append(f"tensor parallel {describe_layout(module, group[0], plan_.tensor_parallel)}")
+    if module_plan.tensor_parallel:
+        parts.append(f"tensor parallel {describe_layout(module, group[0], module_plan.tensor_parallel)}")
     units = [
         fqn or ROOT
         for fqn, sub in module.named_modules()
@@ -227,22 +227,22 @@ def _meta_copy(module: nn.Module) -> nn.Module:
 
 
 def _apply(
-    strategy: DparStrategy, module: nn.Module, dims: ParallelDims, rank: int, layout: MeshLayout
+    strategy: DparStrategy, module: nn.Module, dims: ParallelDims, rank: int, meshes: MeshLayout
 ) -> tuple[parallelize.AppliedPlan, ModulePlan, list[Optimizer], str | None]:
     """The training code path on `module` as global rank `rank`, minus materialisation; then its optimizers (and
     why they could not be built, if so)."""
-    plan_ = strategy.module_plan(module, dims, rank)
+    module_plan = strategy.module_plan(module, dims, rank)
     applied = parallelize.apply_plan(
         module,
-        plan_,
-        tensor_parallel_mesh=layout.mesh[TENSOR_PARALLEL],
-        wrap_data_parallel=strategy.data_parallel_wrapper(layout),
+        module_plan,
+        tensor_parallel_mesh=meshes.mesh[TENSOR_PARALLEL],
+        wrap_data_parallel=strategy.data_parallel_wrapper(meshes),
         compile_options=None,  # compile units are reported; compiling is lazy and would do nothing here
     )
     try:
-        return applied, plan_, _optimizers(module.configure_optimizers()), None  # type: ignore[operator]
+        return applied, module_plan, _optimizers(module.configure_optimizers()), None  # type: ignore[operator]
     except Exception as err:
-        return applied, plan_, [], f"{type(err).__name__}: {err}"
+        return applied, module_plan, [], f"{type(err).__name__}: {err}"
 
 
 def _pipeline_report(
@@ -250,7 +250,7 @@ def _pipeline_report(
     unsplit: nn.Module,
     dims: ParallelDims,
     rank: int,
-    layout: MeshLayout,
+    meshes: MeshLayout,
     shown: tuple[parallelize.AppliedPlan, list[Optimizer]],
 ) -> PipelineReport:
     """Every stage's units, ranks and per-rank memory. Each pipeline rank is planned, as training would plan it, on a
@@ -266,7 +266,7 @@ def _pipeline_report(
             applied, optimizers = shown
         else:
             copy_rank = pipeline_rank * ranks_per_stage + offset
-            applied, _, optimizers, _ = _apply(strategy, _meta_copy(unsplit), dims, copy_rank, layout)
+            applied, _, optimizers, _ = _apply(strategy, _meta_copy(unsplit), dims, copy_rank, meshes)
         assert applied.pipeline is not None
         split = applied.pipeline.split
         ranks = range(pipeline_rank * ranks_per_stage, (pipeline_rank + 1) * ranks_per_stage)
