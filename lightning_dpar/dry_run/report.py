@@ -17,6 +17,8 @@ __all__ = ["ROOT", "ParamRow", "PipelineReport", "PlanReport", "StageRow"]
 
 @dataclass
 class ParamRow:
+    """One parameter as the shown rank holds it: its shape whole and local, its placement on the mesh, its dtype."""
+
     name: str
     global_shape: tuple[int, ...]
     placement: str
