@@ -87,7 +87,7 @@ def _mfu(raw: dict[str, Any], tokens_per_s: float) -> float | None:
 
 def peak_flops(device_name: str, precision: str) -> float | None:
     """Dense peak FLOP/s of one GPU for the compute dtype of `precision` (the `PerformanceMonitor` table)."""
-    from lightning_dpar.callbacks import PEAK_FLOPS
+    from lightning_dpar.performance_monitor import PEAK_FLOPS
 
     dtype = "bf16" if "bf16" in precision else "tf32"  # the benchmark enables TF32 matmuls for fp32
     return next((table[dtype] for fragment, table in PEAK_FLOPS.items() if fragment in device_name), None)

@@ -14,20 +14,23 @@ How a step flows: `strategies` (Lightning's hooks) -> `plan` (what goes where, a
 - `ties`: tied parameters; `precision`, `clipping`: precision and gradient clipping; `optimizers`,
   `distributed_muon`: optimizers on shards; `buffers`, `batchnorm`, `sampling`: DDP semantics kept;
   `callback_checks`, `trainer_checks`: callbacks and Trainer settings a layout refuses before any collective;
-- `pretrained`, `key_matching`, `hf_keys`: Hugging Face weights; `consolidate`: a checkpoint to one file;
+- `pretrained`, `key_matching`, `hf_keys`, `peft_keys`: Hugging Face and peft weights; `consolidate`: a checkpoint
+  to one file (or a Hugging Face / peft directory);
 - `compilation`, `comm_hooks`, `unit_guard`, `unit_outputs`: compile options, DDP hooks, unit guards;
-- `launchers`, `process_group`: starting the ranks; `cli`, `__main__`, `plan_report`, `progress`, `callbacks`,
-  `memory`, `weight_averaging`, `examples/`: the command line, the dry run and the rest of the user-facing tools;
+- `dry_run/`: the `plan` dry run (engine, report, CLI; `plan_report` keeps its old import path); `memory`: the
+  memory model it reports;
+- `launchers`, `process_group`: starting the ranks; `cli`, `__main__`, `progress`, `performance_monitor`,
+  `weight_averaging`, `examples/`: the command line and the rest of the user-facing tools;
 - `_private_api`: every private torch / Lightning API; `helpers`: small shared helpers, a leaf.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_dpar.callbacks import PerformanceMonitor
 from lightning_dpar.checkpoint import CheckpointLoadError
 from lightning_dpar.checkpoint.inference import load_from_checkpoint
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.optimizers import OptimizerLayoutError, declare_update_kind
+from lightning_dpar.performance_monitor import PerformanceMonitor
 from lightning_dpar.precision import DparPrecision
 from lightning_dpar.pretrained import PretrainedWeights
 from lightning_dpar.strategies import (

@@ -3,7 +3,7 @@
 - `fit | validate | test | predict`: LightningCLI (see `lightning_dpar.cli`); with no other argument, `fit` trains
   the bundled GPT example on 4 CPU processes with `dpar_2d`.
 - `plan`: print the mesh, the per-module plan, every parameter's placement and per-rank memory, without launching
-  processes or allocating the model (see `lightning_dpar.plan_report`).
+  processes or allocating the model (see `lightning_dpar.dry_run`).
 - `consolidate`: turn a sharded checkpoint into a single file (see `lightning_dpar.consolidate`).
 """
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         cli_main(None if from_command_line else argv)  # None: LightningCLI reads sys.argv itself
         return 0
     if command == "plan":
-        from lightning_dpar.plan_report import main as plan_main
+        from lightning_dpar.dry_run import main as plan_main
 
         return plan_main(rest)
     if command == "consolidate":

@@ -35,8 +35,8 @@ import torch
 
 from lightning_dpar.checkpoint import hf_export, peft_export
 from lightning_dpar.checkpoint.adapter_only import refuse_without_base
-from lightning_dpar.checkpoint.export import OfflineCheckpoint
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
+from lightning_dpar.checkpoint.offline_reader import OfflineCheckpoint
 
 __all__ = [
     "main",

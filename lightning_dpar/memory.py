@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_dpar.mesh import is_sharded
+from lightning_dpar.mesh import TENSOR_PARALLEL, is_sharded
 
 __all__ = [
     "STATES_PER_PARAMETER",
@@ -38,7 +39,9 @@ __all__ = [
     "estimate_memory",
     "format_bytes",
     "frozen_note",
+    "gathered_fsdp_units",
     "held_state",
+    "largest_fsdp_unit",
     "local_numel",
     "optimizer_states",
     "unsharded_numel",
@@ -184,3 +187,31 @@ def format_bytes(n: float) -> str:
         n /= 1024
         index += 1
     return f"{n:.0f} B" if index == 0 else f"{n:.2f} {units[index]}"
+
+
+def gathered_fsdp_units(module: nn.Module, compute_dtype: torch.dtype | None) -> list[tuple[str, int]]:
+    """Each FSDP unit's own parameters (not nested units') once all-gathered for compute (TP shards stay), in
+    bytes."""
+    sizes = []
+    for fqn, unit in module.named_modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        nested = {
+            id(p)
+            for _, sub in unit.named_modules()
+            if sub is not unit and isinstance(sub, FSDPModule)
+            for p in sub.parameters()
+        }
+        size = sum(
+            unsharded_numel(p, [TENSOR_PARALLEL])
+            * (p.element_size() if compute_dtype is None else compute_dtype.itemsize)
+            for p in unit.parameters()
+            if id(p) not in nested
+        )
+        sizes.append((fqn, size))
+    return sizes
+
+
+def largest_fsdp_unit(module: nn.Module, compute_dtype: torch.dtype | None) -> tuple[str, int] | None:
+    """The FSDP unit whose own parameters are largest once all-gathered."""
+    return max(gathered_fsdp_units(module, compute_dtype), key=lambda unit: unit[1], default=None)

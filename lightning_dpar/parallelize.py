@@ -35,7 +35,7 @@ from lightning_dpar.materialize import materialize_meta_tensors
 from lightning_dpar.pipeline.stage import PipelinedModel, split_into_stages
 from lightning_dpar.plan import ModulePlan
 from lightning_dpar.plan.structure import data_parallel_roots, direct_parameters
-from lightning_dpar.ties import TiedGroup, parameter_owners, retie
+from lightning_dpar.ties import SharedOwners, TiedGroup, retie
 from lightning_dpar.unit_outputs import fully_shard_unit
 
 __all__ = [
@@ -201,46 +201,6 @@ def apply_fully_shard(
     if direct_parameters(root):
         return [shard_direct_parameters(root, mp_policy(True), {"mesh": mesh, "offload_policy": offload}, owners)]
     return top_level  # type: ignore[return-value]
-
-
-class SharedOwners:
-    """Which FSDP unit holds each parameter shared by several units: the innermost unit enclosing all its users
-    (`lightning_dpar.ties.parameter_owners`), and the `ignored_params` that make every other unit leave it alone.
-
-    Parameters are looked up by name when each unit is applied: `fully_shard` replaces a module's parameters with
-    new (sharded) ones. Without shared parameters every unit gets only the user's `ignored_params`: the usual
-    bottom-up application already gives each parameter to the innermost unit holding it."""
-
-    def __init__(
-        self, root: nn.Module, tied: Sequence[TiedGroup], units: Sequence[str], user_ignored: set[nn.Parameter]
-    ) -> None:
-        self.root, self.units, self.user_ignored = root, list(units), user_ignored
-        self.hoisted: dict[str, list[str]] = {}  # unit -> the first names of the shared parameters it holds
-        for first_name, unit in parameter_owners(tied, units).items():
-            self.hoisted.setdefault(unit, []).append(first_name)
-
-    def hoisting_units(self) -> list[str]:
-        """The units holding shared parameters of units below them, outermost first."""
-        return sorted(self.hoisted, key=lambda fqn: -1 if fqn == "" else _depth(fqn))
-
-    def _held_by(self, fqn: str) -> set[nn.Parameter]:
-        return {self.root.get_parameter(name) for name in self.hoisted.get(fqn, ())}
-
-    def ignored(self, fqn: str) -> set[nn.Parameter]:
-        """What unit `fqn` must not take: the user's ignored parameters and the shared ones another unit holds; a
-        unit applied before the units below it also leaves their parameters to them."""
-        others = {
-            self.root.get_parameter(name) for unit, names in self.hoisted.items() if unit != fqn for name in names
-        }
-        ignored = self.user_ignored | others
-        if fqn in self.hoisted:
-            below = [u for u in self.units if u and (not fqn or u.startswith(f"{fqn}."))]
-            ignored |= {p for u in below for p in self.root.get_submodule(u).parameters()} - self._held_by(fqn)
-        return ignored
-
-    def ignored_kwargs(self, fqn: str) -> dict[str, Any]:
-        ignored = self.ignored(fqn)
-        return {"ignored_params": ignored} if ignored else {}
 
 
 def _fully_shard_stages(

@@ -10,18 +10,20 @@ They are found once, from the model before any parallelism (`tied_parameters`), 
   `check_tied_layouts` refuses any other combination before any collective, naming both modules and styles.
 - meta-device materialisation: `nn.Module.to_empty` allocates a tensor per module; `retie` again.
 - FSDP: a parameter goes to the unit enclosing all its users (`parameter_owners`), FSDP2's rule for shared
-  parameters; the inner units leave it alone.
+  parameters; the inner units leave it alone (`SharedOwners`).
 - pipeline stages: a parameter used on two stages is refused (`lightning_dpar.pipeline.split`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 __all__ = [
+    "SharedOwners",
     "TiedGroup",
     "check_each_in_one_unit",
     "check_tied_layouts",
@@ -164,3 +166,43 @@ def check_each_in_one_unit(groups: Sequence[TiedGroup], units: Sequence[str], st
                 " one module (a child of the LightningModule that calls both), or use strategy='dpar_fsdp', whose"
                 " unit on the LightningModule holds such parameters."
             )
+
+
+class SharedOwners:
+    """Which FSDP unit holds each parameter shared by several units: the innermost unit enclosing all its users
+    (`parameter_owners`), and the `ignored_params` that make every other unit leave it alone.
+
+    Parameters are looked up by name when each unit is applied: `fully_shard` replaces a module's parameters with
+    new (sharded) ones. Without shared parameters every unit gets only the user's `ignored_params`: the usual
+    bottom-up application already gives each parameter to the innermost unit holding it."""
+
+    def __init__(
+        self, root: nn.Module, tied: Sequence[TiedGroup], units: Sequence[str], user_ignored: set[nn.Parameter]
+    ) -> None:
+        self.root, self.units, self.user_ignored = root, list(units), user_ignored
+        self.hoisted: dict[str, list[str]] = {}  # unit -> the first names of the shared parameters it holds
+        for first_name, unit in parameter_owners(tied, units).items():
+            self.hoisted.setdefault(unit, []).append(first_name)
+
+    def hoisting_units(self) -> list[str]:
+        """The units holding shared parameters of units below them, outermost first."""
+        return sorted(self.hoisted, key=lambda fqn: -1 if fqn == "" else fqn.count("."))
+
+    def _held_by(self, fqn: str) -> set[nn.Parameter]:
+        return {self.root.get_parameter(name) for name in self.hoisted.get(fqn, ())}
+
+    def ignored(self, fqn: str) -> set[nn.Parameter]:
+        """What unit `fqn` must not take: the user's ignored parameters and the shared ones another unit holds; a
+        unit applied before the units below it also leaves their parameters to them."""
+        others = {
+            self.root.get_parameter(name) for unit, names in self.hoisted.items() if unit != fqn for name in names
+        }
+        ignored = self.user_ignored | others
+        if fqn in self.hoisted:
+            below = [u for u in self.units if u and (not fqn or u.startswith(f"{fqn}."))]
+            ignored |= {p for u in below for p in self.root.get_submodule(u).parameters()} - self._held_by(fqn)
+        return ignored
+
+    def ignored_kwargs(self, fqn: str) -> dict[str, Any]:
+        ignored = self.ignored(fqn)
+        return {"ignored_params": ignored} if ignored else {}

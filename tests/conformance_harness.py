@@ -211,7 +211,7 @@ def checkpoint_model_state(path: Any) -> dict[str, Any]:
 
     import torch
 
-    from lightning_dpar.checkpoint.export import OfflineCheckpoint
+    from lightning_dpar.checkpoint.offline_reader import OfflineCheckpoint
 
     if Path(path).is_dir():
         return dict(OfflineCheckpoint(str(path)).iter_model())

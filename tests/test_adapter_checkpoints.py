@@ -21,7 +21,7 @@ from lightning_dpar.checkpoint.adapter_only import (
     check_keys,
     required_base,
 )
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.pretrained import PretrainedWeights, match_pretrained
 from tests.conftest import run_workers
 

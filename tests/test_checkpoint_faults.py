@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_dpar.checkpoint.discovery import resolve_last
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.checkpoint.storage import Location
 from tests.conftest import ROOT, WORKERS, LaunchResults, run_workers, subprocess_env
 from tests.workers.checkpoint_common import inputs_env

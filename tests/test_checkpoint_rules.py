@@ -12,25 +12,25 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_dpar.checkpoint import layout, staging, writer
+from lightning_dpar.checkpoint import atomic, contents, staging, writer
 from lightning_dpar.checkpoint.errors import CheckpointSaveError
 from lightning_dpar.checkpoint.storage import Location
 
 
 def test_partial_names_are_hidden_and_never_look_like_a_checkpoint():
-    name = layout.partial_name("last.ckpt", "abcd1234")
+    name = contents.partial_name("last.ckpt", "abcd1234")
     assert name.startswith(".") and not name.endswith(".ckpt") and "last" not in name
-    assert layout.partial_name("last.ckpt", "x") != layout.partial_name("step=1.ckpt", "x")
+    assert contents.partial_name("last.ckpt", "x") != contents.partial_name("step=1.ckpt", "x")
 
 
 def test_leftovers_are_matched_by_final_name_only():
     names = [
-        layout.partial_name("step=1.ckpt", "aaaa"),
-        layout.partial_name("step=10.ckpt", "bbbb"),  # another checkpoint's save in flight: never swept
-        layout.REPLACED_PREFIX + layout.partial_name("step=1.ckpt", "cccc")[len(layout.PARTIAL_PREFIX) :],
+        contents.partial_name("step=1.ckpt", "aaaa"),
+        contents.partial_name("step=10.ckpt", "bbbb"),  # another checkpoint's save in flight: never swept
+        contents.REPLACED_PREFIX + contents.partial_name("step=1.ckpt", "cccc")[len(contents.PARTIAL_PREFIX) :],
         "step=1.ckpt",
     ]
-    assert layout.partial_names_for("step=1.ckpt", names) == [names[0], names[2]]
+    assert contents.partial_names_for("step=1.ckpt", names) == [names[0], names[2]]
 
 
 def _complete(path: Path, content: str) -> Location:
@@ -41,24 +41,24 @@ def _complete(path: Path, content: str) -> Location:
 
 def test_publish_replaces_an_existing_checkpoint_and_leaves_no_hidden_directory(tmp_path):
     final = _complete(tmp_path / "last.ckpt", "old")
-    partial = _complete(tmp_path / layout.partial_name("last.ckpt", "abcd"), "new")
-    writer.publish(partial, final)
+    partial = _complete(tmp_path / contents.partial_name("last.ckpt", "abcd"), "new")
+    atomic.publish(partial, final)
     assert os.listdir(tmp_path) == ["last.ckpt"]
     assert (tmp_path / "last.ckpt" / "meta.pt").read_text() == "new"
 
 
 def test_publish_replaces_a_dangling_link(tmp_path):
     os.symlink("step=9.ckpt", tmp_path / "last.ckpt")
-    partial = _complete(tmp_path / layout.partial_name("last.ckpt", "abcd"), "new")
-    writer.publish(partial, Location.parse(tmp_path / "last.ckpt"))
+    partial = _complete(tmp_path / contents.partial_name("last.ckpt", "abcd"), "new")
+    atomic.publish(partial, Location.parse(tmp_path / "last.ckpt"))
     assert not os.path.islink(tmp_path / "last.ckpt") and os.listdir(tmp_path) == ["last.ckpt"]
 
 
 def test_remove_leftovers_sweeps_only_this_names_interrupted_saves(tmp_path):
-    mine = tmp_path / layout.partial_name("step=1.ckpt", "aaaa")
-    other = tmp_path / layout.partial_name("step=2.ckpt", "bbbb")
+    mine = tmp_path / contents.partial_name("step=1.ckpt", "aaaa")
+    other = tmp_path / contents.partial_name("step=2.ckpt", "bbbb")
     mine.mkdir(), other.mkdir()
-    writer.remove_leftovers(Location.parse(tmp_path / "step=1.ckpt"))
+    atomic.remove_leftovers(Location.parse(tmp_path / "step=1.ckpt"))
     assert sorted(os.listdir(tmp_path)) == [other.name]
 
 
@@ -112,10 +112,10 @@ def test_close_gives_up_on_a_save_that_never_finishes(tmp_path, monkeypatch, cap
 
 def test_dcp_failures_become_one_error_naming_checkpoint_and_each_rank(tmp_path):
     final = Location.parse(tmp_path / "step=3.ckpt")
-    partial = _complete(tmp_path / layout.partial_name("step=3.ckpt", "abcd"), "partial")
+    partial = _complete(tmp_path / contents.partial_name("step=3.ckpt", "abcd"), "partial")
     failures = {0: (OSError(28, "No space left on device"), None), 1: (OSError(28, "No space left on device"), None)}
     with pytest.raises(CheckpointSaveError) as raised:
-        with writer._reported_as_save_error(final, partial, timeout=None):
+        with atomic.reported_as_save_error(final, partial, timeout=None):
             raise CheckpointException("save failed", failures)
     message = str(raised.value)
     assert "step=3.ckpt" in message and "rank 0: OSError" in message and "rank 1: OSError" in message
@@ -125,10 +125,10 @@ def test_dcp_failures_become_one_error_naming_checkpoint_and_each_rank(tmp_path)
 
 def test_a_timeout_is_reported_as_an_unresponsive_rank(tmp_path):
     final = Location.parse(tmp_path / "step=3.ckpt")
-    partial = Location.parse(tmp_path / layout.partial_name("step=3.ckpt", "abcd"))
+    partial = Location.parse(tmp_path / contents.partial_name("step=3.ckpt", "abcd"))
     timeout = timedelta(seconds=20)
     with pytest.raises(CheckpointSaveError, match=r"stopped responding during the checkpoint write.*20 s"):
-        with writer._reported_as_save_error(final, partial, timeout):
+        with atomic.reported_as_save_error(final, partial, timeout):
             raise RuntimeError("[gloo] Timed out waiting 20000ms for recv operation to complete")
 
 
@@ -191,9 +191,9 @@ def test_staged_dtensors_are_kept_across_saves_while_their_layout_holds(fake_wor
 
 def test_per_rank_values_join_the_record_as_lists_in_rank_order():
     record = {"world_size": 2, "strategy": "FullyShardStrategy"}
-    merged = writer.with_per_rank(record, [{"rng_states": "rank 0's"}, {"rng_states": "rank 1's"}])
+    merged = atomic.with_per_rank(record, [{"rng_states": "rank 0's"}, {"rng_states": "rank 1's"}])
     assert merged == {**record, "rng_states": ["rank 0's", "rank 1's"]}
-    assert writer.with_per_rank(record, [{}, {}]) == record
+    assert atomic.with_per_rank(record, [{}, {}]) == record
 
 
 def test_async_save_that_cannot_stage_names_the_checkpoint_and_writes_nothing(tmp_path):
@@ -218,7 +218,7 @@ def test_close_ends_the_writers_thread_and_process_group(tmp_path):
             group, thread = checkpoint_writer._group, checkpoint_writer._thread
             assert group is not None and thread is not None and thread.is_alive()
             checkpoint_writer.close()
-            assert (tmp_path / f"step={step}.ckpt" / layout.METADATA_FILENAME).exists()
+            assert (tmp_path / f"step={step}.ckpt" / contents.METADATA_FILENAME).exists()
             assert not thread.is_alive() and checkpoint_writer._group is None
             with pytest.raises(ValueError, match="not registered"):
                 dist.get_rank(group)  # destroyed

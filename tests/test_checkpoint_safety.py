@@ -29,15 +29,10 @@ from torch import nn
 
 import lightning_dpar
 from lightning_dpar.checkpoint import safe_io
-from lightning_dpar.checkpoint.export import OfflineCheckpoint
-from lightning_dpar.checkpoint.layout import newest_other_checkpoint
-from lightning_dpar.checkpoint.safe_io import (
-    CheckpointLoadError,
-    CorruptCheckpointError,
-    UnsafeCheckpointError,
-    read_dcp_index,
-    translate_dcp_errors,
-)
+from lightning_dpar.checkpoint.contents import newest_other_checkpoint
+from lightning_dpar.checkpoint.errors import CheckpointLoadError, CorruptCheckpointError, UnsafeCheckpointError
+from lightning_dpar.checkpoint.offline_reader import OfflineCheckpoint
+from lightning_dpar.checkpoint.safe_io import read_dcp_index, translate_dcp_errors
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.consolidate import main as consolidate
 from tests import malicious

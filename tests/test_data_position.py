@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler, TensorDataset
 
-from lightning_dpar.checkpoint.resume import DataPosition, ResumableDistributedSampler, align_loop_state, make_resumable
+from lightning_dpar.checkpoint.data_position import DataPosition, ResumableDistributedSampler, make_resumable
+from lightning_dpar.checkpoint.resume import align_loop_state
 
 BATCH = 2
 

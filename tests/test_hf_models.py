@@ -12,9 +12,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 pytest.importorskip("transformers")
 
 import lightning_dpar
+from lightning_dpar.dry_run import plan
 from lightning_dpar.materialize import materialize_meta_tensors
 from lightning_dpar.plan import HF_STYLES, STYLE_NAMES, parse_tp_plan, resolve_tp_plan, transformers_tp_plan
-from lightning_dpar.plan_report import plan
 from tests.conftest import run_workers
 from tests.workers.hf import LlamaModule, TiedLlamaModule, initialised_like_materialisation
 

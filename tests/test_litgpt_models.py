@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("litgpt")
 
 import lightning_dpar
-from lightning_dpar.plan_report import plan
+from lightning_dpar.dry_run import plan
 from tests.conftest import run_workers
 from tests.workers.lit_gpt_models import MLP_TP_PLAN, LitGPTModule
 

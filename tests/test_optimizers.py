@@ -238,7 +238,7 @@ class BiasFree(L.LightningModule):
 )
 def test_plan_dry_run_lists_which_optimizers_are_exact(strategy, optimizer, line):
     import lightning_dpar
-    from lightning_dpar.plan_report import plan
+    from lightning_dpar.dry_run import plan
 
     strategies = {
         "fsdp": lightning_dpar.FullyShardStrategy,

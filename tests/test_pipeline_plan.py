@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
-from lightning_dpar.pipeline.runtime import LogRecorder
+from lightning_dpar.pipeline.log_relay import LogRecorder
 from lightning_dpar.pipeline.schedule import SCHEDULES, schedule_spec
 from lightning_dpar.pipeline.split import pipeline_units, resolve_split, stage_ranks
 from lightning_dpar.pipeline.values import describe, fabricate, rebuild, tensors
@@ -208,5 +208,5 @@ def test_logged_values_are_averaged_over_microbatches():
     recorder.log("loss", torch.tensor(1.0), sync_dist=True)
     recorder.log("acc", 0.5)
     recorder.log("loss", torch.tensor(3.0), sync_dist=True)
-    averaged = {name: (value.item(), options) for name, value, options in recorder.averaged()}
+    averaged = {name: (value.item(), options) for name, value, options in recorder.reduced()}
     assert averaged == {"loss": (2.0, {"sync_dist": True}), "acc": (0.5, {})}

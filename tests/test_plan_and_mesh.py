@@ -141,7 +141,7 @@ def test_supported_precision_maps_to_the_package_plugin(precision):
 
 
 def test_parameters_on_the_lightning_module_itself_get_a_unit_on_it():
-    from lightning_dpar.plan_report import ROOT, plan
+    from lightning_dpar.dry_run import ROOT, plan
 
     class Direct(L.LightningModule):
         def __init__(self) -> None:

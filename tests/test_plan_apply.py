@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import lightning_dpar
+from lightning_dpar.dry_run import main, plan
 from lightning_dpar.plan import parse_tp_plan, resolve_tp_plan
 from lightning_dpar.plan.structure import data_parallel_roots
-from lightning_dpar.plan_report import main, plan
 from tests.conftest import run_workers
 from tests.workers.ordinary import EmbeddingModel, TopLevelBlocks
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import lightning_dpar
+from lightning_dpar.dry_run import main, plan
 from lightning_dpar.memory import format_bytes
-from lightning_dpar.plan_report import main, plan
 from tests.conftest import ROOT
 from tests.models import Net, SharedWeightsModule
 

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from lightning_dpar import peft_keys
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.checkpoint.full import FullSource
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.sharded import ShardedSource
 from lightning_dpar.pretrained import PretrainedWeights, match_pretrained, safetensors_files
 

@@ -12,40 +12,15 @@ names the checkpoint picked names each one skipped and why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from lightning_dpar.checkpoint.layout import PARTIAL_PREFIX, REPLACED_PREFIX, checkpoint_problem, written_at
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
+from lightning_dpar.checkpoint.contents import DirectoryScan
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.checkpoint.storage import Location
 
-__all__ = ["DirectoryScan", "resolve_last"]
+__all__ = ["resolve_last"]
 
 CHECKPOINT_SUFFIX = ".ckpt"
 #: How Lightning's `ModelCheckpoint` names its "last" checkpoints (`last.ckpt`, `last-v1.ckpt`).
 LAST_PREFIX = "last"
-
-
-@dataclass
-class DirectoryScan:
-    """The checkpoints of one directory: complete ones with their modification times, and the others with why."""
-
-    complete: dict[str, float] = field(default_factory=dict)
-    incomplete: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, directory: Location) -> DirectoryScan:
-        scan = cls()
-        for name in directory.list_names():
-            entry = directory.child(name)
-            if name.startswith((PARTIAL_PREFIX, REPLACED_PREFIX)):
-                scan.incomplete[entry.url] = "a save into it was interrupted"
-            elif name.endswith(CHECKPOINT_SUFFIX):
-                problem = checkpoint_problem(entry)
-                if problem is None:
-                    scan.complete[entry.url] = written_at(entry)
-                else:
-                    scan.incomplete[entry.url] = problem
-        return scan
 
 
 def resolve_last(directories: list[Location]) -> tuple[str | None, str]:
@@ -57,9 +32,9 @@ def resolve_last(directories: list[Location]) -> tuple[str | None, str]:
     complete: dict[str, float] = {}
     incomplete: dict[str, str] = {}
     for directory in directories:
-        scan = DirectoryScan.of(directory)
-        complete.update(scan.complete)
-        incomplete.update(scan.incomplete)
+        scan = DirectoryScan.of(directory, accept=lambda entry: entry.name.endswith(CHECKPOINT_SUFFIX))
+        complete.update((entry.url, written) for entry, written in scan.complete.items())
+        incomplete.update((entry.url, why) for entry, why in scan.incomplete.items())
     where = ", ".join(repr(d.url) for d in directories)
     if complete:
         # Ties (a `save_last="link"` link and its target) go to the `last*` name, as Lightning's own "last" would.

@@ -26,8 +26,8 @@ from torch.optim import Optimizer
 
 from lightning_dpar._private_api import local_shape_and_offset
 from lightning_dpar.checkpoint.agreement import first_problem
-from lightning_dpar.checkpoint.errors import CheckpointSaveError
-from lightning_dpar.checkpoint.layout import (
+from lightning_dpar.checkpoint.atomic import publish, remove_leftovers, with_per_rank
+from lightning_dpar.checkpoint.contents import (
     DPAR_KEY,
     LoadReport,
     check_format_version,
@@ -35,6 +35,7 @@ from lightning_dpar.checkpoint.layout import (
     partial_name,
     read_with_remedy,
 )
+from lightning_dpar.checkpoint.errors import CheckpointLoadError, CheckpointSaveError
 from lightning_dpar.checkpoint.mapped import MappedFile
 from lightning_dpar.checkpoint.model_shaped import (
     distribute_like,
@@ -43,9 +44,8 @@ from lightning_dpar.checkpoint.model_shaped import (
     keyed_like,
     model_shaped_entries,
 )
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError, safe_torch_load
+from lightning_dpar.checkpoint.safe_io import safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
-from lightning_dpar.checkpoint.writer import publish, remove_leftovers, with_per_rank
 
 __all__ = [
     "full_model_state",

@@ -17,10 +17,10 @@ import lightning as L
 import torch
 
 from lightning_dpar.checkpoint.adapter_only import refuse_without_base
-from lightning_dpar.checkpoint.export import OfflineCheckpoint
+from lightning_dpar.checkpoint.contents import DPAR_KEY, describe_problem
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.checkpoint.full import read_full
-from lightning_dpar.checkpoint.layout import DPAR_KEY, describe_problem
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
+from lightning_dpar.checkpoint.offline_reader import OfflineCheckpoint
 from lightning_dpar.checkpoint.storage import Location
 
 __all__ = [

@@ -18,9 +18,9 @@ from torch.optim import Optimizer
 
 from lightning_dpar.checkpoint import adapter_only
 from lightning_dpar.checkpoint.agreement import first_problem
-from lightning_dpar.checkpoint.errors import CheckpointSaveError
+from lightning_dpar.checkpoint.contents import LoadReport
+from lightning_dpar.checkpoint.errors import CheckpointLoadError, CheckpointSaveError
 from lightning_dpar.checkpoint.full import FullFormat
-from lightning_dpar.checkpoint.layout import LoadReport
 from lightning_dpar.checkpoint.resume import (
     RNG_STATES_KEY,
     ResumeState,
@@ -28,7 +28,6 @@ from lightning_dpar.checkpoint.resume import (
     capture_rng_state,
     skip_seen_batches,
 )
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
 from lightning_dpar.checkpoint.sharded import ShardedFormat
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import CheckpointWriter

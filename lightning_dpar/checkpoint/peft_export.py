@@ -31,8 +31,8 @@ from torch import nn
 
 from lightning_dpar import peft_keys
 from lightning_dpar.checkpoint.adapter_only import ADAPTER_ONLY_KEY, base_fingerprint
+from lightning_dpar.checkpoint.contents import DPAR_KEY
 from lightning_dpar.checkpoint.hf_export import ExportError, require_record
-from lightning_dpar.checkpoint.layout import DPAR_KEY
 from lightning_dpar.pretrained import tied_groups
 
 __all__ = [

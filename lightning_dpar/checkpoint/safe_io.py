@@ -37,14 +37,17 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from lightning_dpar._private_api import FsspecReader
+from lightning_dpar.checkpoint.errors import (  # the load errors, importable from here as documented before
+    CheckpointLoadError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    describe_dcp_failures,
+)
 from lightning_dpar.checkpoint.storage import Location
 
 __all__ = [
     "INDEX_CLASSES",
-    "CheckpointLoadError",
-    "CorruptCheckpointError",
     "SafeLoadPlanner",
-    "UnsafeCheckpointError",
     "load_bytes_item",
     "read_dcp_index",
     "safe_storage_reader",
@@ -89,18 +92,6 @@ _INDEX_VALUES: dict[tuple[str, str], Any] = {
 #: that function the index gets one of ours that only maps the names of torch's layouts to the layouts.
 _LAYOUT_FUNCTION = ("torch.serialization", "_get_layout")
 _LAYOUTS: dict[str, torch.layout] = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
-
-
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint cannot be loaded; the message names the path, the problem and what to do."""
-
-
-class UnsafeCheckpointError(CheckpointLoadError):
-    """A checkpoint file refers to code or types that loading would run or build; nothing from it was run."""
-
-
-class CorruptCheckpointError(CheckpointLoadError):
-    """A checkpoint file is truncated, corrupted or not what its name says."""
 
 
 class _RefusedGlobal(pickle.UnpicklingError):
@@ -328,16 +319,8 @@ def translate_dcp_errors(
     try:
         yield
     except CheckpointException as error:
-        causes: dict[str, list[int]] = {}
-        kinds: set[type] = set()
-        for rank, (cause, _trace) in sorted(error.failures.items()):
-            text = str(cause) if isinstance(cause, CheckpointLoadError) else f"{type(cause).__name__}: {cause}"
-            causes.setdefault(text, []).append(rank)
-            kinds.add(type(cause))
-        described = "; ".join(
-            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}"
-            for text, ranks in causes.items()
-        )
+        kinds = {type(cause) for cause, _trace in error.failures.values()}
+        described = describe_dcp_failures(error)
         kind = error_type
         if error_type is CheckpointLoadError and len(kinds) == 1 and issubclass(next(iter(kinds)), CheckpointLoadError):
             kind = next(iter(kinds))

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from lightning_dpar.checkpoint.layout import (
+from lightning_dpar.checkpoint.contents import (
     DPAR_KEY,
     MODEL_KEY,
     CheckpointInfo,
@@ -31,13 +31,9 @@ from lightning_dpar.checkpoint.layout import (
     inspect_checkpoint,
     optimizer_key,
 )
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.checkpoint.model_shaped import SHARDED_ENTRY, keyed_like, marked_entries, model_shaped_entries
-from lightning_dpar.checkpoint.safe_io import (
-    CheckpointLoadError,
-    SafeLoadPlanner,
-    safe_storage_reader,
-    translate_dcp_errors,
-)
+from lightning_dpar.checkpoint.safe_io import SafeLoadPlanner, safe_storage_reader, translate_dcp_errors
 from lightning_dpar.checkpoint.storage import Location
 
 __all__ = [

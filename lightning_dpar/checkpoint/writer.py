@@ -1,7 +1,7 @@
 """Writing a sharded checkpoint atomically, in the foreground or in the background, and removing superseded ones
 only once their replacement is complete.
 
-Atomic: every rank writes into a hidden sibling directory (`layout.partial_name`); only after all ranks' data files
+Atomic: every rank writes into a hidden sibling directory (`checkpoint.atomic`); only after all ranks' data files
 are written (DCP's coordinator gathers every rank's write results before writing the index) and checksummed does
 rank 0 write `meta.pt` and rename the directory to its final name. A process killed at any moment leaves either the
 previous checkpoint under the final name or the new complete one; never a partial one under a checkpoint name.
@@ -26,16 +26,12 @@ from __future__ import annotations
 import atexit
 import copy
 import logging
-import os
 import queue
-import shutil
 import threading
 import time
-import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -43,24 +39,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_dpar.checkpoint.agreement import first_problem
-from lightning_dpar.checkpoint.errors import CheckpointSaveError
-from lightning_dpar.checkpoint.layout import (
-    DPAR_KEY,
-    METADATA_FILENAME,
-    PARTIAL_PREFIX,
-    REPLACED_PREFIX,
-    file_checksum,
-    is_data_file,
-    partial_name,
-    partial_names_for,
+from lightning_dpar.checkpoint.atomic import (
+    point_link,
+    prepare_partial_directory,
+    rank_in,
+    reported_as_save_error,
+    with_per_rank,
+    write_metadata_and_publish,
 )
+from lightning_dpar.checkpoint.contents import DPAR_KEY, file_checksum, is_data_file
+from lightning_dpar.checkpoint.errors import CheckpointSaveError
 from lightning_dpar.checkpoint.staging import ReusedBufferStager
 from lightning_dpar.checkpoint.storage import Location
 
-__all__ = ["CheckpointWriter", "SaveTiming", "point_link", "publish", "remove_leftovers", "with_per_rank"]
+__all__ = ["CheckpointWriter", "SaveTiming"]
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +108,8 @@ class CheckpointWriter:
         timing = SaveTiming(blocked_s=0.0)
         self.timings.append(timing)
         if not self.async_save:
-            location, partial = _prepare_partial_directory(path, group=None)
-            with _reported_as_save_error(location, partial, self.timeout):
+            location, partial = prepare_partial_directory(path, group=None)
+            with reported_as_save_error(location, partial, self.timeout):
                 dcp.save(tensor_state, checkpoint_id=partial.url)
                 _finish(partial, location, metadata, per_rank, group=None)
             timing.blocked_s = timing.total_s = time.perf_counter() - start
@@ -128,19 +122,19 @@ class CheckpointWriter:
             staged = self._staging_buffers().stage(tensor_state)
         except Exception as error:  # e.g. no host memory left for the staging buffers
             raise CheckpointSaveError(
-                f"Saving checkpoint {path!r} failed: rank {_rank(None)} could not copy its shards to CPU memory:"
+                f"Saving checkpoint {path!r} failed: rank {rank_in(None)} could not copy its shards to CPU memory:"
                 f" {type(error).__name__}: {error}. Nothing was written and the previous checkpoint is untouched;"
                 " free host memory, or save with `trainer.strategy.async_save = False` (no staging copy)."
             ) from error
-        metadata = copy.deepcopy(metadata) if _rank(None) == 0 else {}
+        metadata = copy.deepcopy(metadata) if rank_in(None) == 0 else {}
         # Rank 0's own path on rank 0, the rank that removes checkpoints; the others learn it in the background.
         in_flight = _InFlight(Location.parse(path))
         self._in_flight = in_flight
 
         def write_in_background() -> None:
             try:
-                location, partial = _prepare_partial_directory(path, group=group)
-                with _reported_as_save_error(location, partial, self.timeout):
+                location, partial = prepare_partial_directory(path, group=group)
+                with reported_as_save_error(location, partial, self.timeout):
                     dcp.save(staged, checkpoint_id=partial.url, process_group=group)
                     _finish(partial, location, metadata, per_rank, group=group)
                 timing.total_s = time.perf_counter() - start
@@ -260,7 +254,7 @@ class CheckpointWriter:
             in_flight.published = True
             removals, in_flight.removals = in_flight.removals, []
             links, in_flight.links = in_flight.links, []
-        if _rank(None) == 0:
+        if rank_in(None) == 0:
             for target, link in links:
                 point_link(target, link)
             for superseded in removals:
@@ -282,80 +276,6 @@ def _run_jobs(jobs: queue.SimpleQueue) -> None:
         job()
 
 
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
-def _is_timeout(error: BaseException) -> bool:
-    causes = [error, *(e for e, _ in getattr(error, "failures", {}).values())]
-    return any("timed out" in str(e).lower() or "timeout" in type(e).__name__.lower() for e in causes)
-
-
-def _describe(error: BaseException) -> str:
-    """One line per failing rank for DCP's `CheckpointException` (whose own text is a dict of tracebacks)."""
-    if isinstance(error, CheckpointException):
-        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in sorted(error.failures.items()))
-    return f"{type(error).__name__}: {error}"
-
-
-@contextmanager
-def _reported_as_save_error(final: Location, partial: Location, timeout: timedelta | None) -> Iterator[None]:
-    """Turn any failure of a save (DCP's `CheckpointException` derives from `BaseException`) into a
-    `CheckpointSaveError` naming the checkpoint and the cause, after removing what was written (rank 0)."""
-    try:
-        yield
-    except CheckpointSaveError:
-        _discard(partial)
-        raise
-    except (CheckpointException, Exception) as error:
-        _discard(partial)
-        cause = _describe(error)
-        if _is_timeout(error):
-            limit = f"{timeout.total_seconds():.0f} s" if timeout is not None else "the collective timeout"
-            cause = (
-                f"a rank stopped responding during the checkpoint write (no reply within the strategy's timeout of"
-                f" {limit}; it died, froze or lost its network): {cause}"
-            )
-        raise CheckpointSaveError(
-            f"Saving checkpoint {final.url!r} failed: {cause}. Nothing was published under that name and the previous"
-            " checkpoint is untouched; fix the cause (free space, permissions, the failed rank) and save again."
-        ) from error
-
-
-def _discard(partial: Location) -> None:
-    if _rank(None) == 0:
-        try:
-            partial.remove()
-        except OSError as error:  # the original failure matters more; the sweep of the next save retries
-            log.warning(f"Could not remove the incomplete checkpoint {partial.url!r}: {error}")
-
-
-def _prepare_partial_directory(path: str, group: dist.ProcessGroup | None) -> tuple[Location, Location]:
-    """Rank 0 sweeps leftovers of killed saves to its `path` and creates the hidden directory this save writes into,
-    then tells every rank both (one broadcast, which also makes the others wait until the directory exists; callbacks
-    may format per-rank paths, e.g. with a timestamp, so rank 0's path is the one); collective over `group`."""
-    url, name, error = path, None, None
-    if _rank(None) == 0:
-        location = Location.parse(path)
-        url, name = location.url, partial_name(location.name, uuid.uuid4().hex[:8])
-        try:
-            remove_leftovers(location)
-            location.sibling(name).makedirs()
-        except OSError as exc:  # sent to every rank, so none waits in a collective rank 0 never joins
-            error = f"rank 0 could not create {location.sibling(name).url!r}: {type(exc).__name__}: {exc}"
-    if dist.is_initialized():
-        holder = [(url, name, error)]
-        dist.broadcast_object_list(holder, src=0, group=group)  # global rank 0, also rank 0 of the checkpoint group
-        url, name, error = holder[0]
-    if error is not None:
-        raise CheckpointSaveError(
-            f"Saving checkpoint {url!r} failed: {error}. Check that the directory is writable and has space."
-        )
-    assert name is not None
-    location = Location.parse(url)
-    return location, location.sibling(name)
-
-
 def _finish(
     partial: Location,
     final: Location,
@@ -365,7 +285,7 @@ def _finish(
 ) -> None:
     """After DCP wrote every rank's data: checksum, gather every rank's checksums and `per_rank` values to rank 0,
     which writes `meta.pt` and renames into place. Collective over `group`."""
-    rank = _rank(group)
+    rank = rank_in(group)
     files: dict[str, tuple[int, int]] = {}
     error: str | None = None
     try:
@@ -384,64 +304,7 @@ def _finish(
         if problem is None:
             record = with_per_rank(metadata.get(DPAR_KEY, {}), [values for _, _, values in gathered])
             record["files"] = {name: checksum for rank_files, _, _ in gathered for name, checksum in rank_files.items()}
-            problem = _write_metadata_and_publish(partial, final, {**metadata, DPAR_KEY: record})
+            problem = write_metadata_and_publish(partial, final, {**metadata, DPAR_KEY: record})
     problem = first_problem(problem, group)  # rank 0 tells every rank how it ended
     if problem is not None:
         raise CheckpointSaveError(f"Saving checkpoint {final.url!r} failed: {problem}.")
-
-
-def with_per_rank(record: dict[str, Any], per_rank_values: list[dict[str, Any]]) -> dict[str, Any]:
-    """`record` plus, for each key of the ranks' `per_rank` values, the list of every rank's value in rank order
-    (e.g. `rng_states`: one RNG state per rank)."""
-    keys = per_rank_values[0].keys() if per_rank_values else ()
-    return {**record, **{key: [values[key] for values in per_rank_values] for key in keys}}
-
-
-def _write_metadata_and_publish(partial: Location, final: Location, metadata: dict[str, Any]) -> str | None:
-    try:
-        partial.child(METADATA_FILENAME).write_torch(metadata)
-        publish(partial, final)
-    except OSError as exc:
-        return f"rank 0 could not write the metadata or rename into place: {type(exc).__name__}: {exc}"
-    return None
-
-
-def remove_leftovers(location: Location) -> None:
-    """Delete what earlier, killed saves to `location`'s name left beside it (rank 0, before a new save)."""
-    parent = location.parent
-    for leftover in partial_names_for(location.name, parent.list_names()):
-        parent.child(leftover).remove()
-
-
-def publish(partial: Location, final: Location) -> None:
-    """Give the complete checkpoint (file or directory) its final name, replacing an older one of the same name
-    (e.g. `last.ckpt`): the old one is moved aside first, so a kill in between leaves it recoverable."""
-    replaced = None
-    if final.exists() or (final.is_local and os.path.lexists(final.path)):  # lexists: a `save_last="link"` link
-        replaced = final.sibling(REPLACED_PREFIX + partial.name[len(PARTIAL_PREFIX) :])
-        final.rename_to(replaced)
-    partial.rename_to(final)
-    if replaced is not None:
-        replaced.remove()
-
-
-def point_link(target: Location, link: Location) -> None:
-    """Make `link` a relative symbolic link to `target`, as `ModelCheckpoint(save_last="link")` does, but replacing
-    an existing link in one rename, so a reader never finds it missing. A directory or file standing at `link` (an
-    earlier `save_last=True` copy) is removed first; where links cannot be made, `target` is copied (as Lightning
-    does)."""
-    if not link.is_local or os.path.abspath(link.path) == os.path.abspath(target.path):
-        return
-    if os.path.isdir(link.path) and not os.path.islink(link.path):
-        link.remove()
-    temporary = link.sibling(f".dpar-link-{uuid.uuid4().hex[:8]}")  # hidden, and no `.ckpt`: never a checkpoint
-    try:
-        os.symlink(os.path.relpath(target.path, os.path.dirname(link.path)), temporary.path)
-    except OSError:  # e.g. Windows without the privilege to make links
-        link.remove()
-        if os.path.isdir(target.path):
-            shutil.copytree(target.path, link.path)
-        else:
-            shutil.copy(target.path, link.path)
-        return
-    os.replace(temporary.path, link.path)

@@ -1,6 +1,7 @@
-"""Pipeline parallelism: the split into stages (`split`), the schedules (`schedule`), the stages as modules
-(`stage`), what crosses a boundary (`values`) and the runtime that drives Lightning's steps through them
-(`runtime`). See `docs/pipeline.md`."""
+"""Pipeline parallelism: the options (`config`), the split into stages (`split`), the schedules and their bubble
+(`schedule`), the stages as modules (`stage`), what crosses a boundary (`values`), the runtime that drives
+Lightning's steps through them (`runtime`), forward-only passes that relay a stage's error to every rank
+(`forward_relay`), and what the steps log, relayed from the last stage (`log_relay`). See `docs/pipeline.md`."""
 
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.schedule import SCHEDULES

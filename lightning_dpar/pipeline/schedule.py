@@ -69,6 +69,17 @@ class ScheduleSpec:
                 f" of {num_ranks}, or fewer microbatches than {num_ranks}."
             )
 
+    def bubble(self, num_ranks: int, num_microbatches: int, stages_per_rank: int) -> float | None:
+        """The idle fraction of an ideal step (equal stage times, no communication) on `num_ranks` pipeline ranks,
+        where the schedule has a known closed form: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for
+        Interleaved1F1B (v stages per rank); None for the others."""
+        p, m, v = num_ranks, num_microbatches, stages_per_rank
+        if self.name in ("GPipe", "1F1B"):
+            return (p - 1) / (m + p - 1)
+        if self.name == "Interleaved1F1B":
+            return (p - 1) / (v * m + p - 1)
+        return None
+
 
 SCHEDULES: dict[str, ScheduleSpec] = {
     spec.name.lower(): spec

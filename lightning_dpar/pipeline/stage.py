@@ -95,8 +95,8 @@ class PipelinedModel:
         self.unit_outputs: dict[str, ValueSpec] = {}
         self.input_specs: dict[int, ValueSpec] = {}
         self.output_specs: dict[int, ValueSpec] = {}
-        #: The step method each stage runs, set by the runtime before a schedule or forward pass.
-        self.step: Callable[..., Any] | None = None
+        #: The step method each stage runs (`use_step`, before a schedule or forward pass).
+        self._step: Callable[..., Any] | None = None
         self._run: _Run | None = None
         self.stages: dict[int, StageModule] = {}
         self._remote_twins: dict[str, RemoteUnit] = {}
@@ -143,6 +143,16 @@ class PipelinedModel:
         return [fqn for stage, units in enumerate(self.split.stages) if stage not in self.local_stages for fqn in units]
 
     # ------------------------------------------------------------------ running
+    def use_step(self, step: Callable[..., Any]) -> None:
+        """Run `step` (the LightningModule's `training_step`, `validation_step`, ...) on every stage from now on."""
+        self._step = step
+
+    def adopt_received_specs(self, stage: int, received: ValueSpec, unit_outputs: dict[str, ValueSpec]) -> None:
+        """Take what the previous stage sent with its boundary output in a forward-only pass: the spec of what
+        `stage` receives, and the output specs of the units run so far (for the zeros of remote units)."""
+        self.input_specs[stage] = received
+        self.unit_outputs.update(unit_outputs)
+
     def select_shapes(self, key: Any) -> bool:
         """Use the recorded specs for inputs of shape `key`; returns whether they are new (still to be recorded)."""
         is_new = key not in self._shape_tables
@@ -163,7 +173,7 @@ class PipelinedModel:
     ) -> Any:
         """Run the step method on `batch` (and `step_args`, e.g. `batch_idx`) as stage `stage`: the step's own output
         on the last stage, otherwise the tensors of the stage's boundary output."""
-        assert self.step is not None, "the runtime sets the step method before running stages"
+        assert self._step is not None, "the runtime sets the step method (`use_step`) before running stages"
         value = rebuild(self.input_specs[stage], iter(received)) if stage > 0 else None
         run = _Run(
             stage=stage,
@@ -174,7 +184,7 @@ class PipelinedModel:
         with self._only_units_of(stage):
             self._run = run
             try:
-                output = self.step(batch, *step_args)
+                output = self._step(batch, *step_args)
             except StageStop as stop:
                 if stage not in self.output_specs:
                     self.output_specs[stage] = describe(stop.output, f"Pipeline unit {run.stop_unit!r}")

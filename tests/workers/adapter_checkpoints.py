@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
-from lightning_dpar.checkpoint.safe_io import CheckpointLoadError
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from tests.workers.cases import Case, one_case
 from tests.workers.common import full_params, trainer_for, world_size
 
@@ -129,7 +129,7 @@ def resume_case(layout: str, checkpoint_format: str, async_save: bool) -> dict |
 
 def stored_keys(ckpt: str) -> set[str]:
     """The model keys a checkpoint of either format holds."""
-    from lightning_dpar.checkpoint.layout import inspect_checkpoint
+    from lightning_dpar.checkpoint.contents import inspect_checkpoint
     from lightning_dpar.checkpoint.storage import Location
 
     location = Location.parse(ckpt)

@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_dpar import FullyShardStrategy
 from lightning_dpar.checkpoint import writer as checkpoint_writer
-from lightning_dpar.checkpoint.layout import inspect_checkpoint, is_complete_checkpoint
+from lightning_dpar.checkpoint.contents import inspect_checkpoint, is_complete_checkpoint
 from lightning_dpar.checkpoint.resume import capture_rng_state
 from lightning_dpar.checkpoint.storage import Location
 from tests.workers.cases import Case, one_case

@@ -3,9 +3,9 @@
 A sharded checkpoint (the default format) is a directory:
 
 - DCP data files (`__<rank>_<i>.distcp`) and DCP's index `.metadata`, holding the model under `state_dict` and each
-  optimizer under `optimizer_<i>`, every rank writing only its shards (the layout of Lightning's
-  `ModelParallelStrategy`, so checkpoints move both ways; `FSDPStrategy(state_dict_type="sharded")` differs only in
-  naming the model `model`);
+  optimizer under `optimizer_<i>`, every rank writing only its shards (the files and keys Lightning's
+  `ModelParallelStrategy` writes, so checkpoints move both ways; `FSDPStrategy(state_dict_type="sharded")` differs
+  only in naming the model `model`);
 - `meta.pt`: Lightning's non-tensor state (loops, callbacks, schedulers, hyperparameters, precision) plus our own
   record under `dpar` (format version, layout, per-rank RNG streams, data position, file checksums), written last.
 
@@ -25,13 +25,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from lightning_dpar.checkpoint.safe_io import (
-    CheckpointLoadError,
-    CorruptCheckpointError,
-    load_bytes_item,
-    read_dcp_index,
-    safe_torch_load,
-)
+from lightning_dpar.checkpoint.errors import CheckpointLoadError, CorruptCheckpointError
+from lightning_dpar.checkpoint.safe_io import load_bytes_item, read_dcp_index, safe_torch_load
 from lightning_dpar.checkpoint.storage import Location
 
 __all__ = [
@@ -42,6 +37,7 @@ __all__ = [
     "PARTIAL_PREFIX",
     "REPLACED_PREFIX",
     "CheckpointInfo",
+    "DirectoryScan",
     "LoadReport",
     "check_data_files",
     "check_format_version",
@@ -113,10 +109,6 @@ def written_at(checkpoint: Location) -> float:
         return 0.0
 
 
-def _is_complete_sharded(location: Location) -> bool:
-    return location.is_dir() and checkpoint_problem(location) is None
-
-
 def checkpoint_problem(location: Location) -> str | None:
     """Why `location` is not a complete, readable checkpoint, or None: a sharded directory needs its index and
     `meta.pt` (written last), both readable, and every data file the index names, each at least as long as the index
@@ -163,24 +155,49 @@ def is_complete_checkpoint(location: Location) -> bool:
     return checkpoint_problem(location) is None
 
 
+@dataclass
+class DirectoryScan:
+    """The checkpoints of one directory: complete ones with when they were written (`written_at`), and the others
+    with why (`checkpoint_problem`); interrupted saves (hidden `.dpar-partial-`/`.dpar-replaced-` names) are
+    incomplete."""
+
+    complete: dict[Location, float] = field(default_factory=dict)
+    incomplete: dict[Location, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, directory: Location, accept: Callable[[Location], bool]) -> DirectoryScan:
+        """Scan the entries of `directory` that `accept` takes for checkpoints."""
+        scan = cls()
+        for name in directory.list_names():
+            entry = directory.child(name)
+            if name.startswith((PARTIAL_PREFIX, REPLACED_PREFIX)):
+                scan.incomplete[entry] = "a save into it was interrupted"
+            elif accept(entry):
+                problem = checkpoint_problem(entry)
+                if problem is None:
+                    scan.complete[entry] = written_at(entry)
+                else:
+                    scan.incomplete[entry] = problem
+        return scan
+
+
 def newest_other_checkpoint(location: Location) -> Location | None:
     """The most recently written other complete checkpoint beside `location` (same format), or None.
 
-    Sharded: a directory with its index, `meta.pt` and the data files the index names; full: a file with the same
-    suffix. Hidden names (temporary and replaced checkpoints) and links to `location`
+    Sharded: a directory with its index, `meta.pt` and the data files the index names; full: a readable file with
+    the same suffix. Hidden names (temporary and replaced checkpoints) and links to `location`
     (`save_last="link"`) are skipped.
     """
     sharded = location.is_dir()
     suffix = posixpath.splitext(location.name)[1]
-    candidates = []
-    for name in location.parent.list_names():
-        other = location.sibling(name)
-        if name == location.name or name.startswith(".") or _same_file(other, location):
-            continue
-        if other.is_dir() == sharded and (sharded or name.endswith(suffix)):
-            candidates.append(other)
-    candidates.sort(key=written_at, reverse=True)
-    return next((c for c in candidates if not sharded or _is_complete_sharded(c)), None)
+
+    def same_format(other: Location) -> bool:
+        if other.name == location.name or other.name.startswith(".") or _same_file(other, location):
+            return False
+        return other.is_dir() == sharded and (sharded or other.name.endswith(suffix))
+
+    complete = DirectoryScan.of(location.parent, accept=same_format).complete
+    return max(complete, key=complete.__getitem__, default=None)
 
 
 def _same_file(a: Location, b: Location) -> bool:

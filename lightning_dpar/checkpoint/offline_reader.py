@@ -16,8 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from lightning_dpar.checkpoint.full import names_to_positions
-from lightning_dpar.checkpoint.layout import (
+from lightning_dpar.checkpoint.contents import (
     DCP_INDEX_FILENAME,
     DPAR_KEY,
     METADATA_FILENAME,
@@ -26,8 +25,9 @@ from lightning_dpar.checkpoint.layout import (
     inspect_checkpoint,
     optimizer_key,
 )
+from lightning_dpar.checkpoint.errors import CheckpointLoadError
+from lightning_dpar.checkpoint.full import names_to_positions
 from lightning_dpar.checkpoint.safe_io import (
-    CheckpointLoadError,
     SafeLoadPlanner,
     safe_storage_reader,
     translate_dcp_errors,

@@ -1,0 +1,294 @@
+"""The dry run's engine: `plan(strategy, module, world_size)` runs the training code path on a meta-device model
+inside a fake process group of `world_size` ranks, and fills in a `PlanReport` (`lightning_dpar.dry_run.report`).
+
+The strategy's `resolve_dims`, `build_device_mesh`, the strategy's `module_plan` and `data_parallel_wrapper`, and
+`parallelize.apply_plan` (tensor parallel, activation checkpointing, compile, FSDP or replicate) run as in training,
+without materialisation; the strategy object is only read, never changed. With pipeline parallelism each pipeline
+rank is planned the same way on its own meta copy of the model (`_pipeline_report`).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.optim import Optimizer
+
+from lightning_dpar import memory, parallelize
+from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
+from lightning_dpar.dry_run.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow
+from lightning_dpar.mesh import TENSOR_PARALLEL, MeshLayout, ParallelDims, build_device_mesh, init_fake_process_group
+from lightning_dpar.optimizers import ParameterLayout, exactness_summary
+from lightning_dpar.pipeline.split import PipelineSplit
+from lightning_dpar.plan import ModulePlan
+from lightning_dpar.strategies.base import DparStrategy
+from lightning_dpar.ties import describe_layout
+
+__all__ = ["describe_style", "plan"]
+
+
+def _placement(param: torch.Tensor) -> str:
+    if not isinstance(param, DTensor):
+        return "whole on every rank"
+    names = param.device_mesh.mesh_dim_names or tuple(str(i) for i in range(param.device_mesh.ndim))
+    return ", ".join(f"{name}:{p}" for name, p in zip(names, param.placements))
+
+
+def describe_style(style: ParallelStyle) -> str:
+    """`ColwiseParallel(output=Replicate)`: the style and the layouts where they differ from its defaults."""
+    defaults = type(style)()
+    changed = [
+        f"{label}={_layouts(getattr(style, attribute))}"
+        for attribute, label in (("input_layouts", "input"), ("output_layouts", "output"), ("sequence_sharding", "seq"))
+        if getattr(style, attribute, None) != getattr(defaults, attribute, None)
+    ]
+    return f"{type(style).__name__}({', '.join(changed)})" if changed else type(style).__name__
+
+
+def _layouts(value: Any) -> str:
+    values = value if isinstance(value, tuple) else (value,)
+    return ",".join(repr(v) for v in values)
+
+
+def _describe_modules(module: nn.Module, plan: ModulePlan, compiling: bool) -> dict[str, list[str]]:
+    described: dict[str, list[str]] = {}
+    for fqn, style in plan.tensor_parallel.items():
+        described.setdefault(fqn, []).append(f"TP {describe_style(style)}")
+    for fqn in plan.activation_checkpointing:
+        described.setdefault(fqn, []).append("activation checkpointing")
+    for fqn in plan.compile_units if compiling else []:
+        described.setdefault(fqn, []).append("compile")
+    for fqn, sub in module.named_modules():
+        if not fqn:
+            if isinstance(sub, FSDPModule):  # parameters registered on the LightningModule itself
+                described[ROOT] = ["FSDP unit (its own parameters; step methods gather them)"]
+            continue
+        if isinstance(sub, FSDPModule):
+            described.setdefault(fqn, []).append("FSDP unit")
+        if is_composable_replicated(sub):
+            described.setdefault(fqn, []).append("replicate (DDP)")
+    order = {fqn or ROOT: i for i, (fqn, _) in enumerate(module.named_modules())}
+    return dict(sorted(described.items(), key=lambda item: order[item[0]]))
+
+
+def _optimizers(configured: Any) -> list[Optimizer]:
+    """Optimizers from any of the return shapes `configure_optimizers` may use."""
+    if isinstance(configured, Optimizer):
+        return [configured]
+    if isinstance(configured, dict):
+        return _optimizers(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)):
+        if len(configured) == 2 and all(isinstance(x, (list, tuple)) for x in configured):
+            return _optimizers(configured[0])
+        return [opt for item in configured for opt in _optimizers(item)]
+    return []
+
+
+def plan(
+    strategy: DparStrategy,
+    module: L.LightningModule,
+    world_size: int,
+    num_nodes: int = 1,
+    rank: int = 0,
+) -> PlanReport:
+    """Apply `strategy` to `module` (built on the meta device) as rank `rank` of `world_size` would, and report.
+
+    Raises the same errors as training for sizes that do not tile the world or plans that do not fit the model.
+    """
+    if not isinstance(strategy, DparStrategy):
+        raise TypeError(f"`plan` needs a lightning_dpar strategy, got {type(strategy).__name__}.")
+    if world_size % num_nodes:
+        raise ValueError(f"`world_size={world_size}` is not a multiple of `num_nodes={num_nodes}`.")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"`rank={rank}` must be in [0, {world_size}).")
+    if any(not t.is_meta for t in module.parameters()):
+        raise ValueError("`plan` expects a model built on the meta device (`with torch.device('meta'): ...`).")
+    if dist.is_initialized():
+        raise RuntimeError("`plan` needs a process without a process group (it creates a fake one of N ranks).")
+    devices_per_node = world_size // num_nodes
+    dims = strategy.resolve_dims(world_size, devices_per_node, num_nodes)  # same validation as training
+    init_fake_process_group(rank, world_size)
+    try:
+        with warnings.catch_warnings():
+            # DTensor notes that CPU meshes lack its RNG; a dry run draws no random numbers.
+            warnings.filterwarnings("ignore", message=".*DTensor random operators.*")
+            return _plan_on_fake_world(strategy, module, dims, num_nodes, rank, devices_per_node)
+    finally:
+        dist.destroy_process_group()
+
+
+def _plan_on_fake_world(
+    strategy: DparStrategy,
+    module: L.LightningModule,
+    dims: ParallelDims,
+    num_nodes: int,
+    rank: int,
+    devices_per_node: int,
+) -> PlanReport:
+    mesh, data_parallel_mesh = build_device_mesh(dims, "cpu")
+    attach_device_mesh(module, mesh)  # what `LightningModule.device_mesh` returns inside `configure_model`
+    with torch.device("meta"):
+        module.configure_model()
+    module = strategy.precision_plugin.convert_module(module)
+    # Each pipeline rank drops the other stages' units, so the other stages are planned on copies of the whole model.
+    unsplit = _meta_copy(module) if dims.pipeline > 1 else None
+    model_params = sum(p.numel() for p in module.parameters())
+    meshes = MeshLayout(dims, mesh, data_parallel_mesh, torch.device("meta"))
+    applied, module_plan, optimizers, optimizer_error = _apply(strategy, module, dims, rank, meshes)
+    notes = []
+    if module_plan.adopted:
+        notes.append("the model's configure_model applied its own parallelism; it is shown as applied")
+    if optimizer_error is not None:  # e.g. configure_optimizers reads self.trainer, which a dry run does not have
+        notes.append(f"configure_optimizers could not run without a Trainer ({optimizer_error})")
+    pipeline = None
+    if applied.pipeline is not None:
+        assert unsplit is not None and module_plan.pipeline is not None
+        pipeline = _pipeline_report(strategy, unsplit, dims, rank, meshes, (applied, optimizers))
+    if getattr(strategy, "cpu_offload", False):
+        notes.append(
+            "cpu_offload: parameters, gradients and optimizer state below live in CPU memory; the accelerator holds"
+            " only the unit being computed (its all-gather)"
+        )
+    precision = strategy.precision_plugin.precision
+    compute_dtype = torch.bfloat16 if precision in ("bf16-mixed", "bf16-true") else None
+    if pipeline is not None and strategy.pipeline_config.schedule.defers_weight_gradients:
+        gathered = sum(size for _, size in memory.gathered_fsdp_units(module, compute_dtype))
+        notes.append(
+            f"{strategy.pipeline_config.schedule.name} keeps every FSDP unit of a stage unsharded from forward to"
+            f" backward: rank {rank}'s stages all-gathered, {memory.format_bytes(gathered)}, stay in memory during"
+            " a step, in place of the one unit above"
+        )
+    return PlanReport(
+        strategy=type(strategy).__name__,
+        dims=dims,
+        num_nodes=num_nodes,
+        rank=rank,
+        coordinate=dict(zip(mesh.mesh_dim_names or (), mesh.get_coordinate() or ())),
+        precision=precision,
+        modules=_describe_modules(module, module_plan, strategy.compile_options is not None),
+        params=[
+            ParamRow(
+                name,
+                tuple(p.shape),
+                _placement(p),
+                tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape),
+                str(p.dtype).replace("torch.", ""),
+            )
+            for name, p in module.named_parameters()
+        ],
+        total_params=sum(p.numel() for p in module.parameters()),
+        memory=memory.estimate_memory(module, optimizers),
+        optimizers=sorted(
+            {
+                f"{e.optimizer}: {e.states} states/param" if e.states is not None else e.optimizer
+                for e in memory.optimizer_states(optimizers)
+            }
+        ),
+        largest_unit=memory.largest_fsdp_unit(module, compute_dtype),
+        notes=notes,
+        pipeline=pipeline,
+        model_params=model_params if pipeline is not None else None,
+        tied=[_describe_tie(module, group, module_plan) for group in module_plan.tied],
+        optimizer_exactness=exactness_summary(
+            optimizers, ParameterLayout.of(dims), type(strategy).__name__, strategy._computes_whole_updates
+        ),
+    )
+
+
+def _describe_tie(module: nn.Module, group: Sequence[str], module_plan: ModulePlan) -> str:
+    """`a.weight = b.weight: tensor parallel Shard(0), FSDP unit net`: what the parallelised model makes of one tied
+    parameter (the innermost FSDP unit enclosing all its names holds it)."""
+    parts = []
+    if module_plan.tensor_parallel:
+        parts.append(f"tensor parallel {describe_layout(module, group[0], module_plan.tensor_parallel)}")
+    units = [
+        fqn or ROOT
+        for fqn, sub in module.named_modules()
+        if isinstance(sub, FSDPModule) and all(not fqn or name.startswith(f"{fqn}.") for name in group)
+    ]
+    if units:
+        parts.append(f"FSDP unit {units[-1]}")
+    return f"  {' = '.join(group)}" + (f": {', '.join(parts)}" if parts else "")
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of a meta-device model sharing its device mesh (a mesh holds process groups, which are not copied)."""
+    mesh = getattr(module, "device_mesh", None)  # the LightningModule's (attached for `configure_model`)
+    return copy.deepcopy(module, memo={id(mesh): mesh} if mesh is not None else None)
+
+
+def _apply(
+    strategy: DparStrategy, module: nn.Module, dims: ParallelDims, rank: int, meshes: MeshLayout
+) -> tuple[parallelize.AppliedPlan, ModulePlan, list[Optimizer], str | None]:
+    """The training code path on `module` as global rank `rank`, minus materialisation; then its optimizers (and
+    why they could not be built, if so)."""
+    module_plan = strategy.module_plan(module, dims, rank)
+    applied = parallelize.apply_plan(
+        module,
+        module_plan,
+        tensor_parallel_mesh=meshes.mesh[TENSOR_PARALLEL],
+        wrap_data_parallel=strategy.data_parallel_wrapper(meshes),
+        compile_options=None,  # compile units are reported; compiling is lazy and would do nothing here
+    )
+    try:
+        return applied, module_plan, _optimizers(module.configure_optimizers()), None  # type: ignore[operator]
+    except Exception as err:
+        return applied, module_plan, [], f"{type(err).__name__}: {err}"
+
+
+def _pipeline_report(
+    strategy: DparStrategy,
+    unsplit: nn.Module,
+    dims: ParallelDims,
+    rank: int,
+    meshes: MeshLayout,
+    shown: tuple[parallelize.AppliedPlan, list[Optimizer]],
+) -> PipelineReport:
+    """Every stage's units, ranks and per-rank memory. Each pipeline rank is planned, as training would plan it, on a
+    fresh copy of the whole model, at the shown rank's coordinate in the other mesh dims: the same local shapes as
+    that rank's pipeline peers hold (meshes are row-major with the pipeline dim outermost)."""
+    ranks_per_stage = dims.world_size // dims.pipeline
+    shown_pipeline_rank, offset = divmod(rank, ranks_per_stage)
+    config = strategy.pipeline_config
+    rows: list[StageRow] = []
+    split: PipelineSplit | None = None
+    for pipeline_rank in range(dims.pipeline):
+        if pipeline_rank == shown_pipeline_rank:  # planned already: the report's main sections show it
+            applied, optimizers = shown
+        else:
+            copy_rank = pipeline_rank * ranks_per_stage + offset
+            applied, _, optimizers, _ = _apply(strategy, _meta_copy(unsplit), dims, copy_rank, meshes)
+        assert applied.pipeline is not None
+        split = applied.pipeline.split
+        ranks = range(pipeline_rank * ranks_per_stage, (pipeline_rank + 1) * ranks_per_stage)
+        for stage, stage_module in applied.pipeline.stages.items():
+            units = split.stages[stage]
+            rows.append(
+                StageRow(
+                    stage=stage,
+                    pipeline_rank=pipeline_rank,
+                    ranks=ranks,
+                    units=units,
+                    num_params=sum(p.numel() for unit in units for p in unsplit.get_submodule(unit).parameters()),
+                    memory=memory.estimate_memory(stage_module, optimizers),
+                )
+            )
+    assert split is not None
+    return PipelineReport(
+        schedule=config.schedule.name,
+        microbatches=config.num_microbatches(dims.pipeline),
+        microbatches_by_default=config.microbatches is None,
+        stages_per_rank=config.stages_per_rank,
+        split="'auto'" if config.split == "auto" else f"at {list(config.split)}",
+        stages=sorted(rows, key=lambda row: row.stage),
+        num_ranks=dims.pipeline,
+    )
