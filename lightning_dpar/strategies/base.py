@@ -60,6 +60,7 @@ from lightning_dpar.compilation import (
     compile_options,
     compile_units,
 )
+from lightning_dpar.devices import check_devices_match_ranks
 from lightning_dpar.hf_plan import transformers_tp_plan
 from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
 from lightning_dpar.materialize import check_initialisable
@@ -280,8 +281,11 @@ class DparStrategy(ParallelStrategy):
             self._launcher = InteractiveLauncher(self, start_method=start_method)
 
     def setup_environment(self) -> None:
-        super().setup_environment()
         self.set_world_ranks()
+        check_devices_match_ranks(  # before `root_device` indexes the devices with the local rank
+            self.num_processes, self.num_nodes, self.local_rank, self.world_size, self.cluster_environment
+        )
+        super().setup_environment()
         # Validate the layout before any collective: a bad size fails identically on every rank, never hangs.
         self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
         if self.dims.pipeline > 1:
