@@ -25,7 +25,7 @@ def devices_ranks_problem(
     expected = devices * num_nodes
     found = (
         f"{environment} runs {world_size} rank(s) and this process is local rank {local_rank}, but each process sees"
-        f" {devices} device(s) per node (`Trainer(devices={devices}, num_nodes={num_nodes})`, laid out as"
+        f" {devices} device(s) (`Trainer(devices={devices}, num_nodes={num_nodes})`: laid out as"
         f" {num_nodes} node(s) x {devices} = {expected} rank(s), local ranks 0 to {devices - 1})."
     )
     if environment in RAY_ENVIRONMENTS:

@@ -48,6 +48,7 @@ MODULES = [
         "conformance",
         "conformance_callbacks",
         "model_zoo",
+        "ray_train",
     )
 ]
 
