@@ -58,6 +58,21 @@ def test_local_rank_past_the_devices_fails_before_the_process_group(monkeypatch)
     assert not dist.is_initialized()
 
 
+def test_prepare_trainer_refuses_what_cannot_run_under_ray():
+    """Checked before anything asks Ray for the worker group (a Trainer with Ray's environment exists only in one)."""
+    pytest.importorskip("ray")
+    from lightning_dpar.ray import prepare_trainer
+
+    ddp = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False)
+    with pytest.raises(TypeError, match=r"prepares the lightning_dpar strategies, not DDPStrategy"):
+        prepare_trainer(ddp)
+    outside = L.Trainer(accelerator="cpu", devices=1, strategy="dpar_fsdp", logger=False)
+    with pytest.raises(
+        TypeError, match=r"environment is LightningEnvironment; under Ray Train it must be .*RayLightningEnvironment"
+    ):
+        prepare_trainer(outside)
+
+
 # ---------------------------------------------------------------------- Ray runs
 @pytest.fixture(scope="module")
 def ray_cluster():
@@ -126,6 +141,7 @@ def test_rays_recipe_refuses_or_breaks_without_the_change(world2):
     )
     assert errors["no_prepare_trainer"].startswith("ValueError: RayLightningEnvironment runs 2 rank(s)")
     assert "lightning_dpar.ray.prepare_trainer(trainer)" in errors["no_prepare_trainer"]
+    assert errors["rays_callback"].startswith("TypeError: Ray's `RayTrainReportCallback` has each worker save")
 
 
 @pytest.mark.slow
@@ -170,6 +186,19 @@ def test_resume_from_rays_checkpoint_under_torchrun(resumed_outside):
     seen = resumed_outside["ray_resume_outside"]
     assert seen["first"] == {"global_step": REPORT_EVERY, "batch_idx": REPORT_EVERY}  # the exact next batch
     assert _max_diff(seen["params"], _reference(2, STEPS)) < ATOL
+
+
+@pytest.mark.slow
+def test_ray_keeps_what_torchrun_saves(world2, resumed_outside):
+    """Ray's step-4 checkpoint of `dpar_fsdp` is the sharded checkpoint torchrun saves at step 4: the same files,
+    shards of the same sizes; only `meta.pt` (Lightning's pickled loop and callback state) may differ."""
+    out, _ = world2
+    kept = out / "storage" / "world2" / f"dpar_fsdp-epoch=0-step={STEPS}"
+    saved = Path(resumed_outside["ray_resume_outside"]["saved"])
+    assert sorted(p.name for p in kept.iterdir()) == sorted(p.name for p in saved.iterdir())
+    for shard in ("__0_0.distcp", "__1_0.distcp"):
+        assert (kept / shard).stat().st_size == (saved / shard).stat().st_size
+    print(f"Ray keeps {_dir_bytes(kept)} bytes; torchrun's sharded checkpoint has {_dir_bytes(saved)} bytes")
 
 
 @pytest.mark.slow

@@ -21,13 +21,13 @@ import torch.distributed as dist
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
 from tests.models import TP_PLAN, ParityModule, RegressionData, loader
 from tests.workers.cases import one_case
-from tests.workers.checkpoint_common import saved_by
+from tests.workers.checkpoint_common import case_dir, saved_by
 from tests.workers.common import BATCH, full_params, trainer_for
 
 #: The layouts every strategy runs in under Ray: (Trainer strategy, data-parallel size) by name and world size.
 STRATEGIES: dict[str, Any] = {
     "dpar_replicate": lambda: "dpar_replicate",
-    "dpar_fsdp": lambda: "dpar_fsdp",
+    "dpar_fsdp": lambda: FullyShardStrategy(async_save=True),  # reported only once written in the background
     "dpar_hsdp": lambda: FullyShardStrategy(replicate_size=2),
     "dpar_2d": lambda: FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN),
     "dpar_3d": lambda: FSDPTensorParallelStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, tp_plan=TP_PLAN),
@@ -78,14 +78,18 @@ def strategies_job(config: dict[str, Any]) -> None:
     `recipe_errors`, first what Ray's recipe without the change gives: Ray's `prepare_trainer`, and none at all."""
     import ray.train.lightning
 
-    from lightning_dpar.ray import RayTrainReportCallback
+    from lightning_dpar.ray import RayTrainReportCallback, prepare_trainer
 
     out, steps, accelerator = config["out"], config["steps"], config.get("accelerator", "cpu")
     if config.get("recipe_errors"):
         unprepared = ray_trainer(FullyShardStrategy(), steps, [], prepare=False)
+        with_rays_callback = ray_trainer(
+            FullyShardStrategy(), steps, [ray.train.lightning.RayTrainReportCallback()], False
+        )
         errors = {
             "ray_prepare_trainer": _error_of(lambda: ray.train.lightning.prepare_trainer(unprepared)),
             "no_prepare_trainer": _error_of(lambda: unprepared.fit(ParityModule(), loader(RegressionData(), BATCH))),
+            "rays_callback": _error_of(lambda: prepare_trainer(with_rays_callback)),
         }
         if ray.train.get_context().get_world_rank() == 0:  # both failed on every worker before any collective
             (Path(out) / "recipe_errors.json").write_text(json.dumps(errors))
@@ -153,16 +157,19 @@ def kill_job(config: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------- torchrun: resume from Ray's checkpoint
 def resume_outside_ray_case() -> dict[str, Any] | None:
-    """`fit(ckpt_path=<the checkpoint Ray kept at step 2>)` under torchrun, same layout, to step 4."""
+    """`fit(ckpt_path=<the checkpoint Ray kept at step 2>)` under torchrun, same layout, to step 4, then a save of
+    its own there: the sharded checkpoint that Ray's step-4 one is compared with."""
     checkpoint = saved_by("ray_fsdp_step2")
     trainer = trainer_for("dpar_fsdp", max_steps=4)
     probe = _FirstBatch()
     trainer.callbacks.append(probe)
     trainer.fit(ParityModule(), loader(RegressionData(), BATCH), ckpt_path=str(checkpoint))
     params = full_params(trainer)
+    saved = case_dir("ray_resume_outside") / "step4"
+    trainer.save_checkpoint(saved)
     if trainer.global_rank != 0:
         return None
-    return {"first": probe.first, "params": {k: v.tolist() for k, v in params.items()}}
+    return {"first": probe.first, "params": {k: v.tolist() for k, v in params.items()}, "saved": str(saved)}
 
 
 class _FirstBatch(L.Callback):
