@@ -117,7 +117,9 @@ class RayTrainReportCallback(Callback):
             raise ValueError(f"`every_n_train_steps={every_n_train_steps}` must be a positive integer or None.")
         self.every_n_train_steps = every_n_train_steps
         self.dirname = dirname
-        self._last_reported_step: int | None = None
+        #: As `ModelCheckpoint`'s: nothing is reported before the first optimizer step, nor twice for one step (with
+        #: gradient accumulation several batches end on one step; the first of them is the one after the step).
+        self._last_reported_step = 0
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -133,7 +135,7 @@ class RayTrainReportCallback(Callback):
         from ray.train import Checkpoint, CheckpointUploadMode
 
         step = trainer.global_step
-        if step == self._last_reported_step:  # gradient accumulation: several batches end on one step
+        if step == self._last_reported_step:
             return
         self._last_reported_step = step
         storage = ray.train.get_context().get_storage()  # Ray's DeveloperAPI for the run's storage

@@ -119,15 +119,17 @@ class _KillPoint(L.Callback):
 
 
 class _ResumeProbe(L.Callback):
-    """Rank 0 records where this attempt's training starts and when its first step ends (epoch time)."""
+    """Rank 0 records where this attempt's training starts, and when the training function started and its first
+    step ended (epoch time)."""
 
-    def __init__(self, out: str, resumed_from: str | None) -> None:
-        self.out, self.resumed_from = Path(out), resumed_from
+    def __init__(self, out: str, resumed_from: str | None, started: float) -> None:
+        self.out, self.resumed_from, self.started = Path(out), resumed_from, started
         self.first: dict[str, Any] | None = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.first is None:
             self.first = {"resumed_from": self.resumed_from, "global_step": trainer.global_step, "batch_idx": batch_idx}
+            self.first["function_start"] = self.started
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self.first is not None and "first_step_end" not in self.first and trainer.global_rank == 0:
@@ -141,12 +143,13 @@ def kill_job(config: dict[str, Any]) -> None:
     first attempt; each attempt resumes from the latest checkpoint Ray kept."""
     from lightning_dpar.ray import RayTrainReportCallback, latest_checkpoint
 
+    started = time.time()  # this worker process is up, torch and Lightning imported, Ray's process group made
     out = config["out"]
     resume = latest_checkpoint()
     callbacks = [
         RayTrainReportCallback(every_n_train_steps=REPORT_EVERY),
         _KillPoint(out, config["kill_at"]),
-        _ResumeProbe(out, resume),
+        _ResumeProbe(out, resume, started),
     ]
     trainer = ray_trainer("dpar_fsdp", config["steps"], callbacks)
     trainer.fit(ParityModule(), loader(RegressionData(), BATCH), ckpt_path=resume)
