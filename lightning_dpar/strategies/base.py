@@ -59,6 +59,7 @@ from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.checkpoint.peft_export import peft_model_record
 from lightning_dpar.compilation import CompileSpec, compile_options
+from lightning_dpar.devices import check_devices_match_ranks
 from lightning_dpar.helpers import has_parameters
 from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
 from lightning_dpar.mesh import PIPELINE, TENSOR_PARALLEL, MeshLayout, ParallelDims, SizeArg, build_device_mesh
@@ -277,8 +278,11 @@ class DparStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()
         self.set_world_ranks()
+        check_devices_match_ranks(  # before `root_device` indexes the devices with the local rank
+            self.num_processes, self.num_nodes, self.local_rank, self.world_size, self.cluster_environment
+        )
+        super().setup_environment()
         # Validate the layout before any collective: a bad size fails identically on every rank, never hangs.
         self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
         if self.dims.pipeline > 1:

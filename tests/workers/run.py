@@ -50,6 +50,7 @@ MODULES = [
         "model_zoo",
         "peft",
         "adapter_checkpoints",
+        "ray_train",
     )
 ]
 
