@@ -85,6 +85,19 @@ def fake_world():
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def gloo_world():
+    """This process becomes the only rank of a real gloo process group (world size 1; real collectives), so a
+    `Trainer(devices=1)` with a package strategy runs its setup, steps, checkpoints and resume in-process: the
+    strategy adopts the existing group instead of starting one. Torn down after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
