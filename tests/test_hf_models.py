@@ -17,7 +17,7 @@ from lightning_dpar.materialize import materialize_meta_tensors
 from lightning_dpar.plan import STYLE_NAMES, parse_tp_plan, resolve_tp_plan
 from lightning_dpar.plan_report import plan
 from tests.conftest import run_workers
-from tests.workers.hf import LlamaModule, TiedLlamaModule, initialised_like_materialisation
+from tests.workers.hf_models import LlamaModule, TiedLlamaModule, initialised_like_materialisation
 
 ATOL = 1e-5
 CASES = [
