@@ -165,6 +165,29 @@ def test_a_stage_error_in_evaluation_is_raised_with_its_own_traceback(gloo_world
         runtime.eval_step("validation_step", (data.x, data.y), (0,))
 
 
+class _Counting(_Quiet):
+    """Updates a metric once per microbatch it trains on (its update count says how many steps reached it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.seen.update(loss.detach())
+        return loss
+
+
+def test_the_shape_probe_leaves_metrics_as_they_were(gloo_world):
+    module = _Counting()
+    runtime = _runtime(module, microbatches=2)
+    data = RegressionData(n=8)
+    runtime.train_step((data.x, data.y), (0,), 1)  # probe (one microbatch, undone), then the schedule's two
+    assert module.seen.update_count == 2
+    runtime.train_step((data.x[:4], data.y[:4]), (1,), 1)  # a new shape: probed again, again undone
+    assert module.seen.update_count == 4
+
+
 # ---------------------------------------------------------------------- LogRecorder: what a step's logs become
 def test_logged_values_are_combined_over_microbatches_by_their_reduce_fx():
     recorder = LogRecorder()
