@@ -32,17 +32,17 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
+def llama2(tmp_path_factory):
     return run_workers(2, "hf_llama", tmp_path_factory.mktemp("hf2"))
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory):
+def llama4(tmp_path_factory):
     return run_workers(4, "hf_llama", tmp_path_factory.mktemp("hf4"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", ["world2", "world4"])
+@pytest.mark.parametrize("world", ["llama2", "llama4"])
 @pytest.mark.parametrize("case", CASES)
 def test_llama_with_gqa_matches_single_process_training(world, case, request):
     result = request.getfixturevalue(world)[case]
@@ -51,7 +51,7 @@ def test_llama_with_gqa_matches_single_process_training(world, case, request):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", ["world2", "world4"])
+@pytest.mark.parametrize("world", ["llama2", "llama4"])
 @pytest.mark.parametrize("case", ["tied_llama_2d_auto_plan", "tied_llama_meta_init_2d"])
 def test_tied_embeddings_stay_one_parameter_under_transformers_plan(world, case, request):
     """tie_word_embeddings under TP 2 x FSDP with tp_plan="auto" (trained, and built on the meta device): one DTensor
@@ -63,7 +63,7 @@ def test_tied_embeddings_stay_one_parameter_under_transformers_plan(world, case,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "case"), [("world2", "llama_pp_zero_bubble"), ("world4", "llama_3d")])
+@pytest.mark.parametrize(("world", "case"), [("llama2", "llama_pp_zero_bubble"), ("llama4", "llama_3d")])
 def test_llama_pipelined_matches_single_process_training(world, case, request):
     """PP 2 (zero bubble, 2 stages per rank: one decoder layer per stage; with TP 2 on 4 ranks) and PP 2 x FSDP."""
     results = request.getfixturevalue(world)
@@ -73,8 +73,8 @@ def test_llama_pipelined_matches_single_process_training(world, case, request):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["llama_meta_init_fsdp", "llama_meta_init_2d"])
-def test_meta_init_never_holds_a_whole_parameter(world4, case):
-    result = world4[case]
+def test_meta_init_never_holds_a_whole_parameter(llama4, case):
+    result = llama4[case]
     assert result["largest_local_numel"] * 4 <= result["largest_numel"] * 2  # at most half of the largest tensor
 
 
