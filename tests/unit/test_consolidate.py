@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -16,6 +19,9 @@ from torch.utils.data import DataLoader
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
 from lightning_dpar.consolidate import main as consolidate
 from lightning_dpar.consolidate import parse_size
+from tests import malicious
+from tests.checkpoint_files import copy_of, write_full, write_sharded
+from tests.conftest import ROOT, subprocess_env
 from tests.models import TP_PLAN, ParityModule, RegressionData, loader
 from tests.workers.common import BATCH, full_params, trainer_for
 
@@ -138,3 +144,76 @@ def test_sizes_in_decimal_and_binary_units(text, size):
 def test_an_unknown_size_unit_says_what_is_valid():
     with pytest.raises(argparse.ArgumentTypeError, match=r"invalid size '5XB'.*5GB, 500MB, 2GiB"):
         parse_size("5XB")
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    return write_sharded(tmp_path_factory.mktemp("pristine") / "good.ckpt")
+
+
+# ---------------------------------------------------------------------- consolidate on bad input
+def bad_inputs(pristine: Path, tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    partial = copy_of(pristine, tmp_path, "partial.ckpt")
+    (partial / "meta.pt").unlink()
+    hidden = copy_of(pristine, tmp_path, ".dpar-partial-0123456789-abcd")
+    corrupt = copy_of(pristine, tmp_path, "corrupt_index.ckpt")
+    (corrupt / ".metadata").write_bytes((corrupt / ".metadata").read_bytes()[:50])
+    hostile = copy_of(pristine, tmp_path, "hostile.ckpt")
+    (hostile / ".metadata").write_bytes(malicious.index_payloads(tmp_path / "PAYLOAD_RAN", tmp_path)["builtins_eval"])
+    return {
+        "nonexistent": (tmp_path / "nope.ckpt", "does not exist"),
+        "text_file": (text, "is a file that is not a checkpoint, expected a sharded checkpoint directory"),
+        "full_format_file": (write_full(tmp_path / "full.ckpt"), "is a single checkpoint file (the full format"),
+        "empty_dir": (empty, "is a directory but not a sharded checkpoint: it lacks '.metadata', 'meta.pt'"),
+        "partial_dir": (partial, "is a directory but not a sharded checkpoint: it lacks 'meta.pt'"),
+        "hidden_partial_dir": (hidden, "is an incomplete checkpoint"),
+        "corrupt_index": (corrupt / ".metadata", "cannot be read as a DCP index"),
+        "hostile_index": (hostile / ".metadata", "refers to builtins.eval"),
+    }
+
+
+BAD_INPUTS = ["nonexistent", "text_file", "full_format_file", "empty_dir", "partial_dir", "hidden_partial_dir"]
+BAD_INPUTS += ["corrupt_index", "hostile_index"]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_consolidate_bad_input_is_one_line_naming_it(pristine, tmp_path, capsys, case):
+    named, expected = bad_inputs(pristine, tmp_path)[case]
+    source = named.parent if named.name == ".metadata" else named
+    assert consolidate([str(source), str(tmp_path / "out.ckpt")]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("consolidate: "), err
+    assert repr(str(named)) in err and expected in err, err
+    assert not (tmp_path / "out.ckpt").exists() and not (tmp_path / "PAYLOAD_RAN").exists()
+
+
+def test_consolidate_unwritable_output_is_one_line(pristine, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert consolidate([str(pristine), str(blocker / "out.ckpt")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(blocker) in err and "Error" in err
+
+
+@pytest.mark.slow
+def test_consolidate_command_line_prints_no_traceback(pristine, tmp_path):
+    """The real command, in its own process, on a hostile index: one line, exit 1, nothing run."""
+    named, expected = bad_inputs(pristine, tmp_path)["hostile_index"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_dpar", "consolidate", str(named.parent), str(tmp_path / "out.ckpt")],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("consolidate: ") and repr(str(named)) in lines[0] and expected in lines[0]
+    assert not (tmp_path / "PAYLOAD_RAN").exists()
