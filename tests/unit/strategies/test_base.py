@@ -18,7 +18,7 @@ STRATEGIES = {
     "fsdp": lambda **kw: FullyShardStrategy(**kw),
     "2d": lambda **kw: FSDPTensorParallelStrategy(tensor_parallel_size=1, tp_plan=TP_PLAN, **kw),
     "replicate": lambda **kw: ReplicateStrategy(**kw),
-    "hsdp": lambda **kw: FullyShardStrategy(replicate_size=1, activation_checkpointing=True, **kw),
+    "fsdp_checkpointed": lambda **kw: FullyShardStrategy(activation_checkpointing=True, **kw),
 }
 
 
