@@ -85,6 +85,19 @@ def fake_world():
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def gloo_world():
+    """This process becomes the only rank of a real gloo process group (world size 1; real collectives), so a
+    `Trainer(devices=1)` with a package strategy runs its setup, steps, checkpoints and resume in-process: the
+    strategy adopts the existing group instead of starting one. Torn down after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
@@ -142,6 +155,17 @@ class LaunchResults(Mapping):
 MAX_RELAUNCHES = 4
 
 
+def torchrun_args(nproc: int, script: Path, *args: str) -> list[str]:
+    """The suite's one torchrun command line, after the Python executable: `script args` on `nproc` local ranks."""
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
+
+
+def workers_command(nproc: int, groups: str, out: Path) -> list[str]:
+    """The command of one launch of the worker `groups` on `nproc` ranks, recording under `out` (`run_workers`
+    runs it; a test that must drive the launch itself, e.g. to kill it, starts this)."""
+    return [sys.executable, *torchrun_args(nproc, WORKERS / "run.py", groups, str(out))]
+
+
 def run_workers(
     nproc: int, groups: str, tmp_path: Path, timeout: int = 420, extra_env: dict[str, str] | None = None
 ) -> LaunchResults:
@@ -154,8 +178,7 @@ def run_workers(
     for attempt in range(MAX_RELAUNCHES + 1):
         out = Path(tempfile.mkdtemp(prefix=f"launch{nproc}-", dir=tmp_path))
         env = {**subprocess_env(), **(extra_env or {}), SKIP_ENV: ",".join(results.records)}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        returncode, log = _run_killing_the_group([*cmd, str(WORKERS / "run.py"), groups, str(out)], env, timeout)
+        returncode, log = _run_killing_the_group(workers_command(nproc, groups, out), env, timeout)
         tail = "\n".join(log.splitlines()[-80:])
         results.launches.append(f"launch {attempt} of {groups!r} on {nproc} ranks (rc={returncode}), log tail:\n{tail}")
         recorded_before = len(results.records)

@@ -9,13 +9,12 @@ the after-kill cases, which load what the kill left (the `killed` fixture passes
 from __future__ import annotations
 
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, WORKERS, LaunchResults, run_workers, subprocess_env
+from tests.conftest import ROOT, LaunchResults, run_workers, subprocess_env, workers_command
 from tests.workers.checkpoint_common import inputs_env
 
 
@@ -33,8 +32,7 @@ def killed(tmp_path_factory) -> Killed:
     """A 2-rank training saving every step; rank 0 is SIGKILLed inside its third save (all shards written, no
     metadata yet). Not asserted here: the launch reading it also runs cases that do not need it."""
     shared = tmp_path_factory.mktemp("kill")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(WORKERS / "run.py"), "ckpt_kill", str(shared / "records")]
+    cmd = workers_command(2, "ckpt_kill", shared / "records")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=ROOT)
     return Killed(shared / "kill", done.returncode, done.stdout + done.stderr)
 

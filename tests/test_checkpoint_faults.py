@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_dpar.checkpoint.discovery import resolve_last
 from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.checkpoint.storage import Location
-from tests.conftest import ROOT, WORKERS, LaunchResults, run_workers, subprocess_env
+from tests.conftest import ROOT, LaunchResults, run_workers, subprocess_env, workers_command
 from tests.workers.checkpoint_common import inputs_env
 
 KILLS = [("top1_last", 11), ("top1_link", 12), ("all_link", 13), ("top2_last", 14)]
@@ -34,10 +33,8 @@ KILLS = [("top1_last", 11), ("top1_link", 12), ("all_link", 13), ("top2_last", 1
 
 def _launch(group: str, out_dir: Path, env: dict[str, str], timeout: float, name: str = "") -> subprocess.Popen:
     """Launch `group` on 2 ranks, saving under `out_dir` (records in `out_dir/<group><name>.records`)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += [str(WORKERS / "run.py"), group, str(out_dir / f"{group}{name}.records")]
     return subprocess.Popen(
-        cmd,
+        workers_command(2, group, out_dir / f"{group}{name}.records"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -4,6 +4,8 @@ In-process tests build small real checkpoints with `dcp.save` (no process group)
 (`tests/malicious.py`); each payload is first shown to run under DCP's own `pickle.load` or `torch.load(weights_only=
 False)` (it creates a marker file), then to be refused by every reader of ours without the marker appearing. The
 2-rank Trainer cases (`fit(ckpt_path=...)`, memory-mapped full-format loads) are `tests/workers/checkpoint_safety.py`.
+The checkpoints are `tests/checkpoint_files.py`'s; corrupt (not hostile) ones are
+`tests/unit/checkpoint/test_safe_io.py`, `consolidate` on bad input `tests/unit/test_consolidate.py`.
 """
 
 from __future__ import annotations
@@ -16,36 +18,21 @@ import pathlib
 import pickle
 import re
 import shutil
-import subprocess
-import sys
-import zlib
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 
 import lightning_dpar
 from lightning_dpar.checkpoint import safe_io
-from lightning_dpar.checkpoint.contents import newest_other_checkpoint
 from lightning_dpar.checkpoint.errors import CheckpointLoadError, CorruptCheckpointError, UnsafeCheckpointError
 from lightning_dpar.checkpoint.offline_reader import OfflineCheckpoint
 from lightning_dpar.checkpoint.safe_io import read_dcp_index, translate_dcp_errors
 from lightning_dpar.checkpoint.storage import Location
-from lightning_dpar.consolidate import main as consolidate
 from tests import malicious
-from tests.conftest import ROOT, run_workers, subprocess_env
-
-
-class Tiny(L.LightningModule):
-    def __init__(self, width: int = 4, config: Config | None = None) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        torch.manual_seed(0)
-        self.layer = nn.Linear(width, 3)
-        self.register_buffer("counts", torch.arange(3, dtype=torch.int64))
+from tests.checkpoint_files import Tiny, copy_of, write_sharded
+from tests.conftest import run_workers
 
 
 @dataclasses.dataclass
@@ -53,40 +40,6 @@ class Config:
     """A hyperparameter type of the user's own, which `meta.pt` holds only once allowed."""
 
     depth: int
-
-
-def write_sharded(path: Path, width: int = 4) -> Path:
-    """A sharded checkpoint as lightning_dpar writes it, in one process: model + Adam state (tensors and bytes
-    leaves) under DCP, Lightning's and our metadata (with data-file checksums) in `meta.pt`."""
-    module = Tiny(width)
-    optimizer = torch.optim.Adam(module.parameters(), lr=0.01)
-    module.layer(torch.randn(2, width)).sum().backward()
-    optimizer.step()
-    names = {id(p): n for n, p in module.named_parameters()}
-    optimizer_state = {
-        "state": {names[id(p)]: s for p, s in optimizer.state.items()},
-        "param_groups": [{**g, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups],
-    }
-    dcp.save({"state_dict": module.state_dict(), "optimizer_0": optimizer_state}, checkpoint_id=path, no_dist=True)
-    files = {}
-    for file in sorted(path.glob("*.distcp")):
-        data = file.read_bytes()
-        files[file.name] = (len(data), zlib.crc32(data))
-    meta = {
-        "epoch": 0,
-        "global_step": 1,
-        "pytorch-lightning_version": L.__version__,
-        "hyper_parameters": {"width": width},
-        "dpar": {"format_version": 1, "files": files},
-    }
-    torch.save(meta, path / "meta.pt")
-    return path
-
-
-def write_full(path: Path) -> Path:
-    module = Tiny()
-    torch.save({"state_dict": module.state_dict(), "hyper_parameters": {"width": 4}, "dpar": {}}, path)
-    return path
 
 
 @pytest.fixture
@@ -97,12 +50,6 @@ def marker(tmp_path) -> Path:
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> Path:
     return write_sharded(tmp_path_factory.mktemp("pristine") / "good.ckpt")
-
-
-def copy_of(pristine: Path, tmp_path: Path, name: str = "victim.ckpt") -> Path:
-    target = tmp_path / "run" / name
-    shutil.copytree(pristine, target)
-    return target
 
 
 def ran(marker: Path) -> bool:
@@ -331,162 +278,6 @@ def test_users_own_types_load_once_allowed(pristine, tmp_path):
         model = lightning_dpar.load_from_checkpoint(Tiny, checkpoint)
     assert model.hparams.config == Config(depth=2)
     assert torch.equal(model.layer.weight, OfflineCheckpoint(str(pristine)).read_tensor("layer.weight"))
-
-
-# ---------------------------------------------------------------------- corrupt checkpoints: the file and what to do
-@pytest.fixture
-def directory_with_history(pristine, tmp_path) -> tuple[Path, Path]:
-    """`older.ckpt` (complete), then `victim.ckpt` (the one to damage), plus a hidden partial directory."""
-    older = copy_of(pristine, tmp_path, "older.ckpt")
-    victim = copy_of(pristine, tmp_path, "victim.ckpt")
-    os.utime(older / "meta.pt", (1, 1))  # when a checkpoint was completed: its meta.pt, written last
-    (tmp_path / "run" / ".dpar-partial-abc").mkdir()
-    return older, victim
-
-
-def _load_error(checkpoint: Path) -> str:
-    with pytest.raises(CheckpointLoadError) as caught:
-        lightning_dpar.load_from_checkpoint(Tiny, checkpoint)
-    return str(caught.value)
-
-
-def test_truncated_meta_pt_names_it_and_the_previous_checkpoint(directory_with_history):
-    older, victim = directory_with_history
-    data = (victim / "meta.pt").read_bytes()
-    (victim / "meta.pt").write_bytes(data[: len(data) // 2])
-    message = _load_error(victim)
-    assert message.startswith(f"{str(victim / 'meta.pt')!r} cannot be read (")
-    assert "the file is truncated or corrupted. If it was copied here, copy it again" in message
-    assert f"resume from the previous checkpoint: {str(older)!r} is the newest other complete one" in message
-    assert "negative seek value" not in message
-
-
-@pytest.mark.parametrize("damage", ["missing", "truncated", "corrupted"])
-def test_damaged_shard_says_to_copy_it_again_or_resume_from_the_previous_one(directory_with_history, damage):
-    older, victim = directory_with_history
-    shard = victim / "__0_0.distcp"
-    if damage == "missing":
-        shard.unlink()
-    elif damage == "truncated":
-        shard.write_bytes(shard.read_bytes()[:100])
-    else:
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        shard.write_bytes(bytes(data))
-    message = _load_error(victim)
-    assert message.startswith(f"{str(shard)!r} is {damage}")
-    assert "Copy '__0_0.distcp' again from the machine that wrote it" in message
-    assert f"{str(older)!r} is the newest other complete one" in message
-
-
-def test_no_previous_checkpoint_is_said_so(pristine, tmp_path):
-    victim = copy_of(pristine, tmp_path)
-    (victim / "__0_0.distcp").unlink()
-    assert "there is no other complete one in" in _load_error(victim)
-
-
-def test_newest_other_checkpoint_skips_hidden_links_and_incomplete(directory_with_history, tmp_path):
-    older, victim = directory_with_history
-    (tmp_path / "run" / "last.ckpt").symlink_to(victim)
-    incomplete = tmp_path / "run" / "incomplete.ckpt"
-    incomplete.mkdir()
-    (incomplete / ".metadata").write_bytes(b"")
-    assert newest_other_checkpoint(Location.parse(victim)) == Location.parse(older)
-    newer = copy_of(older, tmp_path, "newer.ckpt")
-    os.utime(newer / "meta.pt", (2, 2))
-    assert newest_other_checkpoint(Location.parse(victim)) == Location.parse(newer)
-
-
-@pytest.mark.parametrize(
-    ("content", "expected"),
-    [
-        (b"", "not written by `torch.save` (or is truncated to 0 bytes)"),
-        (pickle.dumps({"state_dict": {}}), "a plain pickle, which is never loaded"),
-    ],
-)
-def test_full_format_file_that_is_no_torch_save_is_named(tmp_path, content, expected):
-    file = tmp_path / "model.ckpt"
-    file.write_bytes(content)
-    message = _load_error(file)
-    assert message.startswith(f"{str(file)!r} is not a checkpoint: it is ") and expected in message
-
-
-def test_truncated_full_format_file_names_it(tmp_path):
-    file = write_full(tmp_path / "model.ckpt")
-    write_full(tmp_path / "earlier.ckpt")
-    os.utime(tmp_path / "earlier.ckpt", (1, 1))
-    file.write_bytes(file.read_bytes()[:-200])
-    message = _load_error(file)
-    assert message.startswith(f"{str(file)!r} cannot be read (") and "truncated or corrupted" in message
-    assert f"{str(tmp_path / 'earlier.ckpt')!r} is the newest other complete one" in message
-
-
-# ---------------------------------------------------------------------- consolidate on bad input
-def bad_inputs(pristine: Path, tmp_path: Path) -> dict[str, tuple[Path, str]]:
-    text = tmp_path / "notes.txt"
-    text.write_text("hello")
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    partial = copy_of(pristine, tmp_path, "partial.ckpt")
-    (partial / "meta.pt").unlink()
-    hidden = copy_of(pristine, tmp_path, ".dpar-partial-0123456789-abcd")
-    corrupt = copy_of(pristine, tmp_path, "corrupt_index.ckpt")
-    (corrupt / ".metadata").write_bytes((corrupt / ".metadata").read_bytes()[:50])
-    hostile = copy_of(pristine, tmp_path, "hostile.ckpt")
-    (hostile / ".metadata").write_bytes(malicious.index_payloads(tmp_path / "PAYLOAD_RAN", tmp_path)["builtins_eval"])
-    return {
-        "nonexistent": (tmp_path / "nope.ckpt", "does not exist"),
-        "text_file": (text, "is a file that is not a checkpoint, expected a sharded checkpoint directory"),
-        "full_format_file": (write_full(tmp_path / "full.ckpt"), "is a single checkpoint file (the full format"),
-        "empty_dir": (empty, "is a directory but not a sharded checkpoint: it lacks '.metadata', 'meta.pt'"),
-        "partial_dir": (partial, "is a directory but not a sharded checkpoint: it lacks 'meta.pt'"),
-        "hidden_partial_dir": (hidden, "is an incomplete checkpoint"),
-        "corrupt_index": (corrupt / ".metadata", "cannot be read as a DCP index"),
-        "hostile_index": (hostile / ".metadata", "refers to builtins.eval"),
-    }
-
-
-BAD_INPUTS = ["nonexistent", "text_file", "full_format_file", "empty_dir", "partial_dir", "hidden_partial_dir"]
-BAD_INPUTS += ["corrupt_index", "hostile_index"]
-
-
-@pytest.mark.parametrize("case", BAD_INPUTS)
-def test_consolidate_bad_input_is_one_line_naming_it(pristine, tmp_path, capsys, case):
-    named, expected = bad_inputs(pristine, tmp_path)[case]
-    source = named.parent if named.name == ".metadata" else named
-    assert consolidate([str(source), str(tmp_path / "out.ckpt")]) == 1
-    out, err = capsys.readouterr()
-    assert out == ""
-    assert err.count("\n") == 1 and err.startswith("consolidate: "), err
-    assert repr(str(named)) in err and expected in err, err
-    assert not (tmp_path / "out.ckpt").exists() and not (tmp_path / "PAYLOAD_RAN").exists()
-
-
-def test_consolidate_unwritable_output_is_one_line(pristine, tmp_path, capsys):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    assert consolidate([str(pristine), str(blocker / "out.ckpt")]) == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and str(blocker) in err and "Error" in err
-
-
-@pytest.mark.slow
-def test_consolidate_command_line_prints_no_traceback(pristine, tmp_path):
-    """The real command, in its own process, on a hostile index: one line, exit 1, nothing run."""
-    named, expected = bad_inputs(pristine, tmp_path)["hostile_index"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_dpar", "consolidate", str(named.parent), str(tmp_path / "out.ckpt")],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert proc.returncode == 1, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines[0].startswith("consolidate: ") and repr(str(named)) in lines[0] and expected in lines[0]
-    assert not (tmp_path / "PAYLOAD_RAN").exists()
 
 
 # ---------------------------------------------------------------------- through real Trainers on 2 ranks

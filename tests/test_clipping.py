@@ -128,18 +128,29 @@ def test_dtensor_gradients_on_different_meshes_and_placements(one_rank_group):
         torch.testing.assert_close(got, full * scale, rtol=1e-6, atol=1e-7)
 
 
-def test_a_pipeline_stage_without_gradients_still_takes_part_in_the_norm_on_its_device():
+def test_a_pipeline_stage_without_gradients_still_takes_part_in_the_norm(gloo_world):
     """A stage whose parameters all lack gradients (frozen) contributes zero to the norm summed over the stages,
-    on the rank's device (NCCL reduces device tensors only), instead of skipping the collective."""
+    instead of skipping the collective the other stages wait in."""
     import torch.distributed as dist
 
     from lightning_dpar.clipping import GradientClipper
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        group = dist.new_group([0])
-        frozen = torch.nn.Linear(2, 2)
-        clipper = GradientClipper(across=(group,), device=torch.device("cpu"))
-        assert clipper.total_norm(frozen.parameters()).item() == 0.0
-    finally:
-        dist.destroy_process_group()
+    group = dist.new_group([0])
+    frozen = torch.nn.Linear(2, 2)
+    clipper = GradientClipper(across=(group,), device=torch.device("cpu"))
+    assert clipper.total_norm(frozen.parameters()).item() == 0.0
+
+
+def test_a_stage_without_gradients_reduces_its_norm_on_the_stages_device_not_cpu(fake_world):
+    """That zero is reduced on the stage's device (NCCL reduces device tensors only), not on CPU. The device here is
+    `meta`, a device other than CPU that needs no accelerator, over a fake 2-rank group (whose collectives accept any
+    device): on a CPU device the old code, which always used CPU, passed too."""
+    import torch.distributed as dist
+
+    from lightning_dpar.clipping import GradientClipper
+
+    fake_world(2)
+    group = dist.new_group([0, 1])
+    clipper = GradientClipper(across=(group,), device=torch.device("meta"))
+    norm = clipper.total_norm(torch.nn.Linear(2, 2).requires_grad_(False).parameters())
+    assert norm.device == torch.device("meta") and norm.shape == ()

@@ -16,7 +16,7 @@ from lightning_dpar.dry_run import plan
 from lightning_dpar.materialize import materialize_meta_tensors
 from lightning_dpar.plan import HF_STYLES, STYLE_NAMES, parse_tp_plan, resolve_tp_plan, transformers_tp_plan
 from tests.conftest import run_workers
-from tests.workers.hf import LlamaModule, TiedLlamaModule, initialised_like_materialisation
+from tests.workers.hf_models import LlamaModule, TiedLlamaModule, initialised_like_materialisation
 
 ATOL = 1e-5
 CASES = [
@@ -31,17 +31,17 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
+def llama2(tmp_path_factory):
     return run_workers(2, "hf_llama", tmp_path_factory.mktemp("hf2"))
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory):
+def llama4(tmp_path_factory):
     return run_workers(4, "hf_llama", tmp_path_factory.mktemp("hf4"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", ["world2", "world4"])
+@pytest.mark.parametrize("world", ["llama2", "llama4"])
 @pytest.mark.parametrize("case", CASES)
 def test_llama_with_gqa_matches_single_process_training(world, case, request):
     result = request.getfixturevalue(world)[case]
@@ -50,7 +50,7 @@ def test_llama_with_gqa_matches_single_process_training(world, case, request):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", ["world2", "world4"])
+@pytest.mark.parametrize("world", ["llama2", "llama4"])
 @pytest.mark.parametrize("case", ["tied_llama_2d_auto_plan", "tied_llama_meta_init_2d"])
 def test_tied_embeddings_stay_one_parameter_under_transformers_plan(world, case, request):
     """tie_word_embeddings under TP 2 x FSDP with tp_plan="auto" (trained, and built on the meta device): one DTensor
@@ -62,7 +62,7 @@ def test_tied_embeddings_stay_one_parameter_under_transformers_plan(world, case,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "case"), [("world2", "llama_pp_zero_bubble"), ("world4", "llama_3d")])
+@pytest.mark.parametrize(("world", "case"), [("llama2", "llama_pp_zero_bubble"), ("llama4", "llama_3d")])
 def test_llama_pipelined_matches_single_process_training(world, case, request):
     """PP 2 (zero bubble, 2 stages per rank: one decoder layer per stage; with TP 2 on 4 ranks) and PP 2 x FSDP."""
     results = request.getfixturevalue(world)
@@ -72,8 +72,8 @@ def test_llama_pipelined_matches_single_process_training(world, case, request):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["llama_meta_init_fsdp", "llama_meta_init_2d"])
-def test_meta_init_never_holds_a_whole_parameter(world4, case):
-    result = world4[case]
+def test_meta_init_never_holds_a_whole_parameter(llama4, case):
+    result = llama4[case]
     assert result["largest_local_numel"] * 4 <= result["largest_numel"] * 2  # at most half of the largest tensor
 
 

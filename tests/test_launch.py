@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import WORKERS, run_script, subprocess_env
+from tests.conftest import WORKERS, run_script, subprocess_env, torchrun_args
 
 
 @pytest.mark.slow
@@ -44,8 +44,7 @@ def _assert_ended_what_the_strategy_started(out, world: int, user_group: bool) -
 def test_torchrun_with_the_users_process_group(tmp_path):
     """torchrun started the ranks and the script its own process group: the strategy uses it and leaves it alone."""
     out = tmp_path / "result.json"
-    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    proc = run_script([*cmd, str(WORKERS / "launch_script.py"), str(out), "1", "user_group"], tmp_path)
+    proc = run_script(torchrun_args(2, WORKERS / "launch_script.py", str(out), "1", "user_group"), tmp_path)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["environment"] == "TorchElasticEnvironment" and result["launcher"] == "InPlaceLauncher"

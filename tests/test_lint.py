@@ -14,3 +14,16 @@ from tests.conftest import ROOT
 def test_ruff(command):
     proc = subprocess.run([sys.executable, "-m", "ruff", *command], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_each_worker_module_is_named_like_its_test_file():
+    """`tests/workers/<name>.py` holds the cases of `tests/test_<name>.py` (see `tests/workers/run.py`), so a
+    launched test's cases are found by its file name; the workers' entry point loads every one of them."""
+    from tests.workers.run import MODULES
+
+    loaded = {module.__name__.rpartition(".")[2] for module in MODULES}
+    support = {"__init__", "cases", "common", "run", "checkpoint_common", "pipeline_common", "launch_script"}
+    on_disk = {path.stem for path in (ROOT / "tests" / "workers").glob("*.py")} - support
+    assert loaded == on_disk, f"not loaded by run.py: {sorted(on_disk - loaded)}; missing: {sorted(loaded - on_disk)}"
+    unmatched = sorted(name for name in loaded if not (ROOT / "tests" / f"test_{name}.py").exists())
+    assert not unmatched, f"worker modules without a test file of the same name: {unmatched}"

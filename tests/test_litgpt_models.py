@@ -12,7 +12,7 @@ pytest.importorskip("litgpt")
 import lightning_dpar
 from lightning_dpar.dry_run import plan
 from tests.conftest import run_workers
-from tests.workers.lit_gpt_models import MLP_TP_PLAN, LitGPTModule
+from tests.workers.litgpt_models import MLP_TP_PLAN, LitGPTModule
 
 CASES = ["litgpt_replicate", "litgpt_meta_init_fsdp", "litgpt_meta_init_2d_mlp_tp"]
 

@@ -31,7 +31,7 @@ def meta_lora(targets=ALL_LINEAR, **lora) -> LoraLlama:
         from peft import LoraConfig, get_peft_model
         from transformers import LlamaForCausalLM
 
-        from tests.workers.hf import llama_config
+        from tests.workers.hf_models import llama_config
 
         with torch.device("meta"):
             module.net = get_peft_model(
@@ -119,7 +119,7 @@ def test_a_base_style_on_a_shard_of_the_tokens_is_refused_for_its_adapter():
 
 
 def test_a_model_without_peft_gets_its_plan_unchanged():
-    from tests.workers.hf import LlamaModule
+    from tests.workers.hf_models import LlamaModule
 
     with torch.device("meta"):
         module = LlamaModule(build_seed=None)
@@ -156,7 +156,7 @@ def test_errors_name_a_modules_qualified_class():
 
 
 def test_pipeline_stages_split_a_peft_model_between_its_blocks_as_the_base_model():
-    from tests.workers.hf import LlamaModule
+    from tests.workers.hf_models import LlamaModule
 
     strategy = lightning_dpar.FullyShardStrategy(pipeline_parallel_size=2)
     dims = strategy.resolve_dims(4, 4, 1)

@@ -15,7 +15,7 @@ from lightning_dpar.dry_run import main, plan
 from lightning_dpar.plan import parse_tp_plan, resolve_tp_plan
 from lightning_dpar.plan.structure import data_parallel_roots
 from tests.conftest import run_workers
-from tests.workers.ordinary import EmbeddingModel, TopLevelBlocks
+from tests.workers.plan_apply import EmbeddingModel, TopLevelBlocks
 
 ATOL = 1e-5
 PARITY = [

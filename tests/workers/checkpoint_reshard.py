@@ -9,7 +9,6 @@ directory the test's fixture passes (`checkpoint_common.saved_by`); a stage whos
 from __future__ import annotations
 
 import shutil
-import warnings
 from collections.abc import Iterator
 
 import lightning as L
@@ -61,9 +60,7 @@ def chain_case(stage: str) -> dict:
     if previous is None:
         trainer.fit(module, train_loader())
     else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.fit(module, train_loader(), ckpt_path=str(saved_by(f"chain_{previous}", f"{previous}.ckpt")))
+        trainer.fit(module, train_loader(), ckpt_path=str(saved_by(f"chain_{previous}", f"{previous}.ckpt")))
     state = _chain_state(trainer)
     trainer.save_checkpoint(root / f"{stage}.ckpt")
     if trainer.global_rank != 0:

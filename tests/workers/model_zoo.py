@@ -40,7 +40,7 @@ from lightning_dpar.__main__ import main as dpar_main
 from lightning_dpar.pretrained import checkpoint_shapes, tied_groups
 from tests.workers.cases import Case
 from tests.workers.common import full_params, trainer_for
-from tests.workers.hf import TokenIds
+from tests.workers.hf_models import TokenIds
 
 VOCAB, SEQ, BATCH, STEPS, RESUME_FROM = 64, 8, 2, 4, 2
 LR = 0.1

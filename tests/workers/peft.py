@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, PerformanceMonitor, ReplicateStrategy
 from tests.workers.cases import Case
 from tests.workers.common import BATCH, full_params, trainer_for, world_size
-from tests.workers.hf import TokenIds, global_batches, llama_config
+from tests.workers.hf_models import TokenIds, global_batches, llama_config
 
 #: The projections LoRA adapts: the issue's two, or every Linear of the decoder layers (row-wise ones included).
 QV = ["q_proj", "v_proj"]
@@ -54,7 +54,7 @@ class LoraLlama(L.LightningModule):
 
     def configure_optimizers(self):
         # All parameters, as plain peft scripts pass them: the optimizer makes state only for those with gradients.
-        # SGD with momentum: the parameters move by lr x gradient (see tests/workers/hf.py), and it has a state.
+        # SGD with momentum: the parameters move by lr x gradient (see tests/workers/hf_models.py), and it has a state.
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
 from tests.workers.cases import Case
 from tests.workers.common import BATCH, full_params, trainer_for, world_size
-from tests.workers.hf import SEED, VOCAB, TokenIds, global_batches
+from tests.workers.hf_models import SEED, VOCAB, TokenIds, global_batches
 
 MLP_TP_PLAN = {"net.transformer.h.*.mlp.fc_[12]": "colwise", "net.transformer.h.*.mlp.proj": "rowwise"}
 

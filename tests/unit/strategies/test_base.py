@@ -1,0 +1,120 @@
+"""What every strategy shares (`lightning_dpar/strategies/base.py`), in-process: a real `Trainer(devices=1)` on a real
+one-rank gloo group (`gloo_world`), so setup, the steps, evaluation and the checkpoint hooks run here in the fast
+lane. The same code on 2 and 4 ranks is in the launched tests (`tests/test_parity.py`, `tests/test_checkpoint.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
+from tests.models import TP_PLAN, ParityModule, RegressionData, global_batches, loader, reference_train
+from tests.workers.common import BATCH, full_params, trainer_for
+
+STRATEGIES = {
+    "fsdp": lambda **kw: FullyShardStrategy(**kw),
+    "2d": lambda **kw: FSDPTensorParallelStrategy(tensor_parallel_size=1, tp_plan=TP_PLAN, **kw),
+    "replicate": lambda **kw: ReplicateStrategy(**kw),
+    "fsdp_checkpointed": lambda **kw: FullyShardStrategy(activation_checkpointing=True, **kw),
+}
+
+
+def _fit(strategy, steps: int = 3, module=None, **trainer_kwargs):
+    module = module if module is not None else ParityModule()
+    trainer = trainer_for(strategy, max_steps=steps, devices=1, **trainer_kwargs)
+    trainer.fit(module, loader(RegressionData(), BATCH))
+    return trainer, module
+
+
+def _max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert set(got) == set(want)
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_trains_like_one_process_on_the_sampler_order(gloo_world, name):
+    trainer, module = _fit(STRATEGIES[name]())
+    want = reference_train("sgd", global_batches(RegressionData(), 1, BATCH, 3))
+    assert _max_diff(full_params(trainer), want) < 1e-6
+    assert trainer.global_step == 3 and trainer.strategy.world_size == 1
+    sharded = name != "replicate"
+    assert isinstance(module.model.layers[0].fc1.weight, DTensor) is sharded
+
+
+class _Predicting(ParityModule):
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "2d", "replicate"])
+def test_validate_test_and_predict_use_the_trained_weights(gloo_world, name):
+    trainer, module = _fit(STRATEGIES[name](), module=_Predicting())
+    reference = ParityModule()
+    reference.load_state_dict(full_params(trainer))
+    data = RegressionData(n=8)
+    with torch.no_grad():
+        want = reference(data.x)
+    want_loss = F.mse_loss(want, data.y).item()
+    (validated,) = trainer.validate(module, loader(data, 8), verbose=False)
+    assert validated["val_loss"] == pytest.approx(want_loss, abs=1e-6)
+    (tested,) = trainer.test(module, loader(data, 8), verbose=False)
+    assert tested["test_loss"] == pytest.approx(want_loss, abs=1e-6)
+    predicted = trainer.predict(module, loader(torch.utils.data.TensorDataset(data.x), 4))
+    torch.testing.assert_close(torch.cat(predicted), want, rtol=0, atol=1e-6)
+
+
+def test_gradient_accumulation_and_clipping_match_one_process(gloo_world):
+    trainer, _ = _fit(
+        STRATEGIES["fsdp"](), accumulate_grad_batches=2, gradient_clip_val=0.05, gradient_clip_algorithm="norm"
+    )
+    want = reference_train("sgd", global_batches(RegressionData(), 1, BATCH, 3, accumulate=2), clip_norm=0.05)
+    assert _max_diff(full_params(trainer), want) < 1e-6
+
+
+class _DirectParameter(ParityModule):
+    """A parameter on the LightningModule itself (DDP wraps children only), and a layer frozen at wrap time that a
+    callback unfreezes after the first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(5))
+        self.model.inp.requires_grad_(False)
+
+    def forward(self, x):
+        return self.model(x) * self.scale
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx == 1:
+            self.model.inp.requires_grad_(True)
+
+
+def test_replicate_trains_direct_and_late_unfrozen_parameters_like_one_process(gloo_world):
+    trainer, module = _fit(STRATEGIES["replicate"](), module=_DirectParameter())
+    reference = _DirectParameter()
+    optimizer = reference.configure_optimizers()
+    for step, (x, y) in enumerate(global_batches(RegressionData(), 1, BATCH, 3)):
+        reference.on_train_batch_start(None, step)
+        optimizer.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        optimizer.step()
+    assert _max_diff(full_params(trainer), reference.state_dict()) < 1e-6
+    assert not torch.equal(module.scale.detach(), torch.ones(5))  # it trained
+
+
+def test_collectives_of_a_one_rank_world(gloo_world):
+    trainer, _ = _fit(STRATEGIES["2d"](), steps=1)
+    strategy = trainer.strategy
+    assert strategy.broadcast({"a": 1}) == {"a": 1}
+    assert strategy.reduce(torch.tensor(3.0), reduce_op="mean").item() == 3.0
+    assert strategy.all_gather(torch.tensor([1.0, 2.0])).tolist() == [[1.0, 2.0]]
+    assert strategy.reduce_boolean_decision(True) and not strategy.reduce_boolean_decision(False, all=False)
+    strategy.barrier("after")
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+    assert strategy.device_mesh.mesh_dim_names is not None and strategy.device_mesh.size() == 1
