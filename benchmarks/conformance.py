@@ -4,7 +4,7 @@
     python -m benchmarks.conformance -k "dpar_fsdp"       # some cells: only those cells of the table change
     python -m benchmarks.conformance --check              # run, print the table, write nothing
 
-Each test marked `conformance(feature)` and parametrized over `strategy` (`tests/conformance_harness.py`) is a
+Each test marked `conformance(feature)` and parametrized over `strategy` (`tests/support/conformance_harness.py`) is a
 cell: `parity` when it checked the run against Lightning's DDP, `refused` when it checked the refusal (before any
 collective, with a message), `failed` when the test failed. Cells whose tests did not run keep their last value.
 The table goes between the markers in `docs/lightning-conformance.md`, with the date and the command that made it.
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc", type=Path, default=DOC, help="the docs page holding the table")
     args = parser.parse_args(argv)
 
-    from tests.conformance_harness import STRATEGY_IDS
+    from tests.support.conformance_harness import STRATEGY_IDS
 
     collector = Collector()
     pytest_args = ["-q", "-m", "conformance", "-p", "no:cacheprovider", str(ROOT / "tests")]

@@ -205,8 +205,8 @@ def replace_model_checkpoint_link(callback: Any, link: Callable[[Any, str, str],
 
 
 #: Lightning private names a strategy or launcher subclass must override or set: Lightning's extension points for
-#: them are private, so there is no public way. `tests/test_private_api.py` accepts `self._name` uses of Lightning's
-#: private names only if listed here.
+#: them are private, so there is no public way. `tests/unit/test_private_api.py` accepts `self._name` uses of
+#: Lightning's private names only if listed here.
 LIGHTNING_SUBCLASS_HOOKS = {
     "_configure_launcher": "Strategy subclasses choose their launcher here (Lightning's abstract hook).",
     "_launcher": "the attribute `_configure_launcher` must set; Lightning reads it to launch the processes.",

@@ -1,6 +1,11 @@
 """Shared test infrastructure: the warning policy, a fake process group for in-process unit tests, and launching
 the multi-process workers, whose results many small tests share.
 
+Layout: `tests/unit/<subpackage>/test_<module>.py` run in this process (the fast lane, `-m "not slow"`, is mostly
+these); `tests/launched/test_<name>.py` read the results of torchrun launches whose cases are
+`tests/workers/<name>.py`; `tests/support/` holds what both share (test models, checkpoint files, hostile payloads,
+the conformance harness).
+
 Multi-process tests: `run_workers(nproc, "group,group", tmp_path)` runs the cases of those worker groups in one
 torchrun launch (`tests/workers/run.py`; `tests/workers/cases.py` explains how each case is isolated) and returns a
 `LaunchResults`. A test reads its case as `results["case_name"]`: the case's rank-0 value, or, if the case raised or

@@ -1,7 +1,7 @@
 """`consolidate` (`lightning_dpar/consolidate.py`) on checkpoints a real Trainer wrote in this process (one-rank gloo
 group): the Lightning `.ckpt` holds the trained weights and optimizer state, safetensors files hold the weights
 within the size limit, and `--format hf` is what `from_pretrained` loads. Consolidating 4-rank checkpoints is in
-`tests/test_checkpoint_reshard.py`; unusable input in `tests/test_checkpoint_safety.py`."""
+`tests/launched/test_checkpoint_reshard.py`; unusable input in `tests/launched/test_checkpoint_safety.py`."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from torch.utils.data import DataLoader
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
 from lightning_dpar.consolidate import main as consolidate
 from lightning_dpar.consolidate import parse_size
-from tests import malicious
-from tests.checkpoint_files import copy_of, write_full, write_sharded
 from tests.conftest import ROOT, subprocess_env
-from tests.models import TP_PLAN, ParityModule, RegressionData, loader
+from tests.support import malicious
+from tests.support.checkpoint_files import copy_of, write_full, write_sharded
+from tests.support.models import TP_PLAN, ParityModule, RegressionData, loader
 from tests.workers.common import BATCH, full_params, trainer_for
 
 

@@ -1,6 +1,6 @@
 """`ckpt_path="last"` (`lightning_dpar/launchers.py`) in-process: a real `Trainer(devices=1)` on a one-rank gloo group
 resolves it to the newest complete checkpoint of its `ModelCheckpoint` directory, skipping an incomplete newer one,
-and starts from scratch when there is none. Launching ranks (script, fork) is `tests/test_launch.py`."""
+and starts from scratch when there is none. Launching ranks (script, fork) is `tests/launched/test_launch.py`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import shutil
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dpar import FullyShardStrategy
-from tests.models import ParityModule, RegressionData, loader
+from tests.support.models import ParityModule, RegressionData, loader
 from tests.workers.common import BATCH, trainer_for
 
 

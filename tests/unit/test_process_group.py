@@ -1,6 +1,6 @@
 """The default process group (`lightning_dpar/process_group.py`), in-process: a strategy with no group to adopt starts
 a real one-rank gloo group, and the hook it registers for the process's exit ends that group and never one the user
-created. The exit itself (no abort at interpreter shutdown) is `tests/test_launch.py`."""
+created. The exit itself (no abort at interpreter shutdown) is `tests/launched/test_launch.py`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from lightning_dpar import FullyShardStrategy
 from lightning_dpar.process_group import _destroy_at_exit
-from tests.models import ParityModule, RegressionData, loader
+from tests.support.models import ParityModule, RegressionData, loader
 from tests.workers.common import BATCH, trainer_for
 
 

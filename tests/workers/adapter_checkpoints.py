@@ -2,7 +2,7 @@
 `checkpoint_weights="trainable"` and resumed from `pretrained=` ends with the weights of an uninterrupted run;
 resuming without the base, or with another base, is refused on every rank with what to pass.
 
-The base directories are written by the pytest side (`tests/test_adapter_checkpoints.py`) next to the results
+The base directories are written by the pytest side (`tests/launched/test_adapter_checkpoints.py`) next to the results
 file; the checkpoints and trained weights written here are what its in-process export tests read.
 """
 

@@ -1,12 +1,12 @@
-"""Cases for `tests/test_callbacks.py`: `PerformanceMonitor` under data parallelism (global samples = batch x dp)
-and tensor parallelism (a TP group counts once)."""
+"""Cases for `tests/launched/test_callbacks.py`: `PerformanceMonitor` under data parallelism (global samples = batch x
+dp) and tensor parallelism (a TP group counts once)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, PerformanceMonitor
-from tests.models import TP_PLAN, ParityModule, RegressionData, loader
+from tests.support.models import TP_PLAN, ParityModule, RegressionData, loader
 from tests.workers.cases import Case
 from tests.workers.common import BATCH, trainer_for, world_size
 

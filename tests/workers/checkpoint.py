@@ -1,4 +1,4 @@
-"""Cases for `tests/test_checkpoint.py`: Lightning's checkpoint flow through real Trainers (ModelCheckpoint,
+"""Cases for `tests/launched/test_checkpoint.py`: Lightning's checkpoint flow through real Trainers (ModelCheckpoint,
 save/load, `ckpt_path="last"`), exact resume, strict loading and bad input, and a kill during a save.
 
 The kill case never ends normally (its test drives it with torchrun and expects the SIGKILL); the after-kill cases

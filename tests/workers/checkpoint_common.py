@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.utils.data import DataLoader
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
-from tests.models import TP_PLAN, Net, ParityModule, RegressionData
+from tests.support.models import TP_PLAN, Net, ParityModule, RegressionData
 from tests.workers.common import BATCH, world_size
 
 #: The environment variable naming the directories earlier cases saved into: JSON, {case name: directory}.

@@ -1,6 +1,6 @@
 """Checkpoints under faults, through real Trainers: SIGKILLs at random moments of async saves, a rank that freezes
 during a save, a full or read-only disk. The killed and frozen launches are driven from
-`tests/test_checkpoint_faults.py`; the cases here say what each rank does and record what it saw.
+`tests/launched/test_checkpoint_faults.py`; the cases here say what each rank does and record what it saw.
 """
 
 from __future__ import annotations

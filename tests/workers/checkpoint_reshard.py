@@ -1,4 +1,4 @@
-"""Cases for `tests/test_checkpoint_reshard.py`: one checkpoint through other strategies and world sizes (the
+"""Cases for `tests/launched/test_checkpoint_reshard.py`: one checkpoint through other strategies and world sizes (the
 resharding chain), the data position on another data-parallel size, and the chain's 4-rank 2D checkpoint
 consolidated in one process.
 

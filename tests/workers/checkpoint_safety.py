@@ -27,7 +27,7 @@ from lightning_dpar import FullyShardStrategy
 from lightning_dpar.checkpoint.full import read_full
 from lightning_dpar.checkpoint.safe_io import SafeLoadPlanner, safe_storage_reader, translate_dcp_errors
 from lightning_dpar.checkpoint.storage import Location
-from tests import malicious
+from tests.support import malicious
 from tests.workers.cases import Case
 from tests.workers.checkpoint_common import ResumeModule, case_dir, gather, train_loader
 from tests.workers.common import full_params, trainer_for

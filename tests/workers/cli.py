@@ -1,4 +1,4 @@
-"""Cases for `tests/test_cli.py`: every `examples/configs/*.yaml` trained for a few steps through the real CLI
+"""Cases for `tests/launched/test_cli.py`: every `examples/configs/*.yaml` trained for a few steps through the real CLI
 (`lightning_dpar.cli.cli_main`), one case per config, all in one torchrun launch of 4 ranks (Lightning is imported
 once, the process group is reused)."""
 

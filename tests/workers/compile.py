@@ -1,4 +1,4 @@
-"""Cases for `tests/test_compile.py`: the strategies' `compile` argument through real Trainers.
+"""Cases for `tests/launched/test_compile.py`: the strategies' `compile` argument through real Trainers.
 
 Each case trains the same model on the same data eagerly and compiled in one process and records losses, final
 parameters, state-dict keys and dynamo's compile counters per step.
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
-from tests.models import TP_PLAN, ParityModule, RegressionData, loader
+from tests.support.models import TP_PLAN, ParityModule, RegressionData, loader
 from tests.workers.cases import Case, one_case
 from tests.workers.common import BATCH, full_params, trainer_for
 

@@ -1,5 +1,5 @@
-"""Cases of `tests/test_conformance.py`: the Trainer flags, buffers and Tuner rows of the Lightning conformance
-matrix, each run under every strategy column and under Lightning's DDP (`tests/conformance_harness.py`).
+"""Cases of `tests/launched/test_conformance.py`: the Trainer flags, buffers and Tuner rows of the Lightning conformance
+matrix, each run under every strategy column and under Lightning's DDP (`tests/support/conformance_harness.py`).
 
 Every feature trains the matrix's small model (`ConformanceModule`, with a BatchNorm) for a few steps on 2 (or 4)
 ranks and returns `fingerprint(...)`: the full weights and buffers, each data-parallel rank's buffers, the logged
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.conformance_harness import (
+from tests.support.conformance_harness import (
     BATCH,
     Column,
     checkpoint_model_state,
@@ -26,7 +26,7 @@ from tests.conformance_harness import (
     conformance_trainer,
     fingerprint,
 )
-from tests.models import ConformanceModule, RegressionData, loader
+from tests.support.models import ConformanceModule, RegressionData, loader
 
 
 def train_data() -> DataLoader:

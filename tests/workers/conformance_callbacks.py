@@ -1,6 +1,7 @@
-"""Features for `tests/test_conformance_callbacks.py`: Lightning's built-in callbacks, the callback rows of the
-conformance matrix (`tests/conformance_harness.py`). Each feature runs under a strategy column and under its Lightning
-DDP reference, and returns what must agree between them: the final weights (`fingerprint`), and the callback's own
+"""Features for `tests/launched/test_conformance_callbacks.py`: Lightning's built-in callbacks, the callback rows of the
+conformance matrix (`tests/support/conformance_harness.py`). Each feature runs under a strategy column and under its
+Lightning DDP reference, and returns what must agree between them: the final weights (`fingerprint`), and the callback's
+own
 state (averaged weights, logged learning rates, the step training stopped at).
 
 One worker group per column (`callbacks_<column>`, `callbacks_ddp<N>`), each callback a case of it.
@@ -30,8 +31,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_dpar import FullyShardStrategy
-from tests.conformance_harness import BATCH, Column, column_groups, conformance_trainer, fingerprint, make_strategy
-from tests.models import Net, RegressionData, RegressionModule, loader
+from tests.support.conformance_harness import (
+    BATCH,
+    Column,
+    column_groups,
+    conformance_trainer,
+    fingerprint,
+    make_strategy,
+)
+from tests.support.models import Net, RegressionData, RegressionModule, loader
 from tests.workers.checkpoint_common import case_dir
 from tests.workers.common import world_size
 

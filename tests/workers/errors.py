@@ -1,4 +1,4 @@
-"""Cases for `tests/test_errors.py`: bad input through real Trainers on every rank. Each must fail fast with a
+"""Cases for `tests/launched/test_errors.py`: bad input through real Trainers on every rank. Each must fail fast with a
 message naming the bad value, on all ranks, without hanging the others (the case would time out)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
-from tests.models import ParityModule, RegressionData, loader
+from tests.support.models import ParityModule, RegressionData, loader
 from tests.workers.cases import Case
 from tests.workers.common import BATCH, trainer_for, world_size
 

@@ -1,5 +1,5 @@
-"""Cases for `tests/test_features.py`: behaviour beyond parity, through real Trainers: data-parallel reductions and
-metrics, ignored modules, plan sources (LightningModule attribute, a `ModelParallelStrategy`-style
+"""Cases for `tests/launched/test_features.py`: behaviour beyond parity, through real Trainers: data-parallel reductions
+and metrics, ignored modules, plan sources (LightningModule attribute, a `ModelParallelStrategy`-style
 `configure_model`), meta-device init, fit followed by validate/test/predict in one process, and gradient
 accumulation without communication."""
 
@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torchmetrics.aggregation import SumMetric
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
-from tests.models import TP_PLAN, Net, ParityModule, RegressionData, global_batches, loader, reference_train
+from tests.support.models import TP_PLAN, Net, ParityModule, RegressionData, global_batches, loader, reference_train
 from tests.workers.cases import Case, one_case
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
 from tests.workers.parity import counting_allreduce_hook

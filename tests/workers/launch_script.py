@@ -42,7 +42,7 @@ import lightning as L  # noqa: E402
 
 import lightning_dpar  # noqa: E402, F401
 from lightning_dpar._private_api import IS_INTERACTIVE  # noqa: E402
-from tests.models import ParityModule, RegressionData, global_batches, loader, reference_train  # noqa: E402
+from tests.support.models import ParityModule, RegressionData, global_batches, loader, reference_train  # noqa: E402
 
 WORLD, BATCH, STEPS = 2, 4, 3
 

@@ -1,5 +1,5 @@
-"""Cases for `tests/test_memory.py`: memory features through real Trainers. Each case records where tensors live
-and what FSDP2 / activation checkpointing actually did, and compares the trained parameters with a run without the
+"""Cases for `tests/launched/test_memory.py`: memory features through real Trainers. Each case records where tensors
+live and what FSDP2 / activation checkpointing actually did, and compares the trained parameters with a run without the
 feature."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
-from tests.models import TP_PLAN, ParityModule, RegressionData, loader
+from tests.support.models import TP_PLAN, ParityModule, RegressionData, loader
 from tests.workers.cases import Case
 from tests.workers.common import BATCH, full_params, trainer_for
 

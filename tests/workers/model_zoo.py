@@ -15,8 +15,8 @@ message is the result. A refusal of the pretrained directory itself (`Pretrained
 refusal: the directory is the model's own `save_pretrained`, so it fits any faithful parallelisation.
 
 `classify` turns a case's result into the verdict; `benchmarks/zoo.py` (the documented matrix) and
-`tests/test_model_zoo.py` (the part CI runs) both read it. The pretrained directories are written by the launching
-side (`save_pretrained_dirs`) next to the results directory.
+`tests/launched/test_model_zoo.py` (the part CI runs) both read it. The pretrained directories are written by the
+launching side (`save_pretrained_dirs`) next to the results directory.
 """
 
 from __future__ import annotations

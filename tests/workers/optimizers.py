@@ -1,4 +1,4 @@
-"""Optimizers whose update is not elementwise, through real Trainers (`tests/test_optimizers.py`): each trains
+"""Optimizers whose update is not elementwise, through real Trainers (`tests/launched/test_optimizers.py`): each trains
 exactly as under Lightning's DDP on the same global batches, or is refused on every rank before the first step."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
-from tests.models import IN_DIM, RegressionData, global_batches, loader
+from tests.support.models import IN_DIM, RegressionData, global_batches, loader
 from tests.workers.cases import Case
 from tests.workers.checkpoint_common import case_dir
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size

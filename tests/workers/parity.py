@@ -1,5 +1,5 @@
-"""Parity scenarios for `tests/test_parity.py`: every strategy trains through a real Trainer and must end with the
-same parameters as single-process training on the same global batches."""
+"""Parity scenarios for `tests/launched/test_parity.py`: every strategy trains through a real Trainer and must end with
+the same parameters as single-process training on the same global batches."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
-from tests.models import (
+from tests.support.models import (
     TP_PLAN,
     ParityModule,
     RegressionData,

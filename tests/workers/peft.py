@@ -130,7 +130,7 @@ def group_peft() -> Iterator[Case]:
     try:
         import peft  # noqa: F401
     except ImportError:
-        return  # tests/test_peft.py skips without peft
+        return  # tests/launched/test_peft.py skips without peft
     yield Case("lora_fsdp", lambda: parity_case(FullyShardStrategy(), world))
     yield Case("lora_replicate", lambda: parity_case(ReplicateStrategy(), world))
     yield Case(

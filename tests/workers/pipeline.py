@@ -1,4 +1,4 @@
-"""Cases for `tests/test_pipeline.py`: pipeline parallelism through real Trainers on 2 and 4 gloo ranks.
+"""Cases for `tests/launched/test_pipeline.py`: pipeline parallelism through real Trainers on 2 and 4 gloo ranks.
 
 Parity cases train with every schedule family and compare the final parameters (gathered from all stages) with
 single-process training on the same global batches. Feature cases check what surrounds the step: accumulation,
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from lightning_dpar import FullyShardStrategy
 from lightning_dpar.pipeline.stage import RemoteUnit
-from tests.models import (
+from tests.support.models import (
     Net,
     ParityModule,
     RegressionData,

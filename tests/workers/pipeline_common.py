@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
-from tests.models import (
+from tests.support.models import (
     TP_PLAN,
     Block,
     Net,

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
-from tests.models import IN_DIM, Block, RegressionData, global_batches, loader
+from tests.support.models import IN_DIM, Block, RegressionData, global_batches, loader
 from tests.workers.cases import Case, one_case
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
 

@@ -1,5 +1,6 @@
-"""Cases for `tests/test_precision.py`: Trainer precision through every strategy: which dtypes the forward computes
-in, the weights are kept in, the gradients arrive in, and how far bf16 training lands from the fp32 reference."""
+"""Cases for `tests/launched/test_precision.py`: Trainer precision through every strategy: which dtypes the forward
+computes in, the weights are kept in, the gradients arrive in, and how far bf16 training lands from the fp32
+reference."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
-from tests.models import TP_PLAN, ParityModule, RegressionData, global_batches, loader, reference_train
+from tests.support.models import TP_PLAN, ParityModule, RegressionData, global_batches, loader, reference_train
 from tests.workers.cases import Case
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
 

@@ -2,7 +2,8 @@
 `from_pretrained` values), fine-tuned (parity with single-process training from the same weights), exported back
 with `consolidate --format hf`, key mismatches refused, and the memory a rank needs while loading.
 
-The pretrained directories are written by the pytest side (`tests/test_pretrained.py`) next to the results file.
+The pretrained directories are written by the pytest side (`tests/launched/test_pretrained.py`) next to the results
+file.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, PretrainedWeights, ReplicateStrategy
 from lightning_dpar.pretrained import PretrainedLoadError, load_pretrained
-from tests.models import Net, RegressionData
+from tests.support.models import Net, RegressionData
 from tests.workers.cases import Case, one_case
 from tests.workers.common import full_params, trainer_for, world_size
 

@@ -1,5 +1,5 @@
 """Training functions run by Ray Train workers (`TorchTrainer(train_loop_per_worker=...)`) for
-`tests/test_ray_train.py`, and its torchrun case: resuming outside Ray from a checkpoint Ray kept.
+`tests/launched/test_ray_train.py`, and its torchrun case: resuming outside Ray from a checkpoint Ray kept.
 
 Ray workers import this module by name (the test puts the repository on their `PYTHONPATH`); each function writes
 what the test reads into `config["out"]` on rank 0. `ray` is imported inside the functions: the torchrun launcher
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
-from tests.models import TP_PLAN, ParityModule, RegressionData, loader
+from tests.support.models import TP_PLAN, ParityModule, RegressionData, loader
 from tests.workers.cases import one_case
 from tests.workers.checkpoint_common import case_dir, saved_by
 from tests.workers.common import BATCH, full_params, trainer_for

@@ -1,7 +1,7 @@
 """The checkpoint manager (`lightning_dpar/checkpoint/manager.py`) through Lightning's own flow, in-process: a real
 `Trainer(devices=1)` on a one-rank gloo group saves sharded, full and background checkpoints, resumes from them
 exactly, removes superseded ones and refuses bad ones. Resharding to other world sizes is in the launched tests
-(`tests/test_checkpoint_reshard.py`)."""
+(`tests/launched/test_checkpoint_reshard.py`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dpar import FullyShardStrategy, ReplicateStrategy
 from lightning_dpar.checkpoint.errors import CheckpointLoadError
-from tests.models import ParityModule, RegressionData, loader
+from tests.support.models import ParityModule, RegressionData, loader
 from tests.workers.common import BATCH, full_params, trainer_for
 
 TOTAL_STEPS = 5

@@ -1,6 +1,6 @@
 """A corrupt checkpoint (`lightning_dpar/checkpoint/safe_io.py`'s errors) names the damaged file and what to do:
 copy it again, or resume from the newest other complete checkpoint (`checkpoint/layout.py`). Hostile checkpoints are
-`tests/test_checkpoint_safety.py`."""
+`tests/launched/test_checkpoint_safety.py`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import lightning_dpar
 from lightning_dpar.checkpoint.contents import newest_other_checkpoint
 from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.checkpoint.storage import Location
-from tests.checkpoint_files import Tiny, copy_of, write_full, write_sharded
+from tests.support.checkpoint_files import Tiny, copy_of, write_full, write_sharded
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 stages of a 2-stage split (the placement looped and V schedules use), so torch's schedules, the shape probe, the
 stage-to-stage hand-over and the forward-only error relay all run here, and the step's loss and gradients are
 compared with the unsplit model's. What needs several pipeline ranks (point-to-point sends, `self.log` replayed on
-every rank through the Trainer, metrics adopted by other stages) is in `tests/test_pipeline.py`."""
+every rank through the Trainer, metrics adopted by other stages) is in `tests/launched/test_pipeline.py`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from lightning_dpar.pipeline.log_relay import LogRecorder
 from lightning_dpar.pipeline.runtime import PipelineRuntime
 from lightning_dpar.pipeline.split import PipelineSplit
 from lightning_dpar.pipeline.stage import split_into_stages
-from tests.models import ParityModule, RegressionData
+from tests.support.models import ParityModule, RegressionData
 
 #: `model.inp` and block 0 on stage 0, block 1 and the head on stage 1, both stages on this rank.
 SPLIT = PipelineSplit(stages=(("model.inp", "model.layers.0"), ("model.layers.1", "model.out")), stage_to_rank=(0, 0))

@@ -1,6 +1,7 @@
 """What every strategy shares (`lightning_dpar/strategies/base.py`), in-process: a real `Trainer(devices=1)` on a real
 one-rank gloo group (`gloo_world`), so setup, the steps, evaluation and the checkpoint hooks run here in the fast
-lane. The same code on 2 and 4 ranks is in the launched tests (`tests/test_parity.py`, `tests/test_checkpoint.py`)."""
+lane. The same code on 2 and 4 ranks is in the launched tests (`tests/launched/test_parity.py`,
+`tests/launched/test_checkpoint.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
-from tests.models import TP_PLAN, ParityModule, RegressionData, global_batches, loader, reference_train
+from tests.support.models import TP_PLAN, ParityModule, RegressionData, global_batches, loader, reference_train
 from tests.workers.common import BATCH, full_params, trainer_for
 
 STRATEGIES = {

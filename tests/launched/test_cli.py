@@ -51,7 +51,7 @@ def test_main_job_progress_bar_reads_epoch_0_and_the_integer_version(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_dpar.progress import DparRichProgressBar
-    from tests.models import ParityModule, RegressionData, loader
+    from tests.support.models import ParityModule, RegressionData, loader
 
     assert type(parse().trainer.progress_bar_callback) is DparRichProgressBar
     assert (

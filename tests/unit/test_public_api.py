@@ -9,7 +9,7 @@ import pytest
 
 import lightning_dpar
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODULES = sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
     for p in (ROOT / "lightning_dpar").rglob("*.py")

@@ -14,7 +14,7 @@ from lightning_dpar.pipeline.schedule import SCHEDULES, schedule_spec
 from lightning_dpar.pipeline.split import pipeline_units, resolve_split, stage_ranks
 from lightning_dpar.pipeline.values import describe, fabricate, rebuild, tensors
 from lightning_dpar.plan import ModulePlan, local_plan, repeated_blocks
-from tests.models import Net, ParityModule
+from tests.support.models import Net, ParityModule
 
 
 class LitGPTLike(nn.Module):
@@ -53,7 +53,7 @@ def test_a_model_registering_its_head_first_gives_the_order_its_forward_calls():
     with pytest.raises(ValueError, match=r"`pipeline_call_order=\['transformer'\]` leaves out \['lm_head'\]"):
         resolve_split(module, repeated_blocks(module), "auto", 2, 1, "loop", ["transformer"])
     with pytest.raises(
-        ValueError, match=r"names \['head'\], which are not modules of tests.test_pipeline_plan.LitGPTLike"
+        ValueError, match=r"names \['head'\], which are not modules of tests.unit.pipeline.test_split.LitGPTLike"
     ):
         resolve_split(module, repeated_blocks(module), "auto", 2, 1, "loop", ["transformer", "head"])
 
@@ -97,7 +97,8 @@ def test_bad_split_points_are_named(spec, message):
 
 
 def test_more_stages_than_blocks_is_an_error_naming_both():
-    with pytest.raises(ValueError, match=r"4 pipeline stages need at least 4 blocks, but tests.models.Net has 2"):
+    message = r"4 pipeline stages need at least 4 blocks, but tests.support.models.Net has 2"
+    with pytest.raises(ValueError, match=message):
         split(Net(depth=2), stages=4)
 
 

@@ -237,6 +237,7 @@ def test_a_meta_module_nothing_can_initialise_is_refused():
         module = Holder()
     with pytest.raises(
         TypeError,
-        match=r"Modules \['tests\.test_hf_models\.\S+<locals>\.NoInit \(scale\)'\] were created on the meta device",
+        match=r"Modules \['tests\.launched\.test_hf_models\.\S+<locals>\.NoInit \(scale\)'\] were created on the meta"
+        r" device",
     ):
         plan(lightning_dpar.FullyShardStrategy(), module, world_size=2)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conformance_harness import STRATEGY_IDS, ConformanceLaunches, compare, expect_parity, expect_refused
+from tests.support.conformance_harness import STRATEGY_IDS, ConformanceLaunches, compare, expect_parity, expect_refused
 from tests.workers.conformance import FEATURES
 
 
@@ -98,7 +98,7 @@ def test_refusals_name_the_flag_and_what_to_do():
 
     from lightning_dpar.batchnorm import check_no_batch_norm_in_pipeline, check_sync_batchnorm_supported
     from lightning_dpar.sampling import check_sampler_shards
-    from tests.models import RegressionData
+    from tests.support.models import RegressionData
 
     with_norm = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     with pytest.raises(

@@ -22,8 +22,8 @@ import torch
 
 from lightning_dpar.devices import devices_ranks_problem
 from tests.conftest import run_workers, subprocess_env
-from tests.models import RegressionData, global_batches, reference_train
-from tests.test_parity import ATOL
+from tests.launched.test_parity import ATOL
+from tests.support.models import RegressionData, global_batches, reference_train
 from tests.workers.checkpoint_common import inputs_env
 from tests.workers.common import BATCH
 from tests.workers.ray_train import REPORT_EVERY

@@ -1,6 +1,6 @@
 """The conformance matrix's callback rows: each of Lightning's built-in callbacks under every strategy column ends
 as under Lightning's DDP (weights, the callback's own state, logged values), or is refused before any collective.
-Features: `tests/workers/conformance_callbacks.py`; harness: `tests/conformance_harness.py`; behaviour:
+Features: `tests/workers/conformance_callbacks.py`; harness: `tests/support/conformance_harness.py`; behaviour:
 `docs/callbacks.md`.
 
 The fast lane checks the pieces in-process: the averaged copy laid out like a sharded model, and model-shaped
@@ -20,7 +20,7 @@ from lightning_dpar.callback_checks import refuse_unsupported_callbacks
 from lightning_dpar.checkpoint.model_shaped import SHARDED_ENTRY, marked_entries
 from lightning_dpar.checkpoint.sharded import split_checkpoint
 from lightning_dpar.weight_averaging import lay_out_like
-from tests.conformance_harness import STRATEGY_IDS, ConformanceLaunches, expect_parity, expect_refused
+from tests.support.conformance_harness import STRATEGY_IDS, ConformanceLaunches, expect_parity, expect_refused
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_parity import ATOL
+from tests.launched.test_parity import ATOL
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ ModelCheckpoint, exact resume, `ckpt_path="last"`, strict loading, bad input, an
 
 Two launches: the kill (driven here with torchrun: it must die), then one launch of every other case, including
 the after-kill cases, which load what the kill left (the `killed` fixture passes its directory). Resharding is
-`tests/test_checkpoint_reshard.py`; formats, fsspec and migration `tests/test_checkpoint_formats.py`.
+`tests/launched/test_checkpoint_reshard.py`; formats, fsspec and migration `tests/launched/test_checkpoint_formats.py`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`lightning_dpar.clipping` in one process: which mesh dims each gradient layout is reduced over (the cache and the
-numbers against torch are in `tests/test_clipping.py`).
+numbers against torch are in `tests/unit/test_clipping.py`).
 
 A fake process group of 8 ranks supplies the meshes. Its collectives do nothing, so `dist.all_reduce` is replaced by
 one that reduces as if every rank of the group held a shard equal to this rank's (a sum multiplies by the group

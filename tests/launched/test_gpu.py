@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.conftest import run_workers
-from tests.test_parity import ATOL, PARITY_CASES
-from tests.test_precision import BF16_ATOL
+from tests.launched.test_parity import ATOL, PARITY_CASES
+from tests.launched.test_precision import BF16_ATOL
 
 pytestmark = [
     pytest.mark.gpu,

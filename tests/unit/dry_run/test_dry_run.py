@@ -15,7 +15,7 @@ import lightning_dpar
 from lightning_dpar.dry_run import main, plan
 from lightning_dpar.memory import format_bytes
 from tests.conftest import ROOT
-from tests.models import Net, SharedWeightsModule
+from tests.support.models import Net, SharedWeightsModule
 
 EXAMPLE_2D = str(ROOT / "examples" / "configs" / "2d.yaml")
 BIG = str(ROOT / "examples" / "plan" / "gpt_70b.yaml")

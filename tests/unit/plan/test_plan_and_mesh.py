@@ -19,7 +19,7 @@ from lightning_dpar.plan import (
     resolve_tp_plan,
     select_modules,
 )
-from tests.models import Net
+from tests.support.models import Net
 
 
 class WildcardModel(nn.Module):

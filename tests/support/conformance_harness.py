@@ -128,11 +128,11 @@ BATCH, STEPS = 4, 4
 
 
 def conformance_module(column: Column, batchnorm: bool | None = None, **kwargs: Any) -> Any:
-    """The matrix's model (`tests.models.ConformanceModule`: `Linear -> BatchNorm1d -> 2 residual blocks ->
+    """The matrix's model (`tests.support.models.ConformanceModule`: `Linear -> BatchNorm1d -> 2 residual blocks ->
     Linear`, a `tp_plan` for `dpar_2d`, logs `train_loss`/`val_loss` with `sync_dist`). The BatchNorm is left out
     (`batchnorm=None`) in the pipeline column and its reference, where it is refused (microbatches would change its
     statistics); pass `batchnorm=True` to test that refusal."""
-    from tests.models import ConformanceModule
+    from tests.support.models import ConformanceModule
 
     if batchnorm is None:
         batchnorm = column.id not in ("pipeline", "ddp1")

@@ -208,7 +208,7 @@ class ConformanceNet(Net):
 
 
 class ConformanceModule(RegressionModule):
-    """The Lightning conformance matrix's model (`tests/conformance_harness.py`)."""
+    """The Lightning conformance matrix's model (`tests/support/conformance_harness.py`)."""
 
     tp_plan = TP_PLAN
 

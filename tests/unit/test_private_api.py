@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_dpar._private_api import LIGHTNING_SUBCLASS_HOOKS
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_dpar"
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_dpar"
 FOREIGN_ROOTS = ("torch", "lightning", "lightning_utilities", "torchmetrics")
 #: The torch/Lightning objects the package's code receives and could reach into.
 HANDLED_TYPES = (L.LightningModule, L.Trainer, LightningOptimizer, Strategy, torch.nn.Module, torch.optim.Optimizer)

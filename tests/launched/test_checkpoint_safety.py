@@ -1,10 +1,11 @@
 """Loading a checkpoint runs no code from it, and every unusable checkpoint fails naming the file and what to do.
 
 In-process tests build small real checkpoints with `dcp.save` (no process group) and hostile variants of them
-(`tests/malicious.py`); each payload is first shown to run under DCP's own `pickle.load` or `torch.load(weights_only=
-False)` (it creates a marker file), then to be refused by every reader of ours without the marker appearing. The
+(`tests/support/malicious.py`); each payload is first shown to run under DCP's own `pickle.load` or
+`torch.load(weights_only=False)` (it creates a marker file), then to be refused by every reader of ours without the
+marker appearing. The
 2-rank Trainer cases (`fit(ckpt_path=...)`, memory-mapped full-format loads) are `tests/workers/checkpoint_safety.py`.
-The checkpoints are `tests/checkpoint_files.py`'s; corrupt (not hostile) ones are
+The checkpoints are `tests/support/checkpoint_files.py`'s; corrupt (not hostile) ones are
 `tests/unit/checkpoint/test_safe_io.py`, `consolidate` on bad input `tests/unit/test_consolidate.py`.
 """
 
@@ -30,9 +31,9 @@ from lightning_dpar.checkpoint.errors import CheckpointLoadError, CorruptCheckpo
 from lightning_dpar.checkpoint.offline_reader import OfflineCheckpoint
 from lightning_dpar.checkpoint.safe_io import read_dcp_index, translate_dcp_errors
 from lightning_dpar.checkpoint.storage import Location
-from tests import malicious
-from tests.checkpoint_files import Tiny, copy_of, write_sharded
 from tests.conftest import run_workers
+from tests.support import malicious
+from tests.support.checkpoint_files import Tiny, copy_of, write_sharded
 
 
 @dataclasses.dataclass
@@ -272,7 +273,7 @@ def test_users_own_types_load_once_allowed(pristine, tmp_path):
     meta = torch.load(checkpoint / "meta.pt", weights_only=True)
     meta["hyper_parameters"]["config"] = Config(depth=2)
     torch.save(meta, checkpoint / "meta.pt")
-    with pytest.raises(UnsafeCheckpointError, match=r"refers to tests\.test_checkpoint_safety\.Config"):
+    with pytest.raises(UnsafeCheckpointError, match=r"refers to tests\.launched\.test_checkpoint_safety\.Config"):
         lightning_dpar.load_from_checkpoint(Tiny, checkpoint)
     with torch.serialization.safe_globals([Config]):
         model = lightning_dpar.load_from_checkpoint(Tiny, checkpoint)

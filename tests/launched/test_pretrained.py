@@ -21,7 +21,7 @@ from lightning_dpar.pretrained import (
     to_pretrained_weights,
 )
 from tests.conftest import ROOT, run_script, run_workers
-from tests.models import Net
+from tests.support.models import Net
 
 transformers = pytest.importorskip("transformers")
 

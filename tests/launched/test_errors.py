@@ -10,7 +10,7 @@ ERRORS = {
     "replicate_size_not_dividing": ["replicate_size=5", "Valid replicate sizes: [1, 2, 4]"],
     "pattern_matches_nothing": ["'model.layers.*.fc9' matches no module", "'model.layers.0.fc1'"],
     "style_cannot_shard_module": [
-        "ColwiseParallel cannot shard 'model.layers.0' (tests.models.Block)",
+        "ColwiseParallel cannot shard 'model.layers.0' (tests.support.models.Block)",
         "torch.nn.modules.linear.Linear and torch.nn.modules.sparse.Embedding",
     ],
     "tp_without_plan": ["tensor_parallel_size=4", "needs a `tp_plan`"],

@@ -17,7 +17,7 @@ def test_ruff(command):
 
 
 def test_each_worker_module_is_named_like_its_test_file():
-    """`tests/workers/<name>.py` holds the cases of `tests/test_<name>.py` (see `tests/workers/run.py`), so a
+    """`tests/workers/<name>.py` holds the cases of `tests/launched/test_<name>.py` (see `tests/workers/run.py`), so a
     launched test's cases are found by its file name; the workers' entry point loads every one of them."""
     from tests.workers.run import MODULES
 
@@ -25,5 +25,5 @@ def test_each_worker_module_is_named_like_its_test_file():
     support = {"__init__", "cases", "common", "run", "checkpoint_common", "pipeline_common", "launch_script"}
     on_disk = {path.stem for path in (ROOT / "tests" / "workers").glob("*.py")} - support
     assert loaded == on_disk, f"not loaded by run.py: {sorted(on_disk - loaded)}; missing: {sorted(loaded - on_disk)}"
-    unmatched = sorted(name for name in loaded if not (ROOT / "tests" / f"test_{name}.py").exists())
+    unmatched = sorted(name for name in loaded if not (ROOT / "tests" / "launched" / f"test_{name}.py").exists())
     assert not unmatched, f"worker modules without a test file of the same name: {unmatched}"

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dpar import PerformanceMonitor
 from tests.conftest import run_workers
-from tests.models import ParityModule, RegressionData, loader
+from tests.support.models import ParityModule, RegressionData, loader
 
 SEQ, VOCAB, BATCH = 8, 32, 4
 

@@ -62,5 +62,5 @@ def test_bf16_mixed_computes_in_bf16_keeps_fp32_master_and_reduction(memory, str
         assert collectives["_allgather_base_"] == ["torch.bfloat16"]
         assert collectives["_reduce_scatter_base_"] == ["torch.float32"]
     # bf16 has 8 mantissa bits: 3 SGD steps move parameters by ~3.6e-4 from fp32 training (measured); a gradient
-    # averaging bug moves them by >= 1.7e-2 (see tests/test_precision.py), so 1.5e-3 separates the two.
+    # averaging bug moves them by >= 1.7e-2 (see tests/launched/test_precision.py), so 1.5e-3 separates the two.
     assert 1e-5 < case["max_diff_to_fp32"] < 1.5e-3
