@@ -1,5 +1,6 @@
 """Small real checkpoints written in one process (no Trainer, no process group) for the tests of unusable and
-hostile checkpoints: a sharded one as lightning_dpar writes it, a full-format file, and copies to damage."""
+hostile checkpoints: a sharded one as lightning_dpar writes it, a full-format file, and copies to damage (also the
+damaged copies the launched bad-input cases load)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,22 @@ def copy_of(pristine: Path, tmp_path: Path, name: str = "victim.ckpt") -> Path:
     target = tmp_path / "run" / name
     shutil.copytree(pristine, target)
     return target
+
+
+def write_damaged_copies(good: Path, root: Path) -> None:
+    """Damaged and foreign copies of the sharded checkpoint `good` (2 ranks) under `root`: `truncated.ckpt` (rank 1's
+    shard cut short), `corrupted.ckpt` (a flipped byte in rank 0's shard), and what a future lightning_dpar would
+    write: `newer_sharded.ckpt` and `newer_full.ckpt` (format version 99)."""
+    for name in ("truncated.ckpt", "corrupted.ckpt", "newer_sharded.ckpt"):
+        shutil.copytree(good, root / name, dirs_exist_ok=True)
+    shard = root / "truncated.ckpt" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    shard = root / "corrupted.ckpt" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    # Written by a future lightning_dpar: a sharded directory and a full-format file.
+    meta = torch.load(root / "newer_sharded.ckpt" / "meta.pt", weights_only=False)
+    meta["dpar"]["format_version"] = 99
+    torch.save(meta, root / "newer_sharded.ckpt" / "meta.pt")
+    torch.save({"state_dict": {}, "dpar": {"format_version": 99}}, root / "newer_full.ckpt")

@@ -1,5 +1,6 @@
 """Cases for `tests/launched/test_checkpoint.py`: Lightning's checkpoint flow through real Trainers (ModelCheckpoint,
-save/load, `ckpt_path="last"`), exact resume, strict loading and bad input, and a kill during a save.
+save/load, `ckpt_path="last"`), resume (from every kind of save: `resume_points.py`), strict loading and bad input,
+and a kill during a save.
 
 The kill case never ends normally (its test drives it with torchrun and expects the SIGKILL); the after-kill cases
 load what it left, in the directory the test's fixture passes (`checkpoint_common.saved_by`).
@@ -8,10 +9,8 @@ load what it left, in the directory the test's fixture passes (`checkpoint_commo
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import random
-import shutil
 import signal
 import time
 import warnings
@@ -28,38 +27,24 @@ from lightning_dpar.checkpoint import writer as checkpoint_writer
 from lightning_dpar.checkpoint.contents import inspect_checkpoint, is_complete_checkpoint
 from lightning_dpar.checkpoint.resume import capture_rng_state
 from lightning_dpar.checkpoint.storage import Location
+from tests.support.checkpoint_files import write_damaged_copies
 from tests.workers.cases import Case, one_case
 from tests.workers.checkpoint_common import (
-    IndexedData,
     ResumeModule,
+    ReversedSampler,
     case_dir,
     error_of,
-    flat_tensors,
-    full_optimizer,
     gather,
-    max_diff,
+    same_streams,
     saved_by,
     strategy_for,
     train_loader,
     val_loader,
 )
-from tests.workers.common import BATCH, full_params, trainer_for
+from tests.workers.common import full_params, trainer_for
 
 
 # ---------------------------------------------------------------------- Lightning's flow + exact resume
-class ReversedSampler(torch.utils.data.Sampler):
-    """A custom (non-resumable) sampler: Lightning wraps it in `DistributedSamplerWrapper`."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __iter__(self):
-        return iter(range(self.n - 1, -1, -1))
-
-    def __len__(self) -> int:
-        return self.n
-
-
 def resume_case(name: str, strategy: str, sampler=None, **strategy_kwargs) -> dict:
     """Full run with a checkpoint every 5 steps; resume from step 5 (mid-epoch 0, epoch 1 follows) in a new Trainer."""
     root = case_dir(f"resume_{name}")
@@ -121,8 +106,6 @@ def group_resume() -> Iterator[Case]:
     )
     yield Case("async_rng_record", async_rng_record_case)
     yield Case("async_link", async_link_case)
-    for written in RESUME_POINTS:
-        yield Case(f"resume_point_{written}", lambda written=written: resume_point_case(written))
 
 
 def resume_last_case() -> dict:
@@ -143,185 +126,6 @@ def resume_last_case() -> dict:
     }
 
 
-# ---------------------------------------------------------------------- exact resume from every kind of save
-#: 32 samples / batch 4 / 2 data-parallel ranks: 4 batches an epoch, so 10 steps cross two epoch ends.
-POINTS_SAMPLES, POINTS_STEPS = 32, 10
-
-
-def points_loader() -> torch.utils.data.DataLoader:
-    """Shuffled (Lightning's sampler then shuffles per epoch): a wrong epoch or position shows in the batches."""
-    return torch.utils.data.DataLoader(IndexedData(n=POINTS_SAMPLES), batch_size=BATCH, shuffle=True)
-
-
-class PointsModule(ResumeModule):
-    """`ResumeModule` (a per-step `StepLR`) with an `interval="epoch"` `StepLR` on top, and with `plateau` also an
-    epoch-interval `ReduceLROnPlateau` on a constant metric (it halves the LR at the second epoch end it sees), so
-    that a scheduler step lost or doubled at a resume shows in the LR and the weights. Records the LR of each step."""
-
-    def __init__(self, plateau: bool = False) -> None:
-        super().__init__()
-        self.plateau = plateau
-        self.lrs: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        self.lrs.append(self.optimizers().param_groups[0]["lr"])
-        return super().training_step(batch, batch_idx)
-
-    def validation_step(self, batch, batch_idx):
-        super().validation_step(batch, batch_idx)
-        if self.plateau:
-            self.log("plateau_metric", 1.0)
-
-    def configure_optimizers(self):
-        config = super().configure_optimizers()
-        optimizer = config["optimizer"]
-        epochly = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
-        schedulers = [config["lr_scheduler"], {"scheduler": epochly, "interval": "epoch"}]
-        if self.plateau:
-            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
-            schedulers.append({"scheduler": plateau, "interval": "epoch", "monitor": "plateau_metric"})
-        return [optimizer], schedulers
-
-
-class RaisesAtStep(PointsModule):
-    """Raises in `training_step` at `raise_at` (before training on that batch), as a crash would."""
-
-    def __init__(self, raise_at: int) -> None:
-        super().__init__()
-        self.raise_at = raise_at
-
-    def training_step(self, batch, batch_idx):
-        if self.global_step == self.raise_at:
-            raise RuntimeError(f"crash at step {self.raise_at}")
-        return super().training_step(batch, batch_idx)
-
-
-class _Messages(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def _points_fit(module, max_steps: int, callbacks=(), ckpt_path=None) -> tuple[object, list[str]]:
-    """Fit `module` on the points data with validation every 2 batches; the Trainer and rank 0's resume lines."""
-    trainer = trainer_for(
-        FullyShardStrategy(),
-        max_steps=max_steps,
-        callbacks=list(callbacks),
-        enable_checkpointing=bool(callbacks),
-        val_check_interval=2,
-        limit_val_batches=1,
-    )
-    records = _Messages()
-    logging.getLogger("lightning.pytorch").addHandler(records)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer.fit(module, points_loader(), val_loader(), ckpt_path=ckpt_path)
-    finally:
-        logging.getLogger("lightning.pytorch").removeHandler(records)
-    lines = records.messages + [str(w.message) for w in caught]
-    return trainer, [line for line in lines if "Resuming" in line or "resume" in line.lower()]
-
-
-def _steps(module) -> list[list]:
-    """(global step, loss, sample indices, LR) of every batch `module` trained on, on this rank."""
-    return [
-        [step, loss, module.seen[i * BATCH : (i + 1) * BATCH], module.lrs[i]]
-        for i, (step, loss) in enumerate(module.losses)
-    ]
-
-
-def _final_state(trainer) -> dict[str, torch.Tensor]:
-    params = full_params(trainer)
-    optimizer = flat_tensors("optimizer", full_optimizer(trainer).get("state", {}))  # on rank 0 only
-    return {**{f"model.{k}": v for k, v in params.items()}, **optimizer}
-
-
-@functools.cache
-def _points_reference(plateau: bool = False) -> tuple[list[list], list[list], dict[str, torch.Tensor]]:
-    """The uninterrupted run (every rank's batches, and the final state on rank 0), saving along the way: every 4
-    steps, at validation end on a monitored metric, and at each epoch's end."""
-    root = case_dir("points_plateau" if plateau else "points")
-    callbacks = [
-        ModelCheckpoint(dirpath=root / "every", filename="{step}", every_n_train_steps=4, save_top_k=-1),
-        ModelCheckpoint(dirpath=root / "monitor", filename="{step}", monitor="val_loss", save_top_k=-1),
-        ModelCheckpoint(
-            dirpath=root / "epoch", filename="{step}", every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True
-        ),
-    ]
-    module = PointsModule(plateau)
-    trainer, _ = _points_fit(module, POINTS_STEPS, callbacks)
-    return gather(_steps(module)), _final_state(trainer)
-
-
-def _resume_point(written: str, plateau: bool) -> tuple[int, str]:
-    """Write the checkpoint the way `written` names (or find the reference run's); its global step and path."""
-    root = case_dir("points_plateau" if plateau else "points")
-    if written.startswith(("every/", "monitor/", "epoch/")):
-        _points_reference(plateau)
-        return int(written.split("step=")[1].split(".")[0]), str(root / written)
-    directory = root / written
-    if written in ("fit_end_mid_epoch", "fit_end_epoch_end"):  # the README's flow: `fit` ends on `max_steps`
-        steps = 3 if written == "fit_end_mid_epoch" else 4
-        callback = ModelCheckpoint(dirpath=directory, save_last="link", save_on_train_epoch_end=True)
-        _points_fit(PointsModule(plateau), steps, [callback])
-        return steps, str(directory / "last.ckpt")
-    if written == "save_checkpoint_after_fit":
-        trainer, _ = _points_fit(PointsModule(plateau), 3)
-        trainer.save_checkpoint(directory / "saved.ckpt")
-        return 3, str(directory / "saved.ckpt")
-    if written == "exception":
-        callback = ModelCheckpoint(dirpath=directory, filename="crash", save_on_exception=True, save_top_k=0)
-        error = error_of(lambda: _points_fit(RaisesAtStep(3), POINTS_STEPS, [callback]))
-        assert error is not None and "crash at step 3" in error, error
-        return 3, str(directory / "crash.ckpt")
-    raise ValueError(written)
-
-
-def resume_point_case(written: str) -> dict:
-    """Resume from a checkpoint written the way `written` names (`plateau/<way>`: with the plateau scheduler) and
-    train to the reference run's last step: every rank's batches (step, loss, samples, LR), the final weights and
-    optimizer state, and what the log said."""
-    plateau = written.startswith("plateau/")
-    written = written.removeprefix("plateau/")
-    reference_steps, reference_state = _points_reference(plateau)
-    step, path = _resume_point(written, plateau)
-    module = PointsModule(plateau)
-    trainer, lines = _points_fit(module, POINTS_STEPS, ckpt_path=path)
-    resumed_steps, state = gather(_steps(module)), _final_state(trainer)
-    expected = [[entry for entry in rank_steps if entry[0] >= step] for rank_steps in reference_steps]
-    if dist.get_rank() != 0:
-        return None
-    return {
-        "same_batches": resumed_steps == expected,
-        "resumed_batches": [entry[::2] for entry in resumed_steps[0]],
-        "expected_batches": [entry[::2] for entry in expected[0]],
-        "resumed_lrs": [entry[3] for entry in resumed_steps[0]],
-        "expected_lrs": [entry[3] for entry in expected[0]],
-        "state_max_diff": max_diff(state, reference_state),
-        "lines": lines,
-    }
-
-
-RESUME_POINTS = [
-    "every/step=4.ckpt",
-    "monitor/step=2.ckpt",
-    "monitor/step=4.ckpt",
-    "epoch/step=4.ckpt",
-    "fit_end_mid_epoch",
-    "fit_end_epoch_end",
-    "save_checkpoint_after_fit",
-    "exception",
-    "plateau/monitor/step=2.ckpt",
-    "plateau/epoch/step=4.ckpt",
-    "plateau/fit_end_epoch_end",
-]
-
-
 # ---------------------------------------------------------------------- every rank's RNG streams, async
 class RngAtFirstBatch(Callback):
     """This rank's RNG streams when the resumed run's first batch starts: after the strategy restored them, before
@@ -333,17 +137,6 @@ class RngAtFirstBatch(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.state is None:
             self.state = capture_rng_state()
-
-
-def _same_streams(a, b) -> bool:
-    """RNG states equal value for value (tensors exactly; tuples and lists alike, as `meta.pt` may read either)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_streams(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_streams(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def async_rng_record_case() -> dict:
@@ -378,10 +171,10 @@ def async_rng_record_case() -> dict:
     every_expected, every_restored = gather(expected), gather(probe.state)
     return {
         "rank1_returned_first": rank1_returned_first,
-        "ranks_differ": not _same_streams(every_expected[0], every_expected[1]),
+        "ranks_differ": not same_streams(every_expected[0], every_expected[1]),
         "recorded_ranks": len(recorded),
-        "recorded_matches": [_same_streams(r, e) for r, e in zip(recorded, every_expected)],
-        "restored_matches": [_same_streams(r, e) for r, e in zip(every_restored, every_expected)],
+        "recorded_matches": [same_streams(r, e) for r, e in zip(recorded, every_expected)],
+        "restored_matches": [same_streams(r, e) for r, e in zip(every_restored, every_expected)],
     }
 
 
@@ -462,19 +255,7 @@ def _bad_input_files() -> tuple[Path, Path, dict]:
     if dist.get_rank() == 0:
         (root / "not_a_checkpoint").mkdir(exist_ok=True)  # exists when a relaunch reruns this
         (root / "not_a_checkpoint" / "notes.txt").write_text("hi")
-        for name in ("truncated.ckpt", "corrupted.ckpt", "newer_sharded.ckpt"):
-            shutil.copytree(good, root / name, dirs_exist_ok=True)
-        shard = root / "truncated.ckpt" / "__1_0.distcp"
-        shard.write_bytes(shard.read_bytes()[:100])
-        shard = root / "corrupted.ckpt" / "__0_0.distcp"
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        shard.write_bytes(bytes(data))
-        # Written by a future lightning_dpar: a sharded directory and a full-format file.
-        meta = torch.load(root / "newer_sharded.ckpt" / "meta.pt", weights_only=False)
-        meta["dpar"]["format_version"] = 99
-        torch.save(meta, root / "newer_sharded.ckpt" / "meta.pt")
-        torch.save({"state_dict": {}, "dpar": {"format_version": 99}}, root / "newer_full.ckpt")
+        write_damaged_copies(good, root)
     dist.barrier()
     return root, good, reference
 

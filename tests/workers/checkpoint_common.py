@@ -63,6 +63,30 @@ class IndexedData(RegressionData):
         return self.x[i], self.y[i], torch.tensor(i)
 
 
+class ReversedSampler(torch.utils.data.Sampler):
+    """A custom (non-resumable) sampler: Lightning wraps it in `DistributedSamplerWrapper`."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def same_streams(a, b) -> bool:
+    """RNG states equal value for value (tensors exactly; tuples and lists alike, as `meta.pt` may read either)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_streams(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_streams(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 class ResumeModule(ParityModule):
     """Adam + a per-step LR schedule + per-rank input noise (RNG): resume is exact only if all of it comes back."""
 

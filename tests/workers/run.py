@@ -35,6 +35,7 @@ MODULES = [
         "callbacks",
         "cli",
         "checkpoint",
+        "resume_points",
         "checkpoint_reshard",
         "checkpoint_formats",
         "checkpoint_faults",
