@@ -296,8 +296,9 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         assert self.dims is not None and self._data_parallel_mesh is not None
         return MeshLayout(self.dims, self.device_mesh, self._data_parallel_mesh, self.root_device)
 
-    def _parallelize(self, module: pl.LightningModule) -> None:
-        """The training code path: `apply_plan` with this strategy's plan and wrapper, materialising the shards."""
+    def _parallelize(self, module: pl.LightningModule) -> ModulePlan:
+        """The training code path: `apply_plan` with this strategy's plan and wrapper, materialising the shards;
+        returns the plan it applied."""
         plan = self.module_plan(module)
         self._tied = plan.tied
         applied = parallelize.apply_plan(
@@ -316,6 +317,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             self._pipeline = PipelineSteps(runtime)
             self.precision_plugin.reduce_norms_across(group, self.root_device)  # the norm spans every stage
             self.checkpoints.hold_pipeline_stages(applied.pipeline.remote_units, group)
+        return plan
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
