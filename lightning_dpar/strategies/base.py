@@ -215,12 +215,12 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         if self.lightning_module is not None:
             self._check_layer_sync(self.lightning_module)
             check_anomaly_detection(trainer, dims.tensor_parallel)
-        self._check_plan_before_collectives()
+        self._check_plan_before_collectives(dims)
         if trainer is not None:
             whole_parameters = self.holds_whole_parameters(dims)
             refuse_unsupported_callbacks(trainer.callbacks, type(self).__name__, whole_parameters, dims.tensor_parallel)
 
-    def _check_plan_before_collectives(self) -> None:
+    def _check_plan_before_collectives(self, dims: ParallelDims) -> None:
         """Resolve the plan of a model that exists already (no `configure_model`) before the process group: a plan
         that does not fit (e.g. a tensor-parallel size that does not divide a sharded dimension) fails on every rank
         with the same message, before any rank waits in a collective."""
@@ -231,8 +231,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             and not is_parallelized(module)  # e.g. `validate` after `fit`: planned and applied already
             and has_parameters(module)
         ):
-            assert self.dims is not None
-            self.module_plan(module, self.dims)
+            self.module_plan(module, dims)
 
     def _check_layer_sync(self, module: nn.Module) -> None:
         """`Trainer(sync_batchnorm=True)` when fitting: refused where torch's `SyncBatchNorm` cannot run (before the
