@@ -6,7 +6,8 @@ Importing the package registers the strategy names (`"dpar_replicate"`, `"dpar_f
 How a step flows: `strategies` (Lightning's hooks) -> `plan` (what goes where, as data) -> `parallelize` (applied)
 -> `checkpoint` (its manager owns save, load and resume). See `docs/architecture.md`. Packages and modules:
 
-- `strategies/`: the Lightning strategies (`base`, `fully_shard`, `replicate`, `pipeline_steps`);
+- `strategies/`: the Lightning strategies (`fully_shard`, `replicate` on `base`) and their hooks by concern
+  (`processes`, `collectives`, `data_loading`, `step_hooks`, `checkpoint_hooks`, `pipeline_steps`);
 - `plan/`: planning, one function `plan_modules` (see its docstring for its modules);
 - `pipeline/`: pipeline parallelism (split, schedules, stages, runtime);
 - `checkpoint/`: checkpoints, behind `checkpoint.manager.CheckpointManager`;

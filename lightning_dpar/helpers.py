@@ -1,5 +1,6 @@
 """Small helpers shared across the package, each defined once: module-name matching, divisors, showing a few names in
-an error message, naming a class, and facts about a module (does it hold parameters, is it a transformers model).
+an error message, naming a class, the Trainer a LightningModule is attached to, and facts about a module (does it
+hold parameters, is it a transformers model).
 
 A leaf: this module imports nothing from `lightning_dpar`, so any module may import it without an import cycle.
 """
@@ -7,10 +8,15 @@ A leaf: this module imports nothing from `lightning_dpar`, so any module may imp
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
 __all__ = [
+    "attached_trainer",
     "class_name",
     "divisors",
     "has_parameters",
@@ -42,6 +48,14 @@ def show_names(names: Iterable[str], limit: int = 6, *, bracketed: bool = True, 
         elif bracketed:
             shown += ", ..."
     return f"[{shown}]" if bracketed else shown
+
+
+def attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
+    """The Trainer `module` is attached to, or None (`LightningModule.trainer` raises when there is none)."""
+    try:
+        return module.trainer if module is not None else None
+    except RuntimeError:
+        return None
 
 
 def has_parameters(module: nn.Module) -> bool:

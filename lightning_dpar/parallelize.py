@@ -270,17 +270,19 @@ def _depth(fqn: str) -> int:
 def apply_ddp_replicate(
     root: nn.Module,
     process_group: dist.ProcessGroup,
+    roots: Sequence[str],
     ignored_modules: Sequence[str],
     ddp_kwargs: Mapping[str, Any],
     comm_hook: Callable[..., Any] | None,
     device: torch.device,
 ) -> list[nn.Module]:
-    """Composable DDP on each top-level child; gradients of `ignored_modules` (FQNs) are not synchronised. A child
-    whose parameters are all frozen is left out (DDP refuses it); the strategy averages the gradients of parameters
-    frozen here once they require them (a finetuning callback unfreezing a backbone)."""
+    """Composable DDP on each top-level unit (`roots`: `ModulePlan.data_parallel_roots`); gradients of
+    `ignored_modules` (FQNs) are not synchronised. A unit whose parameters are all frozen is left out (DDP refuses
+    it); the strategy averages the gradients of parameters frozen here once they require them (a finetuning callback
+    unfreezing a backbone)."""
     ignored = {root.get_submodule(fqn) for fqn in ignored_modules}
     replicated = []
-    for name in data_parallel_roots(root):
+    for name in roots:
         child = root.get_submodule(name)
         if child in ignored or not any(p.requires_grad for p in child.parameters()):
             continue

@@ -23,6 +23,12 @@ class ModulePlan:
     `pipeline_rank`'s stages (the split is applied first). `tied` lists the parameters reachable under several names
     (tied embeddings, a module shared by several blocks), found on the model before any parallelism: each stays one
     parameter (see `lightning_dpar.ties`).
+
+    Facts the data-parallel wrapper needs are found here too, once, so no wrapper reads them off the model again:
+    `data_parallel_roots` are the top-level units it wraps (`plan.structure.data_parallel_roots`; planned for a model
+    neither adopted nor pipelined), `ignored` the modules whose gradients are not synchronised (`ignored_modules`,
+    `dpar_replicate`), and `adopted_sharded` marks an adopted model whose `configure_model` applied `fully_shard`
+    itself, so the wrapper adds no FSDP units of its own.
     """
 
     tensor_parallel: dict[str, ParallelStyle]
@@ -33,6 +39,9 @@ class ModulePlan:
     pipeline: PipelineSplit | None = None
     pipeline_rank: int = 0
     tied: list[tuple[str, ...]] = field(default_factory=list)
+    data_parallel_roots: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    adopted_sharded: bool = False
 
 
 def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> ModulePlan:

@@ -4,8 +4,10 @@ the `plan` dry run, that returns the `ModulePlan`.
 The model passes through once, in this order: refuse what cannot compose (classic DDP / FSDP1 wrappers), note
 whether it was parallelised already (adopted as is), find its repeated blocks and tied parameters, split it into
 pipeline stages, resolve the tensor-parallel plan, choose the FSDP units, activation-checkpointed and compiled
-modules. Each fact is found once here and carried in the plan; `parallelize.apply_plan` only applies it. Pure (no
-process group): a plan that does not fit fails the same way on every rank before any collective, and in the dry run.
+modules, and what the data-parallel wrapper needs (its top-level units, the modules it leaves unsynchronised, whether
+an adopted model is sharded already). Each fact is found once here and carried in the plan; `parallelize.apply_plan`
+and the strategies' wrappers only apply it. Pure (no process group): a plan that does not fit fails the same way on
+every rank before any collective, and in the dry run.
 
 A new parallelism (expert parallelism next) is one more step here, filling one more field of `ModulePlan`, and one
 more function in `lightning_dpar.parallelize` that applies it.
@@ -29,10 +31,16 @@ from lightning_dpar.pipeline.split import resolve_split
 from lightning_dpar.plan.adapters import adapter_tp_plan
 from lightning_dpar.plan.compile import check_compile_with_tensor_parallel, compile_units
 from lightning_dpar.plan.module_plan import ModulePlan, local_plan
-from lightning_dpar.plan.selectors import ModuleSelector, resolve_activation_checkpointing, resolve_blocks
+from lightning_dpar.plan.selectors import (
+    ModuleSelector,
+    resolve_activation_checkpointing,
+    resolve_blocks,
+    select_modules,
+)
 from lightning_dpar.plan.structure import (
     check_not_wrapped_by_other_parallelism,
     data_parallel_roots,
+    has_fully_shard,
     is_parallelized,
     repeated_blocks,
 )
@@ -61,6 +69,7 @@ class PlanOptions:
         adopts_parallelized: whether a model parallelised in `configure_model` is adopted (`dpar_2d`) or refused.
         ddp_units: whether the wrapper is DDP when there is no tensor parallelism (`dpar_replicate`): then tied
             parameters must sit inside one of its units.
+        ignored_modules: selectors of the modules whose gradients are not synchronised (`dpar_replicate`).
     """
 
     strategy: str
@@ -73,6 +82,7 @@ class PlanOptions:
     shard_modules: Sequence[ModuleSelector] | None = None
     adopts_parallelized: bool = False
     ddp_units: bool = False
+    ignored_modules: Sequence[ModuleSelector] = ()
 
 
 def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, rank: int = 0) -> ModulePlan:
@@ -91,7 +101,8 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
     if parallelized:
         _check_adoptable(module, options)
         shard_units = _shard_units(module, options, blocks)
-        return ModulePlan({}, [], shard_units, compile_units(module, shard_units, blocks), adopted=True)
+        units = compile_units(module, shard_units, blocks)
+        return ModulePlan({}, [], shard_units, units, adopted=True, adopted_sharded=has_fully_shard(module))
     tied = tied_parameters(module)
     tensor_parallel = _tensor_parallel(module, dims, options)
     check_tied_layouts(module, tied, tensor_parallel)
@@ -100,8 +111,9 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
     roots = data_parallel_roots(module)  # refuses containers holding parameters of their own
     if options.ddp_units and dims.tensor_parallel == 1:  # with TP the replicas are FSDP units, which can share
         check_each_in_one_unit(tied, roots, options.strategy)
+    ignored = select_modules(module, options.ignored_modules, "ignored_modules") if options.ignored_modules else []
     check_initialisable(module)
-    return _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied)
+    return _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, roots, ignored)
 
 
 def _pipeline_plan(
@@ -145,8 +157,12 @@ def _whole_plan(
     shard_units: list[str],
     blocks: list[str],
     tied: list[tuple[str, ...]],
+    data_parallel_roots: Sequence[str] = (),
+    ignored: Sequence[str] = (),
 ) -> ModulePlan:
-    """The one place a (not adopted) `ModulePlan` is assembled."""
+    """The one place a (not adopted) `ModulePlan` is assembled; a pipelined plan has no `data_parallel_roots` (each
+    stage's root is its FSDP root) and no `ignored` modules (only `dpar_replicate` has them, and it does not pipeline).
+    """
     return ModulePlan(
         tensor_parallel=tensor_parallel,
         activation_checkpointing=resolve_activation_checkpointing(
@@ -155,6 +171,8 @@ def _whole_plan(
         shard_units=shard_units,
         compile_units=compile_units(module, shard_units, blocks),
         tied=tied,
+        data_parallel_roots=list(data_parallel_roots),
+        ignored=list(ignored),
     )
 
 

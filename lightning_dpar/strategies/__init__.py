@@ -1,6 +1,10 @@
-"""The package's Lightning strategies: `base` (Lightning's hooks every strategy shares), `fully_shard` (FSDP2, HSDP,
-2D and 3D), `replicate` (DDP, and DDP + tensor parallelism), and `pipeline_steps` (the step hooks routed through a
-pipeline schedule)."""
+"""The package's Lightning strategies: `fully_shard` (FSDP2, HSDP, 2D and 3D) and `replicate` (DDP, and DDP + tensor
+parallelism), on `base.DparStrategy` (their arguments and `setup`: plan, apply, pretrained weights, optimizers).
+Lightning's other hooks every strategy shares, one mixin of `DparStrategy` per concern: `processes` (launch, ranks,
+process group, device mesh), `collectives` (barrier, broadcast, data-parallel reductions), `data_loading` (sampler
+shards, the loader positioned for a resume), `step_hooks` (steps, backward, optimizer step, gradient-sync control) and
+`checkpoint_hooks` (save, load, removal, resume state, through the checkpoint manager); `pipeline_steps` routes the
+step hooks through a pipeline schedule."""
 
 from lightning_dpar.strategies.base import DparStrategy
 from lightning_dpar.strategies.fully_shard import FSDPTensorParallelStrategy, FullyShardStrategy

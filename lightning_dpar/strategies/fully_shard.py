@@ -17,7 +17,6 @@ from lightning_dpar.mesh import MeshLayout, SizeArg, fsdp_mesh
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import SplitSpec
 from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec
-from lightning_dpar.plan.structure import has_fully_shard
 from lightning_dpar.strategies.base import DparStrategy
 
 __all__ = [
@@ -184,7 +183,7 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
         fully_shard_units = super().data_parallel_wrapper(layout)
 
         def wrap(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
-            if plan.adopted and has_fully_shard(module):
+            if plan.adopted_sharded:
                 return _outermost_fsdp_modules(module)
             return fully_shard_units(module, plan, stage_roots)
 

@@ -19,8 +19,7 @@ from lightning_dpar._private_api import StrategyRegistryType, compiled_autograd,
 from lightning_dpar.comm_hooks import COMPRESS_HOOK_DTYPES, CommHook, resolve_comm_hook
 from lightning_dpar.compilation import compiled_autograd_compiler
 from lightning_dpar.mesh import REPLICATE, SHARD, MeshLayout, ParallelDims, SizeArg
-from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec, select_modules
-from lightning_dpar.plan.structure import data_parallel_roots
+from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec
 from lightning_dpar.strategies.base import DparStrategy
 from lightning_dpar.unit_guard import UnitCallGuard
 
@@ -118,7 +117,8 @@ class ReplicateStrategy(DparStrategy):
     @property
     @override
     def plan_options(self) -> PlanOptions:
-        return replace(super().plan_options, ddp_units=True)  # DDP mode: tied parameters inside one unit
+        # DDP mode: tied parameters inside one unit.
+        return replace(super().plan_options, ddp_units=True, ignored_modules=tuple(self._ignored_modules))
 
     @override
     def holds_whole_parameters(self, dims: ParallelDims) -> bool:
@@ -136,18 +136,14 @@ class ReplicateStrategy(DparStrategy):
 
     @override
     def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
-        ignored_selectors = self._ignored_modules
-
-        def ignored_fqns(module: nn.Module) -> list[str]:
-            return select_modules(module, ignored_selectors, "ignored_modules") if ignored_selectors else []
-
         if layout.dims.tensor_parallel == 1:
 
             def wrap_ddp(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
                 return parallelize.apply_ddp_replicate(
                     module,
                     layout.data_parallel_mesh.get_group(),
-                    ignored_fqns(module),
+                    plan.data_parallel_roots,
+                    plan.ignored,
                     self._ddp_kwargs,
                     self._comm_hook,
                     layout.device,
@@ -170,14 +166,14 @@ class ReplicateStrategy(DparStrategy):
                 units=[],
                 mp_policy=mp_policy,
                 reshard_after_forward=False,
-                ignored_params=parallelize.ignored_parameters(module, ignored_fqns(module)),
+                ignored_params=parallelize.ignored_parameters(module, plan.ignored),
             )
 
         return wrap_fsdp_replicas
 
     @override
-    def _parallelize(self, module: nn.Module) -> None:
-        super()._parallelize(module)
+    def _parallelize(self, module: nn.Module) -> ModulePlan:
+        plan = super()._parallelize(module)
         assert self.dims is not None
         if self.dims.tensor_parallel == 1:
             # DDP wraps children only: parameters on the LightningModule itself are all-reduced here, once per
@@ -186,13 +182,13 @@ class ReplicateStrategy(DparStrategy):
             # DDP's reducer also leaves out parameters frozen when it wraps the model. One unfrozen later (a
             # finetuning callback) would train on this rank's batches alone, as under Lightning's DDP, where the
             # ranks' copies drift apart; its gradients are averaged here instead, from the step it requires them.
-            ignored = select_modules(module, self._ignored_modules, "ignored_modules") if self._ignored_modules else []
-            not_synced = parallelize.ignored_parameters(module, ignored)
+            not_synced = parallelize.ignored_parameters(module, plan.ignored)
             self._frozen_at_wrap = [p for p in module.parameters() if not p.requires_grad and p not in not_synced]
         if self.dims.tensor_parallel == 1 and not self._compiled_autograd:
             # Compiled autograd traces the backward, hooks included; the guard's check is eager-only.
-            units = {name: module.get_submodule(name) for name in data_parallel_roots(module)}
+            units = {name: module.get_submodule(name) for name in plan.data_parallel_roots}
             self._unit_guard = UnitCallGuard({n: u for n, u in units.items() if u in self._grad_sync_modules})
+        return plan
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -1,0 +1,73 @@
+"""Lightning's collective hooks, as one mixin of `DparStrategy`: barrier, broadcast, and reductions and gathers over
+the data-parallel group by default (tensor-parallel peers hold identical values, so reducing over them too would
+count each value several times), and decisions every rank takes alike over the whole world."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+from lightning_dpar._private_api import sync_ddp_if_available
+
+__all__ = ["Collectives"]
+
+
+class Collectives(ParallelStrategy):
+    """The collective hooks of `DparStrategy`, which builds the data-parallel mesh (in `setup_environment`)."""
+
+    #: The flattened `data_parallel` dim of the device mesh: the ranks that see different batches.
+    _data_parallel_mesh: DeviceMesh | None
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """Ranks that see different batches; metrics and logged values reduce over this group only."""
+        return self._data_parallel_mesh.get_group() if self._data_parallel_mesh is not None else None
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not dist.is_initialized() or name == "Trainer.save_checkpoint":
+            # Lightning's barrier after each save: a synchronous save already ends in a collective on which every
+            # rank learns its outcome, and an async one must not wait for anything; it would only add a round trip.
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        objects = [obj]
+        dist.broadcast_object_list(objects, src)
+        return objects[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """Reduce over the data-parallel group by default: tensor-parallel peers hold identical values."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        return sync_ddp_if_available(tensor, group if group is not None else self.data_parallel_group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather from data-parallel peers by default (one entry per distinct batch)."""
+        return super().all_gather(tensor, group if group is not None else self.data_parallel_group, sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Over the whole world: every rank must take the same decision (early stopping, checkpointing).
+        if not dist.is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag)

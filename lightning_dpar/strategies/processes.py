@@ -1,0 +1,126 @@
+"""Lightning's process hooks, as one mixin of `DparStrategy`: how the ranks are launched, each rank's place and
+device, the mesh sizes resolved and checked, the process group started and the device mesh built
+(`setup_environment`). The strategy's own checks that must run before the first collective (a plan or a Trainer
+setting that cannot run) are `DparStrategy._check_before_collectives`, called here once the sizes are known."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.distributed.device_mesh import DeviceMesh
+from typing_extensions import override
+
+from lightning_dpar._private_api import IS_INTERACTIVE, attach_device_mesh
+from lightning_dpar.devices import check_devices_match_ranks
+from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
+from lightning_dpar.mesh import ParallelDims, SizeArg, build_device_mesh
+from lightning_dpar.process_group import start_process_group
+
+__all__ = ["ProcessHooks", "StartMethod"]
+
+StartMethod = Literal["popen", "fork", "spawn"]
+
+
+class ProcessHooks(ParallelStrategy):
+    """The process hooks of `DparStrategy`, which holds the size arguments they read (set in its `__init__`)."""
+
+    _tensor_parallel_size: SizeArg
+    _data_parallel_size: SizeArg
+    _replicate_size: SizeArg
+    _pipeline_parallel_size: int
+    _process_group_backend: str | None
+    _timeout: timedelta | None
+    _start_method: StartMethod
+    #: This run's mesh sizes, resolved in `setup_environment`.
+    dims: ParallelDims | None
+    _device_mesh: DeviceMesh | None
+    _data_parallel_mesh: DeviceMesh | None
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The world mesh with dims `replicate`, `shard`, `tensor_parallel` and the flattened `data_parallel`."""
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists once the processes are initialised (in `configure_model`).")
+        return self._device_mesh
+
+    def resolve_dims(self, world_size: int, devices_per_node: int, num_nodes: int) -> ParallelDims:
+        """Mesh sizes for a world; pure arithmetic, shared with the `plan` dry-run."""
+        return ParallelDims.resolve(
+            world_size=world_size,
+            devices_per_node=devices_per_node,
+            tensor_parallel_size=self._tensor_parallel_size,
+            data_parallel_size=self._data_parallel_size,
+            replicate_size=self._replicate_size,
+            num_nodes=num_nodes,
+            pipeline_parallel_size=self._pipeline_parallel_size,
+        )
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        start_method = "fork" if self._start_method == "popen" and IS_INTERACTIVE else self._start_method
+        if self.cluster_environment.creates_processes_externally:
+            self._launcher = InPlaceLauncher()
+        elif start_method == "popen":
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = InteractiveLauncher(self, start_method=start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        self.set_world_ranks()
+        check_devices_match_ranks(  # before `root_device` indexes the devices with the local rank
+            self.num_processes, self.num_nodes, self.local_rank, self.world_size, self.cluster_environment
+        )
+        super().setup_environment()
+        # Validate the layout before any collective: a bad size fails identically on every rank, never hangs.
+        self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
+        self._check_before_collectives(self.dims)
+        if not dist.is_initialized():
+            reset_seed()
+            self._process_group_backend = self._process_group_backend or dist.get_default_backend_for_device(
+                self.root_device
+            )
+            assert self.cluster_environment is not None
+            start_process_group(  # destroyed when the process exits; one that existed before is left alone
+                self.cluster_environment,
+                self._process_group_backend,
+                timeout=self._timeout,
+                device_id=self.root_device if self.root_device.type != "cpu" else None,
+            )
+        if self._device_mesh is None:  # fit then validate reuse the mesh the parameters already live on
+            self._device_mesh, self._data_parallel_mesh = build_device_mesh(self.dims, self.root_device.type)
+        assert self.lightning_module is not None
+        attach_device_mesh(self.lightning_module, self._device_mesh)
+
+    @abstractmethod
+    def _check_before_collectives(self, dims: ParallelDims) -> None:
+        """Refuse, on every rank alike and before the process group, what cannot run on a world of `dims`."""
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank

@@ -1,0 +1,142 @@
+"""Lightning's step hooks, as one mixin of `DparStrategy`: the training, validation, test and predict steps (with
+DDP's buffer broadcast around each forward), backward, the optimizer step (FSDP units resharded after it), the
+switch that skips gradient sync during accumulation, and building the optimizers. With pipeline parallelism the steps
+and backward go through `lightning_dpar.strategies.pipeline_steps` instead of Lightning's own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dpar import parallelize
+from lightning_dpar.callback_checks import optimizer_problem
+from lightning_dpar.checkpoint.agreement import first_problem
+from lightning_dpar.helpers import attached_trainer
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_dpar.buffers import BufferSync
+    from lightning_dpar.strategies.pipeline_steps import PipelineSteps
+
+__all__ = ["StepHooks"]
+
+
+class StepHooks(ParallelStrategy):
+    """The step hooks of `DparStrategy`, which sets the state they read (in `setup`)."""
+
+    #: The pipeline's step hooks, or None without pipeline parallelism.
+    _pipeline: PipelineSteps | None
+    #: DDP's buffer broadcast (`lightning_dpar.buffers`).
+    _buffer_sync: BufferSync | None
+    #: Every FSDP unit: resharded between steps (`optimizer_step`).
+    _fsdp_modules: list[FSDPModule]
+    #: Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
+    _grad_sync_modules: list[nn.Module]
+    _backward_sync_blocked: bool
+
+    @contextmanager
+    def _step_forward(self, training: bool) -> Generator[None, None, None]:
+        """Around each step's forward, as DDP's wrapper does: rank 0's buffers are broadcast to the data-parallel
+        peers first if a training forward ran since the last broadcast (`lightning_dpar.buffers`)."""
+        if self._buffer_sync is not None:
+            self._buffer_sync.before_forward()
+        yield
+        if self._buffer_sync is not None:
+            module = self.lightning_module
+            # Under manual optimisation Lightning's DDP switches its gradient sync off around the step's forward
+            # (`_DDPForwardRedirection`), so that forward does not mark buffers for the next broadcast either.
+            manual = module is not None and not module.automatic_optimization
+            synced = training and torch.is_grad_enabled() and not self._backward_sync_blocked and not manual
+            self._buffer_sync.after_forward(synced)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With pipeline parallelism: one schedule step over the batch's microbatches, forward and backward (see
+        `lightning_dpar.pipeline.runtime`); returns the loss on every rank."""
+        with self._step_forward(training=True):
+            if self._pipeline is None:
+                return super().training_step(*args, **kwargs)
+            trainer = attached_trainer(self.lightning_module)
+            accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+            return self._pipeline.training_step(self.precision_plugin, args, accumulate)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """The step, then every FSDP unit's parameters sharded again: a root, or a unit no backward went through
+        (all its parameters frozen), keeps them unsharded, and callbacks between steps must see the shards
+        (`parallelize.reshard`)."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        parallelize.reshard(self._fsdp_modules)
+        return output
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """With pipeline parallelism the schedule already ran every microbatch's backward inside `training_step`;
+        its gradients are added here, between the hooks around backward."""
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return self._pipeline.backward(self, closure_loss)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_forward(training=False):
+            if self._pipeline is None:
+                output = super().validation_step(*args, **kwargs)
+                parallelize.reshard(self._fsdp_modules)  # see `optimizer_step`
+                return output
+            return self._pipeline.eval_step(self.precision_plugin, "validation_step", args)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_forward(training=False):
+            if self._pipeline is None:
+                return super().test_step(*args, **kwargs)
+            return self._pipeline.eval_step(self.precision_plugin, "test_step", args)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_forward(training=False):
+            if self._pipeline is None:
+                return super().predict_step(*args, **kwargs)
+            return self._pipeline.eval_step(self.precision_plugin, "predict_step", args)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip gradient all-reduce / reduce-scatter on non-final micro-batches of gradient accumulation."""
+        for module in self._grad_sync_modules:
+            module.set_requires_gradient_sync(False)
+        self._backward_sync_blocked = True
+        try:
+            yield
+        finally:
+            self._backward_sync_blocked = False
+            for module in self._grad_sync_modules:
+                module.set_requires_gradient_sync(True)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's `configure_optimizers`; with pipeline parallelism, an error on some stages is raised on every
+        rank (each stage builds its optimizer over its own parameters, so it can fail on one stage alone)."""
+        if self._pipeline is None:
+            return super().setup_optimizers(trainer)
+        own_error: Exception | None = None
+        try:
+            super().setup_optimizers(trainer)
+        except Exception as error:
+            own_error = error
+        problem = None
+        if own_error is not None:
+            problem = optimizer_problem(own_error, self.lightning_module, trainer.callbacks, self.global_rank)
+        problem = first_problem(problem)
+        if problem is not None:
+            raise ValueError(problem) from own_error
