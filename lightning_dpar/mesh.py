@@ -1,4 +1,4 @@
-"""The parallel layout: how many ranks replicate, shard and tensor-parallelise, validated once.
+"""The parallel mesh: how many ranks replicate, shard and tensor-parallelise, validated once.
 
 `ParallelDims` is pure arithmetic (no process group), so the `plan` dry-run and the strategies share the exact same
 validation and error messages. `build_device_mesh` turns it into a named `DeviceMesh` once the process group exists.
@@ -23,8 +23,8 @@ __all__ = [
     "REPLICATE",
     "SHARD",
     "TENSOR_PARALLEL",
-    "MeshLayout",
     "ParallelDims",
+    "ParallelMeshes",
     "SizeArg",
     "build_device_mesh",
     "fsdp_mesh",
@@ -166,7 +166,7 @@ def is_sharded(placement: Placement) -> bool:
 
 
 @dataclass(frozen=True)
-class MeshLayout:
+class ParallelMeshes:
     """Where a model is parallelised: the mesh sizes, the world mesh, its flattened data-parallel mesh, and this
     rank's device. Strategies build their data-parallel wrapper from it, in training and in the `plan` dry run."""
 

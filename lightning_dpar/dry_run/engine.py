@@ -26,7 +26,13 @@ from torch.optim import Optimizer
 from lightning_dpar import memory, parallelize
 from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
 from lightning_dpar.dry_run.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow
-from lightning_dpar.mesh import TENSOR_PARALLEL, MeshLayout, ParallelDims, build_device_mesh, init_fake_process_group
+from lightning_dpar.mesh import (
+    TENSOR_PARALLEL,
+    ParallelDims,
+    ParallelMeshes,
+    build_device_mesh,
+    init_fake_process_group,
+)
 from lightning_dpar.optimizers import ParameterLayout, exactness_summary
 from lightning_dpar.pipeline.split import PipelineSplit
 from lightning_dpar.plan import ModulePlan
@@ -142,7 +148,7 @@ def _plan_on_fake_world(
     # Each pipeline rank drops the other stages' units, so the other stages are planned on copies of the whole model.
     unsplit = _meta_copy(module) if dims.pipeline > 1 else None
     model_params = sum(p.numel() for p in module.parameters())
-    meshes = MeshLayout(dims, mesh, data_parallel_mesh, torch.device("meta"))
+    meshes = ParallelMeshes(dims, mesh, data_parallel_mesh, torch.device("meta"))
     applied, module_plan, optimizers, optimizer_error = _apply(strategy, module, dims, rank, meshes)
     notes = []
     if module_plan.adopted:
@@ -227,7 +233,7 @@ def _meta_copy(module: nn.Module) -> nn.Module:
 
 
 def _apply(
-    strategy: DparStrategy, module: nn.Module, dims: ParallelDims, rank: int, meshes: MeshLayout
+    strategy: DparStrategy, module: nn.Module, dims: ParallelDims, rank: int, meshes: ParallelMeshes
 ) -> tuple[parallelize.AppliedPlan, ModulePlan, list[Optimizer], str | None]:
     """The training code path on `module` as global rank `rank`, minus materialisation; then its optimizers (and
     why they could not be built, if so)."""
@@ -250,7 +256,7 @@ def _pipeline_report(
     unsplit: nn.Module,
     dims: ParallelDims,
     rank: int,
-    meshes: MeshLayout,
+    meshes: ParallelMeshes,
     shown: tuple[parallelize.AppliedPlan, list[Optimizer]],
 ) -> PipelineReport:
     """Every stage's units, ranks and per-rank memory. Each pipeline rank is planned, as training would plan it, on a

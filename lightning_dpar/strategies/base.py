@@ -49,7 +49,7 @@ from lightning_dpar.checkpoint.adapter_only import CheckpointWeights
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.compilation import CompileSpec, compile_options
 from lightning_dpar.helpers import attached_trainer, has_parameters
-from lightning_dpar.mesh import PIPELINE, TENSOR_PARALLEL, MeshLayout, ParallelDims, SizeArg
+from lightning_dpar.mesh import PIPELINE, TENSOR_PARALLEL, ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.optimizers import ParameterLayout, check_optimizers
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.runtime import PipelineRuntime
@@ -275,8 +275,8 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         return plan_modules(module, dims, self.plan_options, self.global_rank if rank is None else rank)
 
     @abstractmethod
-    def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
-        """The function that applies this strategy's data-parallel wrapper on `layout`; it sets no strategy state,
+    def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:
+        """The function that applies this strategy's data-parallel wrapper on `meshes`; it sets no strategy state,
         so the `plan` dry run can call it on a fake world."""
 
     @property
@@ -290,10 +290,10 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         return self._pipeline_config
 
     @property
-    def mesh_layout(self) -> MeshLayout:
+    def parallel_meshes(self) -> ParallelMeshes:
         """This run's mesh sizes, meshes and device (exists once the processes are initialised)."""
         assert self.dims is not None and self._data_parallel_mesh is not None
-        return MeshLayout(self.dims, self.device_mesh, self._data_parallel_mesh, self.root_device)
+        return ParallelMeshes(self.dims, self.device_mesh, self._data_parallel_mesh, self.root_device)
 
     def _parallelize(self, module: pl.LightningModule) -> ModulePlan:
         """The training code path: `apply_plan` with this strategy's plan and wrapper, materialising the shards;
@@ -304,7 +304,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             module,
             plan,
             tensor_parallel_mesh=self.device_mesh[TENSOR_PARALLEL],
-            wrap_data_parallel=self.data_parallel_wrapper(self.mesh_layout),
+            wrap_data_parallel=self.data_parallel_wrapper(self.parallel_meshes),
             compile_options=self._compile_options,
             materialize_on=self.root_device,
         )

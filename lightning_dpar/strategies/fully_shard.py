@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType
-from lightning_dpar.mesh import MeshLayout, SizeArg, fsdp_mesh
+from lightning_dpar.mesh import ParallelMeshes, SizeArg, fsdp_mesh
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import SplitSpec
 from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec
@@ -105,12 +105,12 @@ class FullyShardStrategy(DparStrategy):
         return replace(super().plan_options, shards=True, shard_modules=self._shard_modules)
 
     @override
-    def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
-        mesh = fsdp_mesh(layout.mesh, layout.dims)
+    def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:
+        mesh = fsdp_mesh(meshes.mesh, meshes.dims)
         mp_policy = self.precision_plugin.mixed_precision_policy
 
         reshard_after_forward = self._reshard_after_forward
-        if layout.dims.pipeline > 1 and self._pipeline_config.schedule.defers_weight_gradients:
+        if meshes.dims.pipeline > 1 and self._pipeline_config.schedule.defers_weight_gradients:
             reshard_after_forward = False  # the schedule's weight-gradient step needs the unsharded parameters
 
         def wrap(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
@@ -179,8 +179,8 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
         return replace(super().plan_options, adopts_parallelized=True)
 
     @override
-    def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
-        fully_shard_units = super().data_parallel_wrapper(layout)
+    def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:
+        fully_shard_units = super().data_parallel_wrapper(meshes)
 
         def wrap(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
             if plan.adopted_sharded:

@@ -18,7 +18,7 @@ from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType, compiled_autograd, swap_ddp_optimize_mode
 from lightning_dpar.comm_hooks import COMPRESS_HOOK_DTYPES, CommHook, resolve_comm_hook
 from lightning_dpar.compilation import compiled_autograd_compiler
-from lightning_dpar.mesh import REPLICATE, SHARD, MeshLayout, ParallelDims, SizeArg
+from lightning_dpar.mesh import REPLICATE, SHARD, ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec
 from lightning_dpar.strategies.base import DparStrategy
 from lightning_dpar.unit_guard import UnitCallGuard
@@ -135,18 +135,18 @@ class ReplicateStrategy(DparStrategy):
         super().setup(trainer)
 
     @override
-    def data_parallel_wrapper(self, layout: MeshLayout) -> parallelize.DataParallelWrapper:
-        if layout.dims.tensor_parallel == 1:
+    def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:
+        if meshes.dims.tensor_parallel == 1:
 
             def wrap_ddp(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
                 return parallelize.apply_ddp_replicate(
                     module,
-                    layout.data_parallel_mesh.get_group(),
+                    meshes.data_parallel_mesh.get_group(),
                     plan.data_parallel_roots,
                     plan.ignored,
                     self._ddp_kwargs,
                     self._comm_hook,
-                    layout.device,
+                    meshes.device,
                 )
 
             return wrap_ddp
@@ -162,7 +162,7 @@ class ReplicateStrategy(DparStrategy):
         ) -> list[nn.Module]:
             return parallelize.apply_fully_shard(
                 module,
-                layout.mesh[REPLICATE, SHARD],
+                meshes.mesh[REPLICATE, SHARD],
                 units=[],
                 mp_policy=mp_policy,
                 reshard_after_forward=False,
