@@ -1,21 +1,13 @@
 """Applying plans to ordinary models: blocks in top-level containers under every strategy, row-wise embeddings,
 tensor-parallel sizes that do not fit the model, and DDP units that the model bypasses (real Trainers on 2 and 4
-gloo ranks), plus the pure checks that run before any collective."""
+gloo ranks; cases in `tests/workers/plan_apply.py`). The pure checks that run before any collective are tested
+in-process in `tests/unit/plan/test_structure.py` and `tests/unit/plan/test_tensor_parallel.py`."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
-import torch
-from torch import nn
 
-import lightning_dpar
-from lightning_dpar.dry_run import main, plan
-from lightning_dpar.plan import parse_tp_plan, resolve_tp_plan
-from lightning_dpar.plan.structure import data_parallel_roots
 from tests.conftest import run_workers
-from tests.workers.plan_apply import EmbeddingModel, TopLevelBlocks
 
 ATOL = 1e-5
 PARITY = [
@@ -62,71 +54,6 @@ def test_tensor_parallel_size_not_dividing_a_dimension_fails_on_every_rank(world
     assert "`tensor_parallel_size=2` does not divide out_features=9 of module 'layers.0.fc1'" in messages[0]
 
 
-def test_containers_are_never_wrapped_their_items_are():
-    assert data_parallel_roots(TopLevelBlocks()) == ["inp", "layers.0", "layers.1", "heads.out"]
-
-
-@pytest.mark.parametrize("strategy", ["dpar_replicate", "dpar_fsdp", "dpar_2d"])
-def test_plan_of_top_level_blocks_wraps_no_container(strategy):
-    with torch.device("meta"):
-        module = TopLevelBlocks()
-    trainer_strategy = lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2)
-    if strategy == "dpar_replicate":
-        trainer_strategy = lightning_dpar.ReplicateStrategy()
-    elif strategy == "dpar_fsdp":
-        trainer_strategy = lightning_dpar.FullyShardStrategy()
-    report = plan(trainer_strategy, module, world_size=4)
-    assert "layers" not in report.modules and "heads" not in report.modules
-    assert any("layers.0" == name for name in report.modules)
-
-
-def test_rowwise_embedding_keeps_the_token_ids_whole():
-    styles = resolve_tp_plan(EmbeddingModel(), parse_tp_plan(EmbeddingModel.tp_plan), tensor_parallel_size=2)
-    embedding = styles["net.emb"]
-    assert isinstance(embedding, torch.distributed.tensor.parallel.RowwiseParallel)
-    assert embedding.input_layouts == (torch.distributed.tensor.Replicate(),)
-
-
-def test_head_counts_must_divide():
-    class Attention(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.head_dim = 4
-            self.q = nn.Linear(12, 12)  # 3 heads of 4
-
-    with pytest.raises(ValueError, match=r"does not divide the 3 heads of 'q' \(out_features 12 = 3 heads x head_dim"):
-        resolve_tp_plan(Attention(), parse_tp_plan({"q": "colwise"}), tensor_parallel_size=2)
-
-
-def test_devices_3_with_default_2d_sizes_names_the_size_module_and_dimension(capsys):
-    # The issue's case: `devices=3` with `strategy="dpar_2d"` (tensor_parallel_size "auto" = 3) on the example GPT.
-    assert main(["--world-size", "3", "--trainer.strategy=dpar_2d"]) == 1
-    err = capsys.readouterr().err
-    assert "`tensor_parallel_size=3` does not divide" in err and "of module 'model.blocks.0.attn.q'" in err
-
-
-def test_heads_not_dividing_the_default_size_show_the_yaml_and_python_that_fix_it(capsys, tmp_path):
-    """`dpar_2d` on 4 devices defaults to tensor parallel 4; 6 heads do not divide by it. The error shows the class
-    form with a size that fits the model and the world (2), as YAML and as Python; both are checked to work."""
-    model = ["--model.n_head=6", "--model.n_embd=96"]
-    assert main(["--world-size", "4", "--trainer.strategy=dpar_2d", *model]) == 1
-    err = capsys.readouterr().err
-    assert "`tensor_parallel_size=4` does not divide the 6 heads of 'model.blocks.0.attn.q'" in err
-    yaml = err[err.index("trainer:") :]
-    assert yaml.startswith(
-        "trainer:\n  strategy:\n    class_path: lightning_dpar.FSDPTensorParallelStrategy\n    init_args:\n"
-        "      tensor_parallel_size: 2\n"
-    )
-    (tmp_path / "fix.yaml").write_text(yaml)
-    assert main(["--world-size", "4", "--config", str(tmp_path / "fix.yaml"), *model]) == 0
-    python = re.search(r"in Python `strategy=(.*?)`", err).group(1)
-    assert python == "lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2)"
-    assert eval(python).resolve_dims(4, 4, 1).tensor_parallel == 2
-    # `dpar_3d` keeps its pipeline size in the fix.
-    assert main(["--world-size", "4", "--trainer.strategy=dpar_3d", "--model.n_head=3", "--model.n_embd=96"]) == 1
-    assert "FSDPTensorParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=1)" in capsys.readouterr().err
-
-
 @pytest.mark.slow
 def test_a_mid_epoch_resume_says_in_one_line_that_it_is_exact(world2):
     result = world2["resume_message"]
@@ -134,45 +61,3 @@ def test_a_mid_epoch_resume_says_in_one_line_that_it_is_exact(world2):
     assert result["resuming_lines"] == [
         "Resuming epoch 0 after 3 batches: exact (the distributed sampler continues from the checkpoint's position)."
     ]
-
-
-def test_a_unit_ending_in_a_tensor_parallel_layer_trains_exactly_without_fsdps_view_warning():
-    """A tensor-parallel layer's local output is a view (`DTensor.to_local`), and FSDP warns on every step that a unit
-    returning a view may "silently drop the pre-backward hook" (every HF model with a gathered `lm_head`). The unit's
-    outputs are made plain aliases: no warning, no copy, the same gradients, also through an in-place op (which
-    autograd refused on the view)."""
-    import copy
-    import warnings
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    from lightning_dpar.parallelize import apply_fully_shard
-
-    torch.manual_seed(0)
-    reference = nn.Module()
-    reference.net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 6))
-    model = copy.deepcopy(reference)
-    x = torch.randn(3, 4)
-    want = reference.net(x)
-    want += 1
-    (want**2).sum().backward()
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-        parallelize_module(model.net[1], mesh["tensor_parallel"], ColwiseParallel(output_layouts=Replicate()))
-        apply_fully_shard(model, mesh["data_parallel"], [], lambda top_level: MixedPrecisionPolicy())
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = model.net(x)
-        assert not [w for w in caught if "view tensor" in str(w.message)]
-        got += 1
-        (got**2).sum().backward()
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=1e-6, msg=name)
-    finally:
-        dist.destroy_process_group()
