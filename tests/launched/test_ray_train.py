@@ -1,7 +1,8 @@
 """The strategies under Ray Train (`lightning_dpar.ray`, `docs/ray.md`): Ray's Lightning recipe with the one change,
 parity with one process on 2 and 4 Ray workers, the sharded checkpoint Ray keeps and resuming from it inside Ray,
-under torchrun and in one process (`consolidate`), and a worker killed for real. Plus the device/rank check every
-launcher gets.
+under torchrun and in one process (`consolidate`), and a worker killed for real (workers in
+`tests/workers/ray_train.py`). The device/rank check every launcher gets is tested in process in
+`tests/unit/test_devices.py`, `prepare_trainer`'s refusals in `tests/unit/test_ray.py`.
 
 One local Ray cluster serves the module; each Ray run trains several strategies on one worker group (starting
 workers and importing Lightning dominate the cost). Without `ray` installed the Ray tests skip.
@@ -16,11 +17,9 @@ import threading
 import time
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
-from lightning_dpar.devices import devices_ranks_problem
 from tests.conftest import run_workers, subprocess_env
 from tests.launched.test_parity import ATOL
 from tests.support.models import RegressionData, global_batches, reference_train
@@ -32,45 +31,6 @@ STEPS = 4
 KILL_STEPS, KILL_AT = 6, 5  # rank 1 is killed at the start of step 5; step 4's checkpoint is the latest reported
 WORLD2 = ["dpar_replicate", "dpar_fsdp", "dpar_hsdp", "dpar_2d"]
 WORLD4 = ["dpar_fsdp", "dpar_hsdp", "dpar_2d", "dpar_3d"]
-
-
-# ---------------------------------------------------------------------- the device/rank check (no Ray)
-def test_device_rank_problem_names_both_counts_and_the_fix():
-    assert devices_ranks_problem(2, 1, 1, 2, "TorchElasticEnvironment") is None
-    assert devices_ranks_problem(4, 2, 3, 8, "SLURMEnvironment") is None
-    problem = devices_ranks_problem(1, 1, 1, 2, "RayLightningEnvironment")
-    assert "runs 2 rank(s)" in problem and "local rank 1" in problem and "sees 1 device(s)" in problem
-    assert "lightning_dpar.ray.prepare_trainer(trainer)" in problem
-    problem = devices_ranks_problem(2, 1, 0, 4, "SLURMEnvironment")  # local ranks fit, the world does not
-    assert "runs 4 rank(s)" in problem and "devices x num_nodes = 4" in problem
-    assert "Trainer(devices=<processes per node>, num_nodes=<nodes>)" in problem
-
-
-def test_local_rank_past_the_devices_fails_before_the_process_group(monkeypatch):
-    """A launcher that starts the processes (`LOCAL_RANK` set) with more local ranks than `Trainer(devices=...)`:
-    before the check, `root_device` raised `IndexError: list index out of range`."""
-    import torch.distributed as dist
-
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="dpar_fsdp", logger=False)
-    with pytest.raises(ValueError, match=r"this process is local rank 1, but each process sees 1 device"):
-        trainer.strategy.setup_environment()
-    assert not dist.is_initialized()
-
-
-def test_prepare_trainer_refuses_what_cannot_run_under_ray():
-    """Checked before anything asks Ray for the worker group (a Trainer with Ray's environment exists only in one)."""
-    pytest.importorskip("ray")
-    from lightning_dpar.ray import prepare_trainer
-
-    ddp = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False)
-    with pytest.raises(TypeError, match=r"prepares the lightning_dpar strategies, not DDPStrategy"):
-        prepare_trainer(ddp)
-    outside = L.Trainer(accelerator="cpu", devices=1, strategy="dpar_fsdp", logger=False)
-    with pytest.raises(
-        TypeError, match=r"environment is LightningEnvironment; under Ray Train it must be .*RayLightningEnvironment"
-    ):
-        prepare_trainer(outside)
 
 
 # ---------------------------------------------------------------------- Ray runs
