@@ -1,4 +1,6 @@
-"""The strategies' `compile` argument on 2 gloo ranks, through real Trainers (one launch for every compile case).
+"""The strategies' `compile` argument on 2 gloo ranks, through real Trainers (one launch for every compile case;
+cases in `tests/workers/compile.py`). The argument's validation is tested in process in
+`tests/unit/test_compilation.py`.
 
 Tolerance: compiled and eager runs of the same strategy are compared with `COMPILE_ATOL = 1e-6`. Measured on this
 CPU build (Inductor C++ backend, torch 2.13) the difference is exactly 0.0 for every case; fusion may reorder fp32
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_dpar import FullyShardStrategy, ReplicateStrategy
 from tests.conftest import run_workers
 
 COMPILE_ATOL = 1e-6
@@ -72,18 +73,3 @@ def test_checkpoint_of_compiled_run_loads_into_eager_run(compiled):
     result = compiled["compile_resume"]
     assert result["same_keys"] and result["global_step"] == 2
     assert result["max_abs_diff"] == 0.0
-
-
-def test_compile_argument_validation():
-    assert FullyShardStrategy(compile=True)._compile_options == {}
-    assert FullyShardStrategy(compile={"mode": "max-autotune", "fullgraph": True})._compile_options == {
-        "mode": "max-autotune",
-        "fullgraph": True,
-    }
-    assert FullyShardStrategy()._compile_options is None
-    with pytest.raises(ValueError, match=r"unknown torch.compile options \['modee'\]"):
-        FullyShardStrategy(compile={"modee": "default"})
-    with pytest.raises(TypeError, match="use False, True, or a dict"):
-        FullyShardStrategy(compile="yes")
-    with pytest.raises(ValueError, match="needs `compile=True`"):
-        ReplicateStrategy(compiled_autograd=True)
