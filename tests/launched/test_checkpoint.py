@@ -3,7 +3,8 @@ ModelCheckpoint, exact resume, `ckpt_path="last"`, strict loading, bad input, an
 
 Two launches: the kill (driven here with torchrun: it must die), then one launch of every other case, including
 the after-kill cases, which load what the kill left (the `killed` fixture passes its directory). Resharding is
-`tests/launched/test_checkpoint_reshard.py`; formats, fsspec and migration `tests/launched/test_checkpoint_formats.py`.
+`tests/launched/test_checkpoint_reshard.py`; formats, fsspec and migration `tests/launched/test_checkpoint_formats.py`;
+the `async_save` option in process `tests/unit/strategies/test_checkpoint_hooks.py`.
 """
 
 from __future__ import annotations
@@ -170,17 +171,3 @@ def test_kill_during_save_partial_checkpoint_is_hidden_and_refused(killed, resul
     assert len(after_kill["partial"]) == 1
     assert ".metadata" in after_kill["partial_content"] and "meta.pt" not in after_kill["partial_content"]
     assert "incomplete checkpoint" in after_kill["refused"] and after_kill["partial"][0] in after_kill["refused"]
-
-
-def test_async_save_is_settable_between_saves_and_needs_the_sharded_format():
-    import lightning_dpar
-
-    strategy = lightning_dpar.FullyShardStrategy(async_save=True)
-    assert strategy.async_save
-    strategy.async_save = False
-    assert not strategy.async_save
-    with pytest.raises(ValueError, match=r"`async_save=True` needs `checkpoint_format='sharded'`, not 'full'"):
-        lightning_dpar.FullyShardStrategy(checkpoint_format="full", async_save=True)
-    full = lightning_dpar.ReplicateStrategy(checkpoint_format="full")
-    with pytest.raises(ValueError, match="not 'full'"):
-        full.async_save = True
