@@ -6,8 +6,8 @@ here means an upgrade that moves one of them breaks exactly one module, and a re
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -84,10 +84,12 @@ __all__ = [
     "replace_model_checkpoint_link",
     "replace_muon_group_step",
     "swap_ddp_optimize_mode",
+    "swapped_parameters",
     "sync_ddp_if_available",
     "transformers_module_initialiser",
     "transformers_tp_plan_attribute",
     "unfetched_training_iterator",
+    "unflatten_mesh",
     "view_base",
 ]
 
@@ -99,6 +101,39 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     `self.device_mesh["data_parallel"]`) resolve to; torch's own trainers (torchtitan) use it for the same reason.
     """
     return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """`mesh` with its dim `dim` viewed as several dims (`shard` -> `(expert_shard, expert)`), sharing the same root
+    mesh.
+
+    `DeviceMesh._unflatten` is the only way to get sub-dims of an existing dim whose meshes share the world mesh's
+    root, which `fully_shard` needs to compose with a parameter already distributed on one of them (expert weights
+    sharded over `expert`, FSDP over `expert_shard`); torchtitan builds its expert meshes the same way.
+    """
+    return mesh._unflatten(dim, sizes, names)
+
+
+def swapped_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> AbstractContextManager[None]:
+    """Register `tensors` in place of `module`'s own parameters of the same names while the context is open, then
+    put back exactly the objects that were there.
+
+    Expert parallelism runs an experts module's own `forward` on its local experts: the module must see plain local
+    tensors (its `forward` indexes them by local expert id) where FSDP registered DTensors. `module._parameters` is
+    the only place `nn.Module` looks parameters up; `torch.func.functional_call` swaps them too but calls the module
+    again, which would run FSDP's hooks twice. transformers' expert parallelism swaps them the same way.
+    """
+    return _swapped_parameters(module, tensors)
+
+
+@contextmanager
+def _swapped_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    saved = {name: module._parameters[name] for name in tensors}
+    try:
+        module._parameters.update(tensors)  # type: ignore[arg-type]
+        yield
+    finally:
+        module._parameters.update(saved)
 
 
 def layer_sync_requested(strategy: Any) -> bool:

@@ -1,4 +1,4 @@
-"""The parallel mesh: how many ranks replicate, shard and tensor-parallelise, validated once.
+"""The parallel mesh: how many ranks replicate, shard, hold different experts and tensor-parallelise, validated once.
 
 `ParallelDims` is pure arithmetic (no process group), so the `plan` dry-run and the strategies share the exact same
 validation and error messages. `build_device_mesh` turns it into a named `DeviceMesh` once the process group exists.
@@ -6,6 +6,7 @@ validation and error messages. `build_device_mesh` turns it into a named `Device
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Union
 
@@ -14,11 +15,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.placement_types import Placement
 
-from lightning_dpar._private_api import flatten_mesh
+from lightning_dpar._private_api import flatten_mesh, unflatten_mesh
 from lightning_dpar.helpers import divisors
 
 __all__ = [
     "DATA_PARALLEL",
+    "EXPERT",
+    "EXPERT_SHARD",
     "PIPELINE",
     "REPLICATE",
     "SHARD",
@@ -27,6 +30,7 @@ __all__ = [
     "ParallelMeshes",
     "SizeArg",
     "build_device_mesh",
+    "expert_fsdp_mesh",
     "fsdp_mesh",
     "init_fake_process_group",
     "is_sharded",
@@ -39,6 +43,10 @@ SizeArg = Union[int, Literal["auto"]]
 REPLICATE, SHARD, TENSOR_PARALLEL, DATA_PARALLEL = "replicate", "shard", "tensor_parallel", "data_parallel"
 #: The outermost dim, present only when `pipeline_parallel_size > 1`: ranks holding different stages of the model.
 PIPELINE = "pipeline"
+#: With expert parallelism the shard dim is viewed as `(expert_shard, expert)`: `expert` ranks hold different experts
+#: of each MoE layer (and exchange tokens), `expert_shard` ranks FSDP-shard the same experts (torchtitan's
+#: `dp_shard_mod_ep`). Every other parameter is sharded over the whole shard dim as without experts.
+EXPERT, EXPERT_SHARD = "expert", "expert_shard"
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -49,13 +57,20 @@ def _positive_int(name: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the mesh dims; `pipeline * replicate * shard * tensor_parallel == world_size` always holds."""
+    """Sizes of the mesh dims; `pipeline * replicate * shard * tensor_parallel == world_size` always holds, and
+    `expert` (the expert-parallel size, borrowed from the shard dim) divides `shard`."""
 
     world_size: int
     replicate: int
     shard: int
     tensor_parallel: int
     pipeline: int = 1
+    expert: int = 1
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks that FSDP-shard the same experts: the shard dim's ranks left over by expert parallelism."""
+        return self.shard // self.expert
 
     @property
     def data_parallel(self) -> int:
@@ -72,12 +87,14 @@ class ParallelDims:
         replicate_size: SizeArg = 1,
         num_nodes: int = 1,
         pipeline_parallel_size: int = 1,
+        expert_parallel_size: SizeArg = 1,
     ) -> ParallelDims:
         """Resolve `"auto"` sizes and check that they tile the world exactly.
 
         `tensor_parallel_size="auto"` means one node (TP wants the fastest links); `replicate_size="auto"` means one
         replica per node (HSDP: shard within a node, replicate across nodes); `data_parallel_size="auto"` takes
-        what is left once the pipeline stages are set apart.
+        what is left once the pipeline stages are set apart; `expert_parallel_size="auto"` means the shard dim's
+        ranks within one node (the all-to-all that moves tokens to their experts wants the fastest links).
         """
         world_size = _positive_int("world_size", world_size)
         pipeline = _positive_int("pipeline_parallel_size", pipeline_parallel_size)
@@ -112,21 +129,50 @@ class ParallelDims:
                 f"`replicate_size={replicate}` must divide the data-parallel size {dp} (world size {world_size} /"
                 f" tensor_parallel_size {tp}). Valid replicate sizes: {divisors(dp)}."
             )
+        shard = dp // replicate
+        expert = _expert_parallel_size(expert_parallel_size, shard, max(devices_per_node // tp, 1), dp, replicate)
         return cls(
-            world_size=full_world, replicate=replicate, shard=dp // replicate, tensor_parallel=tp, pipeline=pipeline
+            world_size=full_world,
+            replicate=replicate,
+            shard=shard,
+            tensor_parallel=tp,
+            pipeline=pipeline,
+            expert=expert,
         )
 
     def describe(self) -> str:
         pipeline = f"pipeline {self.pipeline} x " if self.pipeline > 1 else ""
+        shard = (
+            f"shard {self.shard} (expert_shard {self.expert_shard} x expert {self.expert})"
+            if self.expert > 1
+            else f"shard {self.shard}"
+        )
         return (
-            f"world={self.world_size} = {pipeline}replicate {self.replicate} x shard {self.shard}"
+            f"world={self.world_size} = {pipeline}replicate {self.replicate} x {shard}"
             f" x tensor_parallel {self.tensor_parallel}"
         )
 
 
-def build_device_mesh(dims: ParallelDims, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+def _expert_parallel_size(size: SizeArg, shard: int, shard_ranks_per_node: int, dp: int, replicate: int) -> int:
+    """The expert-parallel size: `"auto"` is the shard dim's ranks within one node; any size must divide the shard
+    dim (expert parallelism borrows its ranks from the data-parallel ranks that shard the model)."""
+    if size == "auto":
+        return math.gcd(shard, shard_ranks_per_node)
+    expert = _positive_int("expert_parallel_size", size)
+    if shard % expert:
+        hsdp = f" (data-parallel size {dp} / replicate_size {replicate})" if replicate > 1 else ""
+        raise ValueError(
+            f"`expert_parallel_size={expert}` does not divide the data-parallel ranks that shard the model, {shard}"
+            f"{hsdp}: expert parallelism borrows its ranks from them. Choose an expert-parallel size among"
+            f" {divisors(shard)}, or change the number of devices, `tensor_parallel_size` or `replicate_size`."
+        )
+    return expert
+
+
+def build_device_mesh(dims: ParallelDims, device_type: str) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None]:
     """The world mesh `(replicate, shard, tensor_parallel)`, preceded by `pipeline` when pipelining, with the
-    flattened `data_parallel` dim registered on it, and that 1-D `data_parallel` mesh itself (this rank's stage).
+    flattened `data_parallel` dim registered on it; that 1-D `data_parallel` mesh itself (this rank's stage); and,
+    with expert parallelism, the world mesh with its shard dim viewed as `(expert_shard, expert)` (else `None`).
 
     Rank layout is row-major, so tensor-parallel peers are adjacent ranks (same node), replicas are farther apart,
     and pipeline stages the farthest (across nodes: a stage boundary sends one activation per microbatch, the least
@@ -138,12 +184,20 @@ def build_device_mesh(dims: ParallelDims, device_type: str) -> tuple[DeviceMesh,
     if dims.pipeline > 1:
         sizes, names = (dims.pipeline, *sizes), (PIPELINE, *names)
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
-    return mesh, flatten_mesh(mesh[REPLICATE, SHARD], DATA_PARALLEL)
+    data_parallel = flatten_mesh(mesh[REPLICATE, SHARD], DATA_PARALLEL)
+    experts = unflatten_mesh(mesh, SHARD, (dims.expert_shard, dims.expert), (EXPERT_SHARD, EXPERT))
+    return mesh, data_parallel, experts if dims.expert > 1 else None
 
 
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """The mesh `fully_shard` takes: 1-D for plain FSDP, 2-D `(replicate, shard)` for HSDP."""
     return mesh[SHARD] if dims.replicate == 1 else mesh[REPLICATE, SHARD]
+
+
+def expert_fsdp_mesh(expert_mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The mesh `fully_shard` takes for the experts (of `build_device_mesh`'s expert view): the `expert_shard` dim,
+    with `replicate` before it for HSDP. The `expert` dim is not in it: those ranks hold different experts."""
+    return expert_mesh[EXPERT_SHARD] if dims.replicate == 1 else expert_mesh[REPLICATE, EXPERT_SHARD]
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
@@ -167,10 +221,12 @@ def is_sharded(placement: Placement) -> bool:
 
 @dataclass(frozen=True)
 class ParallelMeshes:
-    """Where a model is parallelised: the mesh sizes, the world mesh, its flattened data-parallel mesh, and this
-    rank's device. Strategies build their data-parallel wrapper from it, in training and in the `plan` dry run."""
+    """Where a model is parallelised: the mesh sizes, the world mesh, its flattened data-parallel mesh, this rank's
+    device, and with expert parallelism the world mesh's expert view (`build_device_mesh`). Strategies build their
+    data-parallel wrapper from it, in training and in the `plan` dry run."""
 
     dims: ParallelDims
     mesh: DeviceMesh
     data_parallel_mesh: DeviceMesh
     device: torch.device
+    expert_mesh: DeviceMesh | None = None

@@ -1,6 +1,6 @@
 """Applying a parallelism plan: one small function per concern, and `apply_plan`, which applies them in the fixed
-order pipeline split -> tensor parallel -> activation checkpointing -> compile -> data-parallel wrapper
-(`fully_shard` or `replicate`) -> meta-device materialisation. Training and the `plan` dry run both go through
+order pipeline split -> tensor parallel -> expert parallel -> activation checkpointing -> compile -> data-parallel
+wrapper (`fully_shard` or `replicate`) -> meta-device materialisation. Training and the `plan` dry run both go through
 `apply_plan`.
 
 Wrappers are applied to the LightningModule's children: Lightning calls `training_step` directly (not `forward`), so
@@ -31,6 +31,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_dpar._private_api import checkpoint_activations, ddp_replicate
+from lightning_dpar.expert_parallel import apply_expert_parallel
 from lightning_dpar.materialize import materialize_meta_tensors
 from lightning_dpar.pipeline.stage import PipelinedModel, split_into_stages
 from lightning_dpar.plan import ModulePlan
@@ -44,6 +45,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_compile",
     "apply_ddp_replicate",
+    "apply_expert_parallel",
     "apply_fully_shard",
     "apply_plan",
     "apply_tensor_parallel",
@@ -71,6 +73,7 @@ def apply_plan(
     *,
     tensor_parallel_mesh: DeviceMesh | None,
     wrap_data_parallel: DataParallelWrapper,
+    expert_mesh: DeviceMesh | None = None,
     compile_options: Mapping[str, Any] | None = None,
     materialize_on: torch.device | None = None,
 ) -> AppliedPlan:
@@ -78,7 +81,8 @@ def apply_plan(
 
     `materialize_on=None` leaves meta-device tensors on the meta device (the `plan` dry run); otherwise each rank
     allocates and initialises only its own shards there (see `lightning_dpar.materialize`). With pipeline
-    parallelism the other stages' units are dropped first, so no rank ever allocates them.
+    parallelism the other stages' units are dropped first, so no rank ever allocates them. `expert_mesh` is the 1-D
+    `expert` mesh the plan's experts are split over (`lightning_dpar.expert_parallel`).
     """
     pipelined = None
     if plan.pipeline is not None:
@@ -87,6 +91,9 @@ def apply_plan(
     if plan.tensor_parallel:
         assert tensor_parallel_mesh is not None, "a tensor-parallel plan needs the tensor-parallel mesh"
         apply_tensor_parallel(root, tensor_parallel_mesh, plan.tensor_parallel, plan.tied)
+    if plan.experts:
+        assert expert_mesh is not None, "an expert-parallel plan needs the expert mesh"
+        apply_expert_parallel(root, expert_mesh, plan.experts)
     apply_activation_checkpointing(root, plan.activation_checkpointing)
     if compile_options is not None:
         apply_compile(root, plan.compile_units, compile_options)
@@ -147,6 +154,8 @@ def apply_fully_shard(
     stage_roots: Sequence[nn.Module] = (),
     final_unit: str | None = None,
     tied: Sequence[TiedGroup] = (),
+    expert_units: Sequence[str] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> list[FSDPModule]:
     """`fully_shard` each unit (innermost first), then each top-level child; returns the top-level units.
 
@@ -154,12 +163,23 @@ def apply_fully_shard(
     stages' units, each stage's root module (`stage_roots`) is the FSDP root over them instead, and `final_unit` is
     the unit computing the model's output. A `tied` parameter used in several units goes to the innermost unit
     enclosing them all (the LightningModule's own unit if need be), as FSDP2 requires: each parameter has one unit.
+    The `expert_units` (experts modules split by expert parallelism) are units of their own on `expert_mesh`, the
+    ranks holding the same experts, sharded first so the blocks around them leave their parameters alone.
     """
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    for fqn in expert_units:
+        assert expert_mesh is not None, "expert units are sharded over the expert FSDP mesh"
+        fully_shard_unit(
+            root.get_submodule(fqn),
+            mesh=expert_mesh,
+            offload_policy=offload,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy(False),
+        )
     if stage_roots:
         return _fully_shard_stages(
             root, mesh, units, mp_policy, reshard_after_forward, cpu_offload, stage_roots, final_unit
         )
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     top_level_names = data_parallel_roots(root)
     # The top-level units are FSDP roots. `reshard_after_forward=True` on a root frees its parameters after forward
     # only to all-gather them again at once for backward (the loss is the last thing forward computes); torch's
@@ -222,6 +242,8 @@ def _fully_shard_stages(
     """
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     for fqn in sorted(units, key=_depth, reverse=True):
+        if isinstance(root.get_submodule(fqn), FSDPModule):  # an experts unit, sharded already
+            continue
         fully_shard_unit(
             root.get_submodule(fqn),
             mesh=mesh,

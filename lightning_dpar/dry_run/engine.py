@@ -27,6 +27,7 @@ from lightning_dpar import memory, parallelize
 from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
 from lightning_dpar.dry_run.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow
 from lightning_dpar.mesh import (
+    EXPERT,
     TENSOR_PARALLEL,
     ParallelDims,
     ParallelMeshes,
@@ -140,7 +141,7 @@ def _plan_on_fake_world(
     rank: int,
     devices_per_node: int,
 ) -> PlanReport:
-    mesh, data_parallel_mesh = build_device_mesh(dims, "cpu")
+    mesh, data_parallel_mesh, expert_mesh = build_device_mesh(dims, "cpu")
     attach_device_mesh(module, mesh)  # what `LightningModule.device_mesh` returns inside `configure_model`
     with torch.device("meta"):
         module.configure_model()
@@ -148,7 +149,7 @@ def _plan_on_fake_world(
     # Each pipeline rank drops the other stages' units, so the other stages are planned on copies of the whole model.
     unsplit = _meta_copy(module) if dims.pipeline > 1 else None
     model_params = sum(p.numel() for p in module.parameters())
-    meshes = ParallelMeshes(dims, mesh, data_parallel_mesh, torch.device("meta"))
+    meshes = ParallelMeshes(dims, mesh, data_parallel_mesh, torch.device("meta"), expert_mesh)
     applied, module_plan, optimizers, optimizer_error = _apply(strategy, module, dims, rank, meshes)
     notes = []
     if module_plan.adopted:
@@ -243,6 +244,7 @@ def _apply(
         module_plan,
         tensor_parallel_mesh=meshes.mesh[TENSOR_PARALLEL],
         wrap_data_parallel=strategy.data_parallel_wrapper(meshes),
+        expert_mesh=meshes.expert_mesh[EXPERT] if meshes.expert_mesh is not None else None,
         compile_options=None,  # compile units are reported; compiling is lazy and would do nothing here
     )
     try:

@@ -4,6 +4,9 @@ Attention keeps separate `q`, `k`, `v` projections (a fused `qkv` weight cannot 
 mixing the three), and reshapes with `-1` heads, so the same code runs on a full layer or on a column-wise shard
 that holds `n_head / tensor_parallel_size` heads. `GPT.tp_plan` is the Megatron layout: `q/k/v` and `mlp.fc`
 column-wise, `attn.proj` and `mlp.proj` row-wise (one all-reduce per sub-layer in forward).
+
+With `n_experts > 0` each block's feed-forward is a Mixture of Experts (`lightning_dpar.examples.moe`): a top-k router
+and experts that `expert_parallel_size` splits between ranks; the tensor-parallel plan then covers attention only.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_dpar.examples.moe import MoE
+
 __all__ = [
     "GPT",
+    "MOE_TP_PLAN",
     "TP_PLAN",
 ]
 
@@ -27,6 +33,8 @@ TP_PLAN: dict[str, str] = {
     "model.blocks.*.mlp.fc": "colwise",
     "model.blocks.*.mlp.proj": "rowwise",
 }
+#: The plan of the MoE variant: attention only (expert parallelism splits the experts).
+MOE_TP_PLAN: dict[str, str] = {pattern: style for pattern, style in TP_PLAN.items() if ".attn." in pattern}
 
 
 class CausalSelfAttention(nn.Module):
@@ -59,14 +67,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: the unit `fully_shard` and activation checkpointing wrap."""
+    """Pre-norm transformer block: the unit `fully_shard` and activation checkpointing wrap. With `n_experts > 0` its
+    feed-forward is a Mixture of Experts choosing `experts_per_token` experts per token."""
 
-    def __init__(self, n_embd: int, n_head: int) -> None:
+    def __init__(self, n_embd: int, n_head: int, n_experts: int = 0, experts_per_token: int = 2) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head)
         self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = MLP(n_embd)
+        self.mlp: nn.Module = MoE(n_embd, n_experts, experts_per_token) if n_experts else MLP(n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -76,12 +85,21 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """Token and position embeddings, `n_layer` blocks in an `nn.ModuleList`, final norm and LM head."""
 
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        n_experts: int = 0,
+        experts_per_token: int = 2,
+    ) -> None:
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, n_experts, experts_per_token) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.n_layer = n_layer
@@ -91,7 +109,8 @@ class Decoder(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 continue  # LayerNorm weights/biases keep their own init
-            std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith("proj.weight") else 0.02
+            residual = name.endswith(("proj.weight", "experts.proj"))
+            std = 0.02 / math.sqrt(2 * self.n_layer) if residual else 0.02
             nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -114,6 +133,8 @@ class GPT(L.LightningModule):
         learning_rate: AdamW peak learning rate.
         weight_decay: AdamW weight decay of the matrices (norms and biases get none).
         warmup_steps: linear warm-up length in optimizer steps.
+        n_experts: experts per Mixture-of-Experts feed-forward (0: dense blocks).
+        experts_per_token: experts the router chooses per token.
     """
 
     def __init__(
@@ -126,12 +147,14 @@ class GPT(L.LightningModule):
         learning_rate: float = 3e-3,
         weight_decay: float = 0.1,
         warmup_steps: int = 20,
+        n_experts: int = 0,
+        experts_per_token: int = 2,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = Decoder(vocab_size, block_size, n_layer, n_head, n_embd)
+        self.model = Decoder(vocab_size, block_size, n_layer, n_head, n_embd, n_experts, experts_per_token)
         self.model.init_weights()
-        self.tp_plan = dict(TP_PLAN)
+        self.tp_plan = dict(MOE_TP_PLAN if n_experts else TP_PLAN)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

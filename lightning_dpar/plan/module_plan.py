@@ -29,6 +29,10 @@ class ModulePlan:
     neither adopted nor pipelined), `ignored` the modules whose gradients are not synchronised (`ignored_modules`,
     `dpar_replicate`), and `adopted_sharded` marks an adopted model whose `configure_model` applied `fully_shard`
     itself, so the wrapper adds no FSDP units of its own.
+
+    `experts` are the experts modules whose experts are split between the expert-parallel ranks
+    (`lightning_dpar.plan.experts`); each is also an FSDP unit of its own, sharded over the ranks that hold the same
+    experts.
     """
 
     tensor_parallel: dict[str, ParallelStyle]
@@ -42,6 +46,7 @@ class ModulePlan:
     data_parallel_roots: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     adopted_sharded: bool = False
+    experts: list[str] = field(default_factory=list)
 
 
 def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> ModulePlan:
@@ -57,4 +62,5 @@ def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> Mo
         pipeline=split,
         pipeline_rank=pipeline_rank,
         tied=[group for group in plan.tied if all(is_under(name, units) for name in group)],
+        experts=[fqn for fqn in plan.experts if is_under(fqn, units)],
     )

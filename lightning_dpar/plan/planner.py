@@ -23,13 +23,14 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar.batchnorm import check_no_batch_norm_in_pipeline
-from lightning_dpar.helpers import class_name
+from lightning_dpar.helpers import class_name, is_under, show_names
 from lightning_dpar.materialize import check_initialisable
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import resolve_split
 from lightning_dpar.plan.adapters import adapter_tp_plan
 from lightning_dpar.plan.compile import check_compile_with_tensor_parallel, compile_units
+from lightning_dpar.plan.experts import plan_experts
 from lightning_dpar.plan.module_plan import ModulePlan, local_plan
 from lightning_dpar.plan.selectors import (
     ModuleSelector,
@@ -70,6 +71,8 @@ class PlanOptions:
         ddp_units: whether the wrapper is DDP when there is no tensor parallelism (`dpar_replicate`): then tied
             parameters must sit inside one of its units.
         ignored_modules: selectors of the modules whose gradients are not synchronised (`dpar_replicate`).
+        expert_modules: selectors of the experts modules split by expert parallelism (`None`: found by the experts
+            contract, `lightning_dpar.plan.experts`).
     """
 
     strategy: str
@@ -83,6 +86,7 @@ class PlanOptions:
     adopts_parallelized: bool = False
     ddp_units: bool = False
     ignored_modules: Sequence[ModuleSelector] = ()
+    expert_modules: Sequence[ModuleSelector] | None = None
 
 
 def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, rank: int = 0) -> ModulePlan:
@@ -99,12 +103,13 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
     if dims.pipeline > 1:
         return _pipeline_plan(module, dims, options, rank, parallelized, blocks)
     if parallelized:
-        _check_adoptable(module, options)
+        _check_adoptable(module, dims, options)
         shard_units = _shard_units(module, options, blocks)
         units = compile_units(module, shard_units, blocks)
         return ModulePlan({}, [], shard_units, units, adopted=True, adopted_sharded=has_fully_shard(module))
     tied = tied_parameters(module)
-    tensor_parallel = _tensor_parallel(module, dims, options)
+    experts = plan_experts(module, dims.expert, dims.shard, options.expert_modules)
+    tensor_parallel = _tensor_parallel(module, dims, options, experts)
     check_tied_layouts(module, tied, tensor_parallel)
     check_compile_with_tensor_parallel(module, tensor_parallel, options.compile)
     shard_units = _shard_units(module, options, blocks)
@@ -113,7 +118,7 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
         check_each_in_one_unit(tied, roots, options.strategy)
     ignored = select_modules(module, options.ignored_modules, "ignored_modules") if options.ignored_modules else []
     check_initialisable(module)
-    return _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, roots, ignored)
+    return _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, experts, roots, ignored)
 
 
 def _pipeline_plan(
@@ -140,13 +145,13 @@ def _pipeline_plan(
         config.schedule.placement,
         config.call_order,
     )
-    tp_plan = _tp_plan_source(module, dims, options)
     check_initialisable(module)
     tied = tied_parameters(module)
-    tensor_parallel = _resolve_tp_plan(module, tp_plan, dims, options) if tp_plan else {}
+    experts = plan_experts(module, dims.expert, dims.shard, options.expert_modules)
+    tensor_parallel = _tensor_parallel(module, dims, options, experts)
     check_tied_layouts(module, tied, tensor_parallel)
     check_compile_with_tensor_parallel(module, tensor_parallel, options.compile)
-    whole = _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied)
+    whole = _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, experts)
     return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
 
 
@@ -157,6 +162,7 @@ def _whole_plan(
     shard_units: list[str],
     blocks: list[str],
     tied: list[tuple[str, ...]],
+    experts: Sequence[str] = (),
     data_parallel_roots: Sequence[str] = (),
     ignored: Sequence[str] = (),
 ) -> ModulePlan:
@@ -171,6 +177,7 @@ def _whole_plan(
         shard_units=shard_units,
         compile_units=compile_units(module, shard_units, blocks),
         tied=tied,
+        experts=list(experts),
         data_parallel_roots=list(data_parallel_roots),
         ignored=list(ignored),
     )
@@ -181,9 +188,15 @@ def _shard_units(module: nn.Module, options: PlanOptions, blocks: list[str]) -> 
     return resolve_blocks(module, options.shard_modules, "shard_modules", blocks) if options.shards else []
 
 
-def _check_adoptable(module: nn.Module, options: PlanOptions) -> None:
+def _check_adoptable(module: nn.Module, dims: ParallelDims, options: PlanOptions) -> None:
     """A model the user parallelised in `configure_model` is only accepted by strategies that adopt it (`dpar_2d`,
-    with no `tp_plan` of its own, so the plan is not applied twice)."""
+    with no `tp_plan` and no expert parallelism of its own, so nothing is applied twice)."""
+    if dims.expert > 1:
+        raise TypeError(
+            f"{class_name(module)} was already parallelised (in `configure_model` or before `fit`), and the strategy"
+            f" was given `expert_parallel_size={dims.expert}`, which splits the experts of a model it parallelises"
+            " itself. Remove the manual `fully_shard` / `parallelize_module` calls, or set `expert_parallel_size=1`."
+        )
     if not options.adopts_parallelized:
         raise TypeError(
             f"{class_name(module)} was already parallelised (in `configure_model` or before `fit`);"
@@ -197,9 +210,22 @@ def _check_adoptable(module: nn.Module, options: PlanOptions) -> None:
         )
 
 
-def _tensor_parallel(module: nn.Module, dims: ParallelDims, options: PlanOptions) -> dict[str, ParallelStyle]:
-    tp_plan = _tp_plan_source(module, dims, options)
-    return _resolve_tp_plan(module, tp_plan, dims, options) if tp_plan else {}
+def _tensor_parallel(
+    module: nn.Module, dims: ParallelDims, options: PlanOptions, experts: Sequence[str]
+) -> dict[str, ParallelStyle]:
+    """The resolved tensor-parallel plan. Expert parallelism owns the experts modules: a transformers model's own
+    plan leaves them out (its `base_model_ep_plan` takes precedence there), and a plan of the user's that reaches
+    into one is refused, since its experts are split over the expert ranks already."""
+    tp_plan = _tp_plan_source(module, dims, options, experts)
+    resolved = _resolve_tp_plan(module, tp_plan, dims, options) if tp_plan else {}
+    inside = [fqn for fqn in resolved if is_under(fqn, experts)]
+    if inside:
+        raise ValueError(
+            f"The `tp_plan` gives tensor-parallel styles to {show_names(inside)}, inside the experts modules that"
+            f" `expert_parallel_size={dims.expert}` splits between expert ranks. Leave the experts out of the"
+            " `tp_plan` (expert parallelism already splits them), or set `expert_parallel_size=1`."
+        )
+    return resolved
 
 
 def _resolve_tp_plan(
@@ -219,16 +245,19 @@ def _resolve_tp_plan(
         raise TensorParallelSizeError(f"{error}{fix}", error.valid_sizes) from None
 
 
-def _tp_plan_source(module: nn.Module, dims: ParallelDims, options: PlanOptions) -> dict[str, PlanStyle] | None:
+def _tp_plan_source(
+    module: nn.Module, dims: ParallelDims, options: PlanOptions, experts: Sequence[str]
+) -> dict[str, PlanStyle] | None:
     """The plan's source, first found: the strategy's `tp_plan` argument, the LightningModule's `tp_plan`
-    attribute, the plan of the transformers model it holds (also what `tp_plan="auto"` asks for)."""
+    attribute, the plan of the transformers model it holds (also what `tp_plan="auto"` asks for; without the
+    `experts` modules, which expert parallelism splits)."""
     if dims.tensor_parallel == 1:
         return None
     attribute = getattr(module, "tp_plan", None)
     for source in (options.tp_plan, attribute):
         if source is not None and source != AUTO:
             return parse_tp_plan(source)
-    plan = parse_tp_plan(transformers_tp_plan(module))
+    plan = parse_tp_plan(transformers_tp_plan(module, leave_out=experts))
     if plan is not None:
         return plan
     name = class_name(module)

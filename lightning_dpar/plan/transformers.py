@@ -10,10 +10,14 @@ plan resolution checks that the tensor-parallel size divides both head counts of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from lightning_dpar._private_api import transformers_tp_plan_attribute
 from lightning_dpar.helpers import class_name, transformers_models
+from lightning_dpar.plan.experts import pattern_reaches
+from lightning_dpar.plan.selectors import fqn_matches
 from lightning_dpar.plan.styles import HF_STYLES, UNSUPPORTED_HF_STYLES
 
 __all__ = [
@@ -37,15 +41,21 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
     return dict(base_plan)
 
 
-def transformers_tp_plan(root: nn.Module) -> dict[str, str] | None:
+def transformers_tp_plan(root: nn.Module, leave_out: Sequence[str] = ()) -> dict[str, str] | None:
     """The tensor-parallel plan of the transformers model(s) `root` holds, with names relative to `root`; `None` if
-    it holds none or they have no plan. An unsupported style is an error naming it and the model (no collective has
-    run yet: this is pure)."""
+    it holds none or they have no plan. Left out: entries reaching into a `leave_out` module (experts that expert
+    parallelism splits: the model's `base_model_ep_plan` covers them), and entries naming nothing in this model (a
+    family's plan covers its variants: Qwen3-MoE's plan names the dense `mlp.gate_proj` of `mlp_only_layers` too).
+    An unsupported style is an error naming it and the model (no collective has run yet: this is pure)."""
     plan: dict[str, str] = {}
+    names = [name for name, _ in root.named_modules()] + [name for name, _ in root.named_parameters()]
     for fqn, model in transformers_models(root):
         for key, style in model_tp_plan(model).items():
+            name = f"{fqn}.{key}" if fqn else key
+            if pattern_reaches(name, leave_out) or not any(fqn_matches(name, held) for held in names):
+                continue
             check_style_supported(style, key, class_name(model))
-            plan[f"{fqn}.{key}" if fqn else key] = style
+            plan[name] = style
     return plan or None
 
 
@@ -53,8 +63,14 @@ def check_style_supported(style: object, key: str, model_name: str) -> None:
     if isinstance(style, str) and style.lower() in HF_STYLES:
         return
     reason = " (packed / expert-parallel weights)" if style in UNSUPPORTED_HF_STYLES else ""
+    experts = (
+        " For a Mixture-of-Experts model, set `expert_parallel_size` (the experts are then split between ranks and"
+        " the plan's expert entries left out), or"
+        if style in UNSUPPORTED_HF_STYLES
+        else ""
+    )
     raise ValueError(
         f"{model_name}'s tensor-parallel plan gives {key!r} the transformers style {style!r}, which lightning_dpar"
-        f" does not support{reason}. Supported styles: {sorted(HF_STYLES)}. Pass your own `tp_plan` (module-name"
-        " pattern -> style) to the strategy instead of 'auto'."
+        f" does not support{reason}. Supported styles: {sorted(HF_STYLES)}.{experts} Pass your own `tp_plan`"
+        " (module-name pattern -> style) to the strategy instead of 'auto'."
     )

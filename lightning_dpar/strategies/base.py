@@ -49,7 +49,7 @@ from lightning_dpar.checkpoint.adapter_only import CheckpointWeights
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.compilation import CompileSpec, compile_options
 from lightning_dpar.helpers import attached_trainer, has_parameters
-from lightning_dpar.mesh import PIPELINE, TENSOR_PARALLEL, ParallelDims, ParallelMeshes, SizeArg
+from lightning_dpar.mesh import EXPERT, PIPELINE, TENSOR_PARALLEL, ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.optimizers import ParameterLayout, check_optimizers
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.runtime import PipelineRuntime
@@ -99,6 +99,11 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         checkpoint_weights: `"all"` (default) saves every parameter; `"trainable"` leaves out the frozen base that
             `pretrained=` supplies (adapter-only checkpoints, e.g. LoRA), which a resume reads from `pretrained=`
             again. See `lightning_dpar.checkpoint.adapter_only`.
+        expert_parallel_size: ranks holding different experts of each MoE layer (`"auto"`: the shard dim's ranks in
+            one node), taken from the data-parallel ranks that shard the model; tokens travel to their experts by
+            all-to-all. See `lightning_dpar.expert_parallel` and `docs/moe.md`.
+        expert_modules: the experts modules (class names or module-name globs); default: every module that follows
+            the experts contract (`lightning_dpar.plan.experts`), e.g. transformers' `...mlp.experts`.
         pretrained: a Hugging Face `save_pretrained` directory (or `PretrainedWeights(path, prefix, strict)`) read
             into the model once it is parallelised, each rank reading only its shards; skipped when a checkpoint is
             resumed (`ckpt_path`), but for an adapter-only checkpoint's frozen base. See `lightning_dpar.pretrained`.
@@ -124,6 +129,8 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         pretrained: PretrainedSpec | None = None,
         pipeline_parallel_size: int = 1,
         pipeline: PipelineConfig | None = None,
+        expert_parallel_size: SizeArg = 1,
+        expert_modules: Sequence[ModuleSelector] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -146,6 +153,8 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
                 " export one file with `python -m lightning_dpar consolidate`."
             )
         self._pipeline_parallel_size = pipeline_parallel_size
+        self._expert_parallel_size = expert_parallel_size
+        self._expert_modules = None if expert_modules is None else list(expert_modules)
         self._pipeline_config = pipeline if pipeline is not None else PipelineConfig.of("1F1B", None, 1, "auto")
         self._pipeline: PipelineSteps | None = None
         self._tensor_parallel_size = tensor_parallel_size
@@ -161,6 +170,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self.dims: ParallelDims | None = None
         self._device_mesh: DeviceMesh | None = None
         self._data_parallel_mesh: DeviceMesh | None = None
+        self._expert_mesh: DeviceMesh | None = None
         # Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
         self._grad_sync_modules: list[nn.Module] = []
         self._backward_sync_blocked = False
@@ -256,7 +266,11 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
     @property
     def plan_options(self) -> PlanOptions:
         """What this strategy's arguments say about the plan (`lightning_dpar.plan.planner`); subclasses add theirs."""
-        kept = {"pipeline_parallel_size": self._pipeline_parallel_size, "replicate_size": self._replicate_size}
+        kept = {
+            "pipeline_parallel_size": self._pipeline_parallel_size,
+            "replicate_size": self._replicate_size,
+            "expert_parallel_size": self._expert_parallel_size,
+        }
         return PlanOptions(
             strategy=type(self).__name__,
             tp_plan=self._tp_plan,
@@ -264,6 +278,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             compile=self._compile_options,
             pipeline=self._pipeline_config,
             kept_size_args=tuple((name, value) for name, value in kept.items() if value != 1),
+            expert_modules=self._expert_modules,
         )
 
     def module_plan(self, module: nn.Module, dims: ParallelDims | None = None, rank: int | None = None) -> ModulePlan:
@@ -293,7 +308,9 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
     def parallel_meshes(self) -> ParallelMeshes:
         """This run's mesh sizes, meshes and device (exists once the processes are initialised)."""
         assert self.dims is not None and self._data_parallel_mesh is not None
-        return ParallelMeshes(self.dims, self.device_mesh, self._data_parallel_mesh, self.root_device)
+        return ParallelMeshes(
+            self.dims, self.device_mesh, self._data_parallel_mesh, self.root_device, self._expert_mesh
+        )
 
     def _parallelize(self, module: pl.LightningModule) -> ModulePlan:
         """The training code path: `apply_plan` with this strategy's plan and wrapper, materialising the shards;
@@ -305,6 +322,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             plan,
             tensor_parallel_mesh=self.device_mesh[TENSOR_PARALLEL],
             wrap_data_parallel=self.data_parallel_wrapper(self.parallel_meshes),
+            expert_mesh=self._expert_mesh[EXPERT] if self._expert_mesh is not None else None,
             compile_options=self._compile_options,
             materialize_on=self.root_device,
         )

@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType
-from lightning_dpar.mesh import ParallelMeshes, SizeArg, fsdp_mesh
+from lightning_dpar.mesh import ParallelMeshes, SizeArg, expert_fsdp_mesh, fsdp_mesh
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import SplitSpec
 from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec
@@ -107,6 +107,7 @@ class FullyShardStrategy(DparStrategy):
     @override
     def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:
         mesh = fsdp_mesh(meshes.mesh, meshes.dims)
+        experts_mesh = expert_fsdp_mesh(meshes.expert_mesh, meshes.dims) if meshes.expert_mesh is not None else None
         mp_policy = self.precision_plugin.mixed_precision_policy
 
         reshard_after_forward = self._reshard_after_forward
@@ -124,6 +125,8 @@ class FullyShardStrategy(DparStrategy):
                 stage_roots=stage_roots,
                 final_unit=plan.pipeline.stages[-1][-1] if plan.pipeline is not None else None,
                 tied=plan.tied,
+                expert_units=plan.experts,
+                expert_mesh=experts_mesh,
             )
 
         return wrap

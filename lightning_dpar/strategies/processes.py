@@ -43,6 +43,8 @@ class ProcessHooks(ParallelStrategy):
     dims: ParallelDims | None
     _device_mesh: DeviceMesh | None
     _data_parallel_mesh: DeviceMesh | None
+    _expert_mesh: DeviceMesh | None
+    _expert_parallel_size: SizeArg
 
     @property
     @override
@@ -75,6 +77,7 @@ class ProcessHooks(ParallelStrategy):
             replicate_size=self._replicate_size,
             num_nodes=num_nodes,
             pipeline_parallel_size=self._pipeline_parallel_size,
+            expert_parallel_size=self._expert_parallel_size,
         )
 
     @override
@@ -111,7 +114,9 @@ class ProcessHooks(ParallelStrategy):
                 device_id=self.root_device if self.root_device.type != "cpu" else None,
             )
         if self._device_mesh is None:  # fit then validate reuse the mesh the parameters already live on
-            self._device_mesh, self._data_parallel_mesh = build_device_mesh(self.dims, self.root_device.type)
+            self._device_mesh, self._data_parallel_mesh, self._expert_mesh = build_device_mesh(
+                self.dims, self.root_device.type
+            )
         assert self.lightning_module is not None
         attach_device_mesh(self.lightning_module, self._device_mesh)
 

@@ -73,6 +73,12 @@ class ReplicateStrategy(DparStrategy):
         compiled_autograd: bool = False,
         **kwargs: Any,
     ) -> None:
+        if kwargs.get("expert_parallel_size", 1) != 1:
+            raise ValueError(
+                f"`ReplicateStrategy` does not split experts (`expert_parallel_size={kwargs['expert_parallel_size']}`):"
+                " every DDP replica holds the whole model. Use `FullyShardStrategy` (`strategy='dpar_ep'`) or"
+                " `FSDPTensorParallelStrategy`, whose expert-parallel ranks hold different experts of each MoE layer."
+            )
         if kwargs.get("pipeline_parallel_size", 1) != 1:
             raise ValueError(
                 f"`ReplicateStrategy` does not pipeline (`pipeline_parallel_size={kwargs['pipeline_parallel_size']}`):"

@@ -1,0 +1,70 @@
+"""The Mixture-of-Experts layer of the example GPT (`GPT(n_experts=8)`): a top-k router and an experts module that
+follows the package's experts contract (`lightning_dpar.plan.experts`), so `expert_parallel_size` splits it.
+
+The router runs on each rank's own tokens and hands its choices to the experts module, as transformers 5's MoE
+models do; the experts keep their weights stacked along dim 0, one slice per expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Experts", "MoE", "Router"]
+
+
+class Router(nn.Module):
+    """Top-k routing: a linear score per expert, softmax, the `top_k` best, their weights renormalised to sum 1."""
+
+    def __init__(self, n_embd: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"`experts_per_token={top_k}` must be between 1 and `n_experts={num_experts}`.")
+        self.top_k = top_k
+        self.score = nn.Linear(n_embd, num_experts)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probabilities = F.softmax(self.score(x), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probabilities, self.top_k, dim=-1)
+        return chosen, (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+
+
+class Experts(nn.Module):
+    """`num_experts` GELU MLPs with their weights stacked: `fc` `[E, 4 * n_embd, n_embd]`, `proj` `[E, n_embd,
+    4 * n_embd]`. `forward(hidden_states, top_k_index, top_k_weights)` runs each chosen expert on its tokens only."""
+
+    def __init__(self, n_embd: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.fc = nn.Parameter(torch.empty(num_experts, 4 * n_embd, n_embd))
+        self.proj = nn.Parameter(torch.empty(num_experts, n_embd, 4 * n_embd))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.fc, std=0.02)
+        nn.init.normal_(self.proj, std=0.02)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():  # only the experts some token chose
+            token, choice = torch.where(top_k_index == expert)
+            y = F.gelu(hidden_states[token] @ self.fc[expert].T) @ self.proj[expert].T
+            out = out.index_add(0, token, y * top_k_weights[token, choice, None])
+        return out
+
+
+class MoE(nn.Module):
+    """The MoE feed-forward of a block: `router` chooses, `experts` compute, on `[batch, time, n_embd]` inputs."""
+
+    def __init__(self, n_embd: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.router = Router(n_embd, num_experts, top_k)
+        self.experts = Experts(n_embd, num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        chosen, weights = self.router(tokens)
+        return self.experts(tokens, chosen, weights).view_as(x)

@@ -1,0 +1,151 @@
+"""Mixture-of-Experts models through real Trainers, with and without expert parallelism: tiny transformers
+Qwen3-MoE and Mixtral (4 experts, top-2) and the example GPT's MoE variant, each ending with the same parameters as
+single-process training of the same model on the same global batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import lightning as L
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
+from lightning_dpar.examples.gpt import GPT
+from tests.workers.cases import Case
+from tests.workers.common import BATCH, full_params, trainer_for, world_size
+from tests.workers.hf_models import SEQ, VOCAB, TokenIds, global_batches
+
+EXPERTS = 4
+
+
+def qwen3_moe_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    values = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=EXPERTS,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=SEQ,
+    )
+    return Qwen3MoeConfig(**{**values, **overrides})
+
+
+def mixtral_config(**overrides):
+    from transformers import MixtralConfig
+
+    values = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=SEQ,
+    )
+    return MixtralConfig(**{**values, **overrides})
+
+
+class HFMoEModule(L.LightningModule):
+    """A transformers MoE causal LM; the loss is its own (`labels`), with the router's load-balancing loss when the
+    config sets `output_router_logits`."""
+
+    def __init__(self, family: str = "qwen3_moe", depth: int = 2, **overrides) -> None:
+        super().__init__()
+        from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
+
+        torch.manual_seed(0)
+        if family == "qwen3_moe":
+            self.net = Qwen3MoeForCausalLM(qwen3_moe_config(num_hidden_layers=depth, **overrides))
+        else:
+            self.net = MixtralForCausalLM(mixtral_config(num_hidden_layers=depth, **overrides))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+class ExampleMoE(GPT):
+    """The example GPT with 4 experts per block; SGD so that the comparison measures gradients."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=16, n_experts=EXPERTS)
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+def reference(module: L.LightningModule, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    optimizer = module.configure_optimizers()
+    for batch in batches:
+        optimizer.zero_grad()
+        module.training_step(batch, 0).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def expert_shards(module: L.LightningModule) -> dict[str, object]:
+    """How rank 0 holds the first experts module's first parameter: its placements and local rows."""
+    for name, param in module.named_parameters():
+        if ".experts." in name and isinstance(param, DTensor):
+            return {"name": name, "placements": str(param.placements), "local_rows": param.to_local().shape[0]}
+    return {}
+
+
+def parity_case(strategy, dp: int, make=HFMoEModule, steps: int = 3) -> dict | None:
+    """Train under `strategy`; on rank 0, the largest difference to single-process training of the same model."""
+    data = TokenIds()
+    trainer = trainer_for(strategy, max_steps=steps)
+    module = make()
+    trainer.fit(module, DataLoader(data, batch_size=BATCH))
+    got = full_params(trainer)
+    shards = expert_shards(module)
+    if trainer.global_rank != 0:
+        return None
+    want = reference(make(), global_batches(data, dp, 0)[:steps])
+    assert set(got) == set(want), (sorted(set(got) ^ set(want)))
+    return {"max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want), **shards}
+
+
+def group_moe() -> Iterator[Case]:
+    world = world_size()
+    yield Case("qwen3_moe_fsdp", lambda: parity_case(FullyShardStrategy(), world))
+    yield Case("qwen3_moe_ep", lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world))
+    yield Case("example_moe_ep", lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, ExampleMoE))
+    if world == 4:
+        yield Case("qwen3_moe_ep2_fsdp2", lambda: parity_case(FullyShardStrategy(expert_parallel_size=2), 4))
+        yield Case(
+            "mixtral_ep2_fsdp2",
+            lambda: parity_case(FullyShardStrategy(expert_parallel_size=2), 4, lambda: HFMoEModule("mixtral")),
+        )
+        yield Case(
+            "qwen3_moe_ep2_tp2",
+            lambda: parity_case(
+                FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan="auto", expert_parallel_size=2), 2
+            ),
+        )
+        yield Case(
+            "qwen3_moe_hsdp_ep2",
+            lambda: parity_case(FullyShardStrategy(replicate_size=2, expert_parallel_size=2), 4),
+        )
+
+
+GROUPS = {"moe": group_moe}
