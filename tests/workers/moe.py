@@ -93,13 +93,29 @@ class ExampleMoE(GPT):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
-def reference(module: L.LightningModule, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+class IdleExpertMoE(ExampleMoE):
+    """The router never chooses the last expert (its score's bias is -1e4): with expert parallelism the rank holding
+    it receives no token for it (on 4 ranks, no token at all), in every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.no_grad():
+            for block in self.model.blocks:
+                block.mlp.router.score.bias[EXPERTS - 1] = -1e4
+
+
+def reference(
+    module: L.LightningModule, batches: list[torch.Tensor], clip: float | None = None
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Single-process training on the global batches; the state, and each step's gradient norm before clipping."""
     optimizer = module.configure_optimizers()
+    norms = []
     for batch in batches:
         optimizer.zero_grad()
         module.training_step(batch, 0).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(module.parameters(), clip if clip else float("inf")).item())
         optimizer.step()
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}, norms
 
 
 def expert_shards(module: L.LightningModule) -> dict[str, object]:
@@ -110,19 +126,27 @@ def expert_shards(module: L.LightningModule) -> dict[str, object]:
     return {}
 
 
-def parity_case(strategy, dp: int, make=HFMoEModule, steps: int = 3) -> dict | None:
-    """Train under `strategy`; on rank 0, the largest difference to single-process training of the same model."""
+def parity_case(strategy, dp: int, make=HFMoEModule, steps: int = 3, clip: float | None = None) -> dict | None:
+    """Train under `strategy` (clipping the gradients' global norm to `clip`); on rank 0, the largest difference to
+    single-process training of the same model, and the reference's gradient norms before clipping."""
     data = TokenIds()
-    trainer = trainer_for(strategy, max_steps=steps)
+    trainer = trainer_for(strategy, max_steps=steps, gradient_clip_val=clip)
     module = make()
+    initial = {k: v.detach().clone() for k, v in make().state_dict().items()}
     trainer.fit(module, DataLoader(data, batch_size=BATCH))
     got = full_params(trainer)
     shards = expert_shards(module)
     if trainer.global_rank != 0:
         return None
-    want = reference(make(), global_batches(data, dp, 0)[:steps])
-    assert set(got) == set(want), (sorted(set(got) ^ set(want)))
-    return {"max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want), **shards}
+    want, norms = reference(make(), global_batches(data, dp, 0)[:steps], clip)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    moved = {k: (got[k][-1] - initial[k][-1]).abs().max().item() for k in got if ".experts." in k}
+    return {
+        "max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want),
+        "reference_norms": norms,
+        "last_expert_moved": moved,
+        **shards,
+    }
 
 
 def group_moe() -> Iterator[Case]:
@@ -130,6 +154,14 @@ def group_moe() -> Iterator[Case]:
     yield Case("qwen3_moe_fsdp", lambda: parity_case(FullyShardStrategy(), world))
     yield Case("qwen3_moe_ep", lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world))
     yield Case("example_moe_ep", lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, ExampleMoE))
+    yield Case(
+        "example_moe_idle_expert",
+        lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, IdleExpertMoE),
+    )
+    yield Case(
+        "qwen3_moe_ep_clipped",
+        lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, clip=0.05),
+    )
     if world == 4:
         yield Case("qwen3_moe_ep2_fsdp2", lambda: parity_case(FullyShardStrategy(expert_parallel_size=2), 4))
         yield Case(
@@ -141,6 +173,10 @@ def group_moe() -> Iterator[Case]:
             lambda: parity_case(
                 FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan="auto", expert_parallel_size=2), 2
             ),
+        )
+        yield Case(
+            "qwen3_moe_pp2_ep2",
+            lambda: parity_case(FullyShardStrategy(pipeline_parallel_size=2, expert_parallel_size=2), 2),
         )
         yield Case(
             "qwen3_moe_hsdp_ep2",

@@ -1,0 +1,72 @@
+"""Mixture-of-Experts models with and without expert parallelism, through real Trainers on 2 and 4 gloo ranks (cases
+in `tests/workers/moe.py`; skipped without transformers): tiny Qwen3-MoE and Mixtral (4 experts, top-2) and the
+example GPT's MoE variant, each against single-process training on the same global batches."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.conftest import run_workers
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def moe2(tmp_path_factory):
+    return run_workers(2, "moe", tmp_path_factory.mktemp("moe2"))
+
+
+@pytest.fixture(scope="module")
+def moe4(tmp_path_factory):
+    return run_workers(4, "moe", tmp_path_factory.mktemp("moe4"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["moe2", "moe4"])
+@pytest.mark.parametrize("case", ["qwen3_moe_fsdp", "qwen3_moe_ep", "example_moe_ep"])
+def test_moe_matches_single_process_training(world, case, request):
+    """FSDP alone, and expert parallelism over every rank (EP 2, EP 4): the expert gradients are averaged over the
+    global batch, neither divided by the expert-parallel size twice nor left summed (either would show here)."""
+    result = request.getfixturevalue(world)[case]
+    assert result["max_abs_diff"] < ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "local_rows", "placements"),
+    [
+        ("qwen3_moe_ep2_fsdp2", 1, "(_StridedShard(dim=0, sf=2), Shard(dim=0))"),
+        ("mixtral_ep2_fsdp2", 1, "(_StridedShard(dim=0, sf=2), Shard(dim=0))"),
+        ("qwen3_moe_ep2_tp2", 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))"),  # attention TP 2, experts EP 2
+        ("qwen3_moe_pp2_ep2", 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))"),  # 2 stages, EP 2 in each
+        ("qwen3_moe_hsdp_ep2", 2, "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"),
+    ],
+)
+def test_expert_parallel_layouts_match_single_process_training(moe4, case, local_rows, placements):
+    """EP composed with FSDP over the ranks left over, tensor parallelism, pipeline stages and HSDP: each rank holds
+    4 / EP experts (FSDP-sharded over what is left) and trains as one process does."""
+    result = moe4[case]
+    assert result["max_abs_diff"] < ATOL
+    assert (result["local_rows"], result["placements"]) == (local_rows, placements)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["moe2", "moe4"])
+def test_an_expert_no_token_chooses_gets_a_zero_gradient(world, request):
+    """The router never picks the last expert: its rank gets no token for it (on 4 ranks, no token at all), yet
+    every collective runs, training matches one process, and that expert's weights stay exactly as initialised."""
+    result = request.getfixturevalue(world)["example_moe_idle_expert"]
+    assert result["max_abs_diff"] < ATOL
+    assert set(result["last_expert_moved"].values()) == {0.0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["moe2", "moe4"])
+def test_clipping_spans_expert_and_other_gradients_once(world, request):
+    """`gradient_clip_val` clips the global norm over expert and non-expert gradients, each counted once: the same
+    update as `clip_grad_norm_` in one process, whose norms (about 0.95) are well above the 0.05 bound."""
+    result = request.getfixturevalue(world)["qwen3_moe_ep_clipped"]
+    assert min(result["reference_norms"]) > 0.5
+    assert result["max_abs_diff"] < ATOL
