@@ -70,3 +70,15 @@ def test_clipping_spans_expert_and_other_gradients_once(world, request):
     result = request.getfixturevalue(world)["qwen3_moe_ep_clipped"]
     assert min(result["reference_norms"]) > 0.5
     assert result["max_abs_diff"] < ATOL
+
+
+@pytest.mark.slow
+def test_checkpoints_reshard_between_expert_parallel_sizes(moe4):
+    """EP 2 x FSDP 2 -> FSDP 4 -> EP 4, each resuming the previous stage's sharded checkpoint: the loaded model and
+    optimizer state equal the saved one exactly (expert keys are the unsplit model's), and each stage continues at
+    the exact next batch, matching single-process training."""
+    stages = moe4["moe_reshard_chain"]
+    assert list(stages) == ["ep2_step2", "ep1_step3", "ep4_step4"]
+    assert [stage["global_step"] for stage in stages.values()] == [2, 3, 4]
+    assert [stage["load_diff"] for stage in stages.values()] == [None, 0.0, 0.0]
+    assert all(stage["max_abs_diff"] < ATOL for stage in stages.values())

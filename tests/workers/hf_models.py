@@ -111,14 +111,14 @@ class Qwen3Module(LlamaModule):
         self.net = Qwen3ForCausalLM(config)
 
 
-def global_batches(data: Dataset, dp: int, seed: int) -> list[torch.Tensor]:
+def global_batches(data: Dataset, dp: int, seed: int, steps: int = STEPS) -> list[torch.Tensor]:
     """What Lightning's distributed sampler (shuffled with the global seed) feeds `dp` ranks, one batch per step."""
     from torch.utils.data import DistributedSampler
 
     per_rank = [list(DistributedSampler(data, num_replicas=dp, rank=r, shuffle=True, seed=seed)) for r in range(dp)]
     return [
         torch.stack([data[i] for r in range(dp) for i in per_rank[r][s * BATCH : (s + 1) * BATCH]])
-        for s in range(STEPS)
+        for s in range(steps)
     ]
 
 

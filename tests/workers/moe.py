@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
 from lightning_dpar.examples.gpt import GPT
 from tests.workers.cases import Case
+from tests.workers.checkpoint_common import case_dir, flat_tensors, full_optimizer, max_diff
 from tests.workers.common import BATCH, full_params, trainer_for, world_size
 from tests.workers.hf_models import SEQ, VOCAB, TokenIds, global_batches
 
@@ -138,7 +139,7 @@ def parity_case(strategy, dp: int, make=HFMoEModule, steps: int = 3, clip: float
     shards = expert_shards(module)
     if trainer.global_rank != 0:
         return None
-    want, norms = reference(make(), global_batches(data, dp, 0)[:steps], clip)
+    want, norms = reference(make(), global_batches(data, dp, 0, steps), clip)
     assert set(got) == set(want), sorted(set(got) ^ set(want))
     moved = {k: (got[k][-1] - initial[k][-1]).abs().max().item() for k in got if ".experts." in k}
     return {
@@ -147,6 +148,58 @@ def parity_case(strategy, dp: int, make=HFMoEModule, steps: int = 3, clip: float
         "last_expert_moved": moved,
         **shards,
     }
+
+
+class CaptureLoadedState(L.Callback):
+    """The full model and optimizer state as training starts, after a checkpoint was loaded (a collective)."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.state = _model_and_optimizer(trainer)
+
+
+#: The resharding chain: (expert_parallel_size, the step each stage trains to); each stage resumes the previous one.
+CHAIN = [(2, 2), (1, 3), (4, 4)]
+
+
+def reshard_chain_case() -> dict | None:
+    """EP 2 x FSDP 2 trains 2 steps and saves; FSDP 4 (no expert parallelism) resumes it and trains step 3; EP 4
+    resumes that and trains step 4. Each stage's model and optimizer state right after loading must equal what the
+    previous stage saved, and its training must match single-process training up to its step (the exact next
+    batch, with the momentum carried over)."""
+    data = TokenIds()
+    directory = case_dir("moe_reshard_chain")
+    results: dict[str, object] = {}
+    saved_state: dict[str, torch.Tensor] | None = None
+    for index, (expert, steps) in enumerate(CHAIN):
+        module = HFMoEModule()
+        trainer = trainer_for(FullyShardStrategy(expert_parallel_size=expert), max_steps=steps)
+        capture = CaptureLoadedState()
+        trainer.callbacks.append(capture)
+        ckpt = directory / f"stage{index - 1}.ckpt" if index else None
+        trainer.fit(module, DataLoader(data, batch_size=BATCH), ckpt_path=ckpt)
+        trainer.save_checkpoint(directory / f"stage{index}.ckpt")
+        got = full_params(trainer)
+        state = _model_and_optimizer(trainer)
+        if trainer.global_rank == 0:
+            want, _ = reference(HFMoEModule(), global_batches(data, 4, 0, steps))
+            stage = f"ep{expert}_step{steps}"
+            results[stage] = {
+                "max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want),
+                "global_step": trainer.global_step,
+                "load_diff": max_diff(capture.state, saved_state) if saved_state is not None else None,
+                "state_entries": len(state),
+            }
+        saved_state = state
+    return results if trainer.global_rank == 0 else None
+
+
+def _model_and_optimizer(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    state = {f"model.{k}": v for k, v in full_params(trainer).items()}
+    state.update(flat_tensors("optim", full_optimizer(trainer)))
+    return state
 
 
 def group_moe() -> Iterator[Case]:
@@ -178,6 +231,7 @@ def group_moe() -> Iterator[Case]:
             "qwen3_moe_pp2_ep2",
             lambda: parity_case(FullyShardStrategy(pipeline_parallel_size=2, expert_parallel_size=2), 2),
         )
+        yield Case("moe_reshard_chain", reshard_chain_case)
         yield Case(
             "qwen3_moe_hsdp_ep2",
             lambda: parity_case(FullyShardStrategy(replicate_size=2, expert_parallel_size=2), 4),
