@@ -93,7 +93,7 @@ class ExpertDispatch:
         self.local_experts = self.num_experts // self._size
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
-        tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
+        (tokens, hidden), top_k = hidden_states.shape, top_k_index.shape[-1]
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)  # pairs grouped by expert, hence by destination rank
         sorted_experts = experts[order]
@@ -107,7 +107,7 @@ class ExpertDispatch:
         dist.all_to_all_single(local_ids, sorted_experts % self.local_experts, receive, send, group=self._group)
         computed = self._run_local_experts(received, local_ids)
         returned = AllToAll.apply(computed, send, receive, self._group)
-        per_choice = returned[torch.argsort(order)].view(tokens, top_k, -1)
+        per_choice = returned[torch.argsort(order)].view(tokens, top_k, hidden)
         combined = (per_choice * top_k_weights.unsqueeze(-1).to(per_choice.dtype)).sum(dim=1)
         return combined.to(hidden_states.dtype)
 

@@ -23,14 +23,14 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar.batchnorm import check_no_batch_norm_in_pipeline
-from lightning_dpar.helpers import class_name, is_under, show_names
+from lightning_dpar.helpers import class_name, show_names
 from lightning_dpar.materialize import check_initialisable
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import resolve_split
 from lightning_dpar.plan.adapters import adapter_tp_plan
 from lightning_dpar.plan.compile import check_compile_with_tensor_parallel, compile_units
-from lightning_dpar.plan.experts import plan_experts
+from lightning_dpar.plan.experts import pattern_reaches, plan_experts
 from lightning_dpar.plan.module_plan import ModulePlan, local_plan
 from lightning_dpar.plan.selectors import (
     ModuleSelector,
@@ -217,23 +217,27 @@ def _tensor_parallel(
     plan leaves them out (its `base_model_ep_plan` takes precedence there), and a plan of the user's that reaches
     into one is refused, since its experts are split over the expert ranks already."""
     tp_plan = _tp_plan_source(module, dims, options, experts)
-    resolved = _resolve_tp_plan(module, tp_plan, dims, options) if tp_plan else {}
-    inside = [fqn for fqn in resolved if is_under(fqn, experts)]
+    return _resolve_tp_plan(module, tp_plan, dims, options, experts) if tp_plan else {}
+
+
+def _resolve_tp_plan(
+    module: nn.Module,
+    tp_plan: Mapping[str, PlanStyle],
+    dims: ParallelDims,
+    options: PlanOptions,
+    experts: Sequence[str] = (),
+) -> dict[str, ParallelStyle]:
+    """`resolve_tp_plan`; a size that does not divide the model says how to set one that does, for this strategy."""
+    adapted = adapter_tp_plan(module, tp_plan)
+    inside = [pattern for pattern in adapted if pattern_reaches(pattern, experts)]
     if inside:
         raise ValueError(
             f"The `tp_plan` gives tensor-parallel styles to {show_names(inside)}, inside the experts modules that"
             f" `expert_parallel_size={dims.expert}` splits between expert ranks. Leave the experts out of the"
             " `tp_plan` (expert parallelism already splits them), or set `expert_parallel_size=1`."
         )
-    return resolved
-
-
-def _resolve_tp_plan(
-    module: nn.Module, tp_plan: Mapping[str, PlanStyle], dims: ParallelDims, options: PlanOptions
-) -> dict[str, ParallelStyle]:
-    """`resolve_tp_plan`; a size that does not divide the model says how to set one that does, for this strategy."""
     try:
-        return resolve_tp_plan(module, adapter_tp_plan(module, tp_plan), dims.tensor_parallel)
+        return resolve_tp_plan(module, adapted, dims.tensor_parallel)
     except TensorParallelSizeError as error:
         per_size = dims.pipeline * dims.replicate  # ranks per tensor-parallel rank outside the shard dim
 

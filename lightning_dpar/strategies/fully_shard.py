@@ -145,6 +145,13 @@ class FullyShardStrategy(DparStrategy):
             override=True,
             replicate_size="auto",
         )
+        strategy_registry.register(
+            "dpar_ep",
+            cls,
+            description="FSDP2 with expert parallelism over one node's ranks",
+            override=True,
+            expert_parallel_size="auto",
+        )
         cls.register_class_names(strategy_registry)
 
 
