@@ -31,9 +31,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dpar import FullyShardStrategy
+from tests.support.hf_configs import decoder_settings
 
 SEQ = 32
-LLAMA = dict(
+LLAMA = decoder_settings(
     vocab_size=8192,
     hidden_size=512,
     intermediate_size=1376,

@@ -1,49 +1,18 @@
 """Loading a checkpoint runs no code from it, and every unusable checkpoint fails naming the file and what to do:
 the 2-rank Trainer cases (`fit(ckpt_path=...)`, memory-mapped full-format loads), workers in
 `tests/workers/checkpoint_safety.py`. The in-process tests (hostile payloads against every reader, the index
-allowlist) are in `tests/unit/checkpoint/test_safety.py`; one stays here, as its expected message names this module
-(where its type is defined).
+allowlist, a user's own type allowed) are in `tests/unit/checkpoint/test_safety.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 
 import pytest
-import torch
 
-import lightning_dpar
-from lightning_dpar.checkpoint.errors import UnsafeCheckpointError
-from lightning_dpar.checkpoint.offline_reader import OfflineCheckpoint
 from tests.conftest import run_workers
-from tests.support.checkpoint_files import Tiny, copy_of
-from tests.unit.checkpoint import test_safety as unit_half
 from tests.unit.checkpoint.test_safety import ADMITTED
-
-pristine = unit_half.pristine  # the fixture: a small real sharded checkpoint
-
-
-@dataclasses.dataclass
-class Config:
-    """A hyperparameter type of the user's own, which `meta.pt` holds only once allowed."""
-
-    depth: int
-
-
-def test_users_own_types_load_once_allowed(pristine, tmp_path):
-    """The documented way to allow a hyperparameter type of one's own in `meta.pt`."""
-    checkpoint = copy_of(pristine, tmp_path)
-    meta = torch.load(checkpoint / "meta.pt", weights_only=True)
-    meta["hyper_parameters"]["config"] = Config(depth=2)
-    torch.save(meta, checkpoint / "meta.pt")
-    with pytest.raises(UnsafeCheckpointError, match=r"refers to tests\.launched\.test_checkpoint_safety\.Config"):
-        lightning_dpar.load_from_checkpoint(Tiny, checkpoint)
-    with torch.serialization.safe_globals([Config]):
-        model = lightning_dpar.load_from_checkpoint(Tiny, checkpoint)
-    assert model.hparams.config == Config(depth=2)
-    assert torch.equal(model.layer.weight, OfflineCheckpoint(str(pristine)).read_tensor("layer.weight"))
 
 
 # ---------------------------------------------------------------------- through real Trainers on 2 ranks

@@ -1,18 +1,14 @@
 """transformers models: their own tensor-parallel plans as data (`tp_plan="auto"`), every strategy, and meta-device
 init materialised shard by shard, through real Trainers on 2 and 4 gloo ranks (cases in `tests/workers/hf_models.py`;
-skipped without transformers). The in-process plan tests on meta models are in `tests/unit/plan/test_transformers.py`;
-the one below stays here because its expected message names this module."""
+skipped without transformers). The in-process plan tests on meta models are in
+`tests/unit/plan/test_transformers.py`."""
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
-import lightning_dpar
-from lightning_dpar.dry_run import plan
 from tests.conftest import run_workers
 
 ATOL = 1e-5
@@ -72,24 +68,3 @@ def test_llama_pipelined_matches_single_process_training(world, case, request):
 def test_meta_init_never_holds_a_whole_parameter(llama4, case):
     result = llama4[case]
     assert result["largest_local_numel"] * 4 <= result["largest_numel"] * 2  # at most half of the largest tensor
-
-
-def test_a_meta_module_nothing_can_initialise_is_refused():
-    class NoInit(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.scale = torch.nn.Parameter(torch.ones(3))
-
-    class Holder(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.part = NoInit()
-
-    with torch.device("meta"):
-        module = Holder()
-    with pytest.raises(
-        TypeError,
-        match=r"Modules \['tests\.launched\.test_hf_models\.\S+<locals>\.NoInit \(scale\)'\] were created on the meta"
-        r" device",
-    ):
-        plan(lightning_dpar.FullyShardStrategy(), module, world_size=2)

@@ -13,6 +13,7 @@ import torch
 
 from lightning_dpar.pretrained import checkpoint_shapes
 from tests.conftest import ROOT, run_script, run_workers
+from tests.support.hf_configs import decoder_settings
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,7 +23,7 @@ from tests.unit.test_pretrained import save_llama  # noqa: E402
 shared_dir = unit_half.shared_dir  # the fixture: the tiny models' weights on disk
 
 #: 6 layers of hidden 1024 and an 8192 vocabulary: 336 MB of fp32 weights, the largest tensor 32 MiB.
-BIG = dict(
+BIG = decoder_settings(
     vocab_size=8192,
     hidden_size=1024,
     intermediate_size=2816,

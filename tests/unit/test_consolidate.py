@@ -22,6 +22,7 @@ from lightning_dpar.consolidate import parse_size
 from tests.conftest import ROOT, subprocess_env
 from tests.support import malicious
 from tests.support.checkpoint_files import copy_of, write_full, write_sharded
+from tests.support.hf_configs import decoder_config
 from tests.support.models import TP_PLAN, ParityModule, RegressionData, loader
 from tests.workers.common import BATCH, full_params, trainer_for
 
@@ -98,10 +99,10 @@ def test_hf_format_needs_a_transformers_model(trained, tmp_path, capsys):
 class _Llama(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
 
         torch.manual_seed(0)
-        config = LlamaConfig(
+        config = decoder_config(
             vocab_size=32,
             hidden_size=16,
             intermediate_size=32,

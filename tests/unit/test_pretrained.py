@@ -22,19 +22,12 @@ from lightning_dpar.pretrained import (
     map_keys,
     to_pretrained_weights,
 )
+from tests.support.hf_configs import decoder_settings
 from tests.support.models import Net
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,  # GQA: two query heads per key/value head
-    tie_word_embeddings=True,
-)
+TINY = decoder_settings(tie_word_embeddings=True)  # GQA: two query heads per key/value head
 
 
 def save_llama(path, config: dict, max_shard_size: str) -> None:
@@ -130,7 +123,7 @@ def test_hf_export_names_drop_the_prefix_and_the_tied_copy_and_refuse_a_mismatch
         hf_export.hf_tensor_names(wrong, {f"net.{k}": tuple(v.shape) for k, v in model.state_dict().items()})
 
 
-NEOX = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+NEOX = decoder_settings(num_key_value_heads=None)
 
 
 def test_renamed_checkpoint_keys_load_and_export_as_transformers_names_them(tmp_path):

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
+from tests.support.hf_configs import decoder_config
 from tests.workers.cases import Case
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
 
@@ -23,18 +24,7 @@ VIEW_WARNING = "returned a view tensor"
 
 
 def llama_config(tied: bool = False):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=tied,
-    )
+    return decoder_config(vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=tied)
 
 
 class TokenIds(Dataset):
@@ -95,19 +85,10 @@ class Qwen3Module(LlamaModule):
 
     def __init__(self) -> None:
         L.LightningModule.__init__(self)
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+        from transformers import Qwen3ForCausalLM
 
         torch.manual_seed(0)
-        config = Qwen3Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=SEQ,
-        )
+        config = decoder_config("Qwen3Config", vocab_size=VOCAB, head_dim=8, max_position_embeddings=SEQ)
         self.net = Qwen3ForCausalLM(config)
 
 

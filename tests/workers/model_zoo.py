@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
 from lightning_dpar.__main__ import main as dpar_main
 from lightning_dpar.pretrained import checkpoint_shapes, tied_groups
+from tests.support.hf_configs import decoder_settings
 from tests.workers.cases import Case
 from tests.workers.common import full_params, trainer_for
 from tests.workers.hf_models import TokenIds
@@ -54,15 +55,7 @@ RESUME_ATOL = 1e-6
 CELLS_ENV = "DPAR_ZOO_CELLS"
 
 #: What every tiny config shares: 2 decoder layers (one per pipeline stage), GQA where the family has it.
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-)
+_COMMON = decoder_settings(vocab_size=VOCAB, max_position_embeddings=32)
 
 
 @dataclass(frozen=True)

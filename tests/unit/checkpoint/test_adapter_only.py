@@ -21,19 +21,12 @@ from lightning_dpar.checkpoint.adapter_only import (
 )
 from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.pretrained import PretrainedWeights, match_pretrained
+from tests.support.hf_configs import decoder_settings
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-)
+TINY = decoder_settings(tie_word_embeddings=True)
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 

@@ -12,20 +12,19 @@ from torch.utils.data import DataLoader
 
 from lightning_dpar import FullyShardStrategy
 from lightning_dpar.consolidate import main as consolidate
+from tests.support.hf_configs import decoder_config
 from tests.workers.adapter_checkpoints import LoraLM, TokenData
 from tests.workers.common import trainer_for
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("base")
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, num_key_value_heads=2)).save_pretrained(path)
+    transformers.LlamaForCausalLM(decoder_config()).save_pretrained(path)
     return path
 
 

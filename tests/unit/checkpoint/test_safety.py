@@ -7,13 +7,13 @@ They build small real checkpoints with `dcp.save` (no process group) and hostile
 marker appearing. The 2-rank Trainer cases (`fit(ckpt_path=...)`, memory-mapped full-format loads) are in
 `tests/launched/test_checkpoint_safety.py` (workers in `tests/workers/checkpoint_safety.py`). The checkpoints are
 `tests/support/checkpoint_files.py`'s; corrupt (not hostile) ones are `tests/unit/checkpoint/test_safe_io.py`,
-`consolidate` on bad input `tests/unit/test_consolidate.py`. One test stays in the launched file: its expected
-message names the module that defines its type.
+`consolidate` on bad input `tests/unit/test_consolidate.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import pathlib
 import pickle
@@ -256,3 +256,25 @@ def test_translate_dcp_errors_reports_every_rank_once(tmp_path):
         raise dcp.CheckpointException("read", {0: (same, None)})
     with pytest.raises(UnsafeCheckpointError, match=r"refers to posix\.system"), translate_dcp_errors(location):
         raise pickle.UnpicklingError("Unsupported global: GLOBAL posix.system was not an allowed global by default.")
+
+
+# ---------------------------------------------------------------------- a type of the user's own
+@dataclasses.dataclass
+class Config:
+    """A hyperparameter type of the user's own, which `meta.pt` holds only once allowed."""
+
+    depth: int
+
+
+def test_users_own_types_load_once_allowed(pristine, tmp_path):
+    """The documented way to allow a hyperparameter type of one's own in `meta.pt`."""
+    checkpoint = copy_of(pristine, tmp_path)
+    meta = torch.load(checkpoint / "meta.pt", weights_only=True)
+    meta["hyper_parameters"]["config"] = Config(depth=2)
+    torch.save(meta, checkpoint / "meta.pt")
+    with pytest.raises(UnsafeCheckpointError, match=r"refers to tests\.unit\.checkpoint\.test_safety\.Config"):
+        lightning_dpar.load_from_checkpoint(Tiny, checkpoint)
+    with torch.serialization.safe_globals([Config]):
+        model = lightning_dpar.load_from_checkpoint(Tiny, checkpoint)
+    assert model.hparams.config == Config(depth=2)
+    assert torch.equal(model.layer.weight, OfflineCheckpoint(str(pristine)).read_tensor("layer.weight"))

@@ -5,6 +5,7 @@ reproducing the model's initialiser. Training through real Trainers on 2 and 4 g
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from torch.distributed.tensor import Replicate
@@ -162,3 +163,24 @@ def test_materialisation_reproduces_the_models_own_initialiser_exactly():
         [*reference.named_parameters(), *reference.named_buffers()],
     ):
         assert torch.equal(got, want), name  # rotary inv_freq included: recomputed, not left uninitialised
+
+
+def test_a_meta_module_nothing_can_initialise_is_refused():
+    class NoInit(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(3))
+
+    class Holder(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.part = NoInit()
+
+    with torch.device("meta"):
+        module = Holder()
+    with pytest.raises(
+        TypeError,
+        match=r"Modules \['tests\.unit\.plan\.test_transformers\.\S+<locals>\.NoInit \(scale\)'\] were created on the"
+        r" meta device",
+    ):
+        plan(lightning_dpar.FullyShardStrategy(), module, world_size=2)
