@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
 from lightning_dpar.examples.gpt import GPT
+from tests.support.hf_configs import decoder_config
 from tests.workers.cases import Case
 from tests.workers.checkpoint_common import case_dir, flat_tensors, full_optimizer, max_diff
 from tests.workers.common import BATCH, full_params, trainer_for, world_size
@@ -22,41 +23,15 @@ EXPERTS = 4
 
 
 def qwen3_moe_config(**overrides):
-    from transformers import Qwen3MoeConfig
-
-    values = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=EXPERTS,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        max_position_embeddings=SEQ,
-    )
-    return Qwen3MoeConfig(**{**values, **overrides})
+    """Tiny Qwen3-MoE: the tests' tiny decoder with 4 experts of width 16 per layer, top-2."""
+    settings = dict(moe_intermediate_size=16, num_experts=EXPERTS, num_experts_per_tok=2, norm_topk_prob=True)
+    return decoder_config("Qwen3MoeConfig", head_dim=8, max_position_embeddings=SEQ, **{**settings, **overrides})
 
 
 def mixtral_config(**overrides):
-    from transformers import MixtralConfig
-
-    values = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=2,
-        max_position_embeddings=SEQ,
-    )
-    return MixtralConfig(**{**values, **overrides})
+    """Tiny Mixtral: the tests' tiny decoder with 4 experts of width 16 per layer, top-2."""
+    settings = dict(intermediate_size=16, num_local_experts=EXPERTS, num_experts_per_tok=2)
+    return decoder_config("MixtralConfig", head_dim=8, max_position_embeddings=SEQ, **{**settings, **overrides})
 
 
 class HFMoEModule(L.LightningModule):
