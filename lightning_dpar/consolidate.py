@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import struct
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ from lightning_dpar.checkpoint import hf_export, peft_export
 from lightning_dpar.checkpoint.adapter_only import refuse_without_base
 from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.checkpoint.offline_reader import OfflineCheckpoint
+from lightning_dpar.expert_keys import ExpertPart
 
 __all__ = [
     "main",
@@ -73,26 +76,34 @@ def write_lightning(checkpoint: OfflineCheckpoint, out: Path) -> None:
 
 
 def write_safetensors(
-    checkpoint: OfflineCheckpoint, out: Path, max_shard_size: int, tensor_names: dict[str, str] | None = None
+    checkpoint: OfflineCheckpoint,
+    out: Path,
+    max_shard_size: int,
+    tensor_names: Mapping[str, str | ExpertPart] | None = None,
 ) -> list[Path]:
     """Stream the model's tensors into safetensors files; headers are computed from the index up front.
 
-    `tensor_names` maps each output name to its checkpoint name (default: every tensor under its own name)."""
+    `tensor_names` maps each output name to its checkpoint name (default: every tensor under its own name), or to an
+    `ExpertPart` of one (one expert's rows of a fused expert parameter): the parts of one fused tensor follow each
+    other, so it is read once for all of them."""
     stored = checkpoint.model_tensors()
     tensor_names = tensor_names if tensor_names is not None else {name: name for name in stored}
-    tensors = {name: stored[source] for name, source in tensor_names.items()}
-    for name, meta in tensors.items():
+    layout: dict[str, tuple[list[int], torch.dtype]] = {}
+    for name, source in tensor_names.items():
+        meta = stored[source if isinstance(source, str) else source.name]
+        shape = list(meta.size) if isinstance(source, str) else list(source.shape(meta.size))
         if meta.properties.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{name!r} has dtype {meta.properties.dtype}, which safetensors cannot store.")
+        layout[name] = (shape, meta.properties.dtype)
+    nbytes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in layout.items()}
     shards: list[list[str]] = [[]]
     shard_bytes = 0
-    for name, meta in tensors.items():
-        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
-        if shards[-1] and shard_bytes + nbytes > max_shard_size:
+    for name in layout:
+        if shards[-1] and shard_bytes + nbytes[name] > max_shard_size:
             shards.append([])
             shard_bytes = 0
         shards[-1].append(name)
-        shard_bytes += nbytes
+        shard_bytes += nbytes[name]
     out.mkdir(parents=True, exist_ok=True)
     names = (
         ["model.safetensors"]
@@ -100,35 +111,51 @@ def write_safetensors(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     written = []
+    reader = _TensorReader(checkpoint)
     for file_name, shard in zip(names, shards):
         header: dict[str, dict] = {"__metadata__": {"format": "pt"}}  # type: ignore[dict-item]
         offset = 0
         for name in shard:
-            meta = tensors[name]
-            end = offset + meta.size.numel() * meta.properties.dtype.itemsize
+            shape, dtype = layout[name]
             header[name] = {
-                "dtype": _SAFETENSORS_DTYPES[meta.properties.dtype],
-                "shape": list(meta.size),
-                "data_offsets": [offset, end],
+                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "shape": shape,
+                "data_offsets": [offset, offset + nbytes[name]],
             }
-            offset = end
+            offset += nbytes[name]
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
         with open(out / file_name, "wb") as f:
             f.write(struct.pack("<Q", len(encoded)))
             f.write(encoded)
             for name in shard:
-                tensor = checkpoint.read_tensor(tensor_names[name]).contiguous()
+                tensor = reader.read(tensor_names[name]).contiguous()
                 if tensor.numel():
                     f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # no extra copy
                 del tensor
         written.append(out / file_name)
     if len(shards) > 1:
-        total = sum(m.size.numel() * m.properties.dtype.itemsize for m in tensors.values())
         weight_map = {name: file_name for file_name, shard in zip(names, shards) for name in shard}
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return written
+
+
+class _TensorReader:
+    """Reads checkpoint tensors one at a time, keeping the last fused expert tensor for its next parts."""
+
+    def __init__(self, checkpoint: OfflineCheckpoint) -> None:
+        self.checkpoint = checkpoint
+        self.kept: tuple[str, torch.Tensor] | None = None
+
+    def read(self, source: str | ExpertPart) -> torch.Tensor:
+        if isinstance(source, str):
+            self.kept = None
+            return self.checkpoint.read_tensor(source)
+        if self.kept is None or self.kept[0] != source.name:
+            self.kept = None  # freed before the next one is read
+            self.kept = (source.name, self.checkpoint.read_tensor(source.name))
+        return self.kept[1][source.index()]
 
 
 def build_parser() -> argparse.ArgumentParser:

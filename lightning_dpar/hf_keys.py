@@ -7,18 +7,22 @@ but is stored as `embed_out.weight` (every Pythia checkpoint on the Hub, and `sa
 (`lightning_dpar.pretrained`) and `consolidate --format hf` (`lightning_dpar.checkpoint.hf_export`) apply the same
 renames, so both see the files as transformers does.
 
-Only pure renames (`WeightRenaming`) are applied. A class whose checkpoints need tensors merged or split
-(`WeightConverter`: per-expert weights packed into one) keeps its checkpoint names here, and strict loading names
-the keys that do not fit. Without transformers, or with one older than 5 (no conversion mapping), nothing is renamed.
+Renames (`WeightRenaming`) are applied here. Of the conversions that merge tensors (`WeightConverter`), the one
+mixture-of-experts models use, per-expert tensors stacked into one fused parameter, is read from the same mapping
+(`expert_merges`) and applied by `lightning_dpar.expert_keys`; a class whose checkpoints need another conversion keeps
+its checkpoint names, and strict loading names the keys that do not fit. Without transformers, or with one older than
+5 (no conversion mapping), nothing is renamed or merged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from torch import nn
 
-__all__ = ["library_class_name", "loaded_names", "saved_names"]
+from lightning_dpar.expert_keys import ExpertMerge
+
+__all__ = ["expert_merges", "library_class_name", "loaded_names", "model_expert_merges", "name_in_files", "saved_names"]
 
 
 def library_class_name(model: nn.Module) -> str:
@@ -26,19 +30,29 @@ def library_class_name(model: nn.Module) -> str:
     return next(c for c in type(model).__mro__ if c.__module__.startswith("transformers.")).__name__
 
 
-def _renamings(class_name: str, model_type: str | None, saving: bool) -> list:
-    """The class's renames as transformers looks them up for a root model: by class name, else by `model_type`;
-    loading also accepts the legacy names (`LayerNorm.gamma`, ...); saving applies the reverse renames, in reverse
-    order, without the legacy ones (`transformers.core_model_loading.revert_weight_conversion`)."""
+def _transforms(class_name: str, model_type: str | None) -> list:
+    """The class's conversion mapping as transformers looks it up for a root model: by class name, else by
+    `model_type`; empty without transformers 5."""
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-        from transformers.core_model_loading import PrefixChange, WeightRenaming
     except ImportError:
         return []
     transforms = get_checkpoint_conversion_mapping(class_name)
     if transforms is None and model_type:
         transforms = get_checkpoint_conversion_mapping(model_type)
-    transforms = list(transforms or [])
+    return list(transforms or [])
+
+
+def _renamings(class_name: str, model_type: str | None, saving: bool) -> list:
+    """The class's renames: loading also accepts the legacy names (`LayerNorm.gamma`, ...); saving applies the
+    reverse renames, in reverse order, without the legacy ones (`transformers.core_model_loading
+    .revert_weight_conversion`)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightRenaming
+    except ImportError:
+        return []
+    transforms = _transforms(class_name, model_type)
     if saving:
         transforms = [t.reverse_transform() for t in transforms[::-1] if not isinstance(t, PrefixChange)]
     else:
@@ -66,3 +80,44 @@ def loaded_names(model: nn.Module, checkpoint_names: Iterable[str]) -> dict[str,
 def saved_names(class_name: str, model_type: str | None, model_names: Iterable[str]) -> dict[str, str]:
     """`{parameter name: the name save_pretrained stores it under}` for the transformers class `class_name`."""
     return _apply(model_names, _renamings(class_name, model_type, saving=True))
+
+
+def expert_merges(class_name: str, model_type: str | None) -> list[ExpertMerge]:
+    """The class's per-expert -> fused rules (`lightning_dpar.expert_keys`): its `WeightConverter`s that stack
+    per-expert tensors on dim 0 (`MergeModulelist(dim=0)`) and, for several parts, concatenate them on dim 1
+    (`Concatenate(dim=1)`: gate then up), into one target. The names are the renamed ones (Mixtral's
+    `block_sparse_moe.` is `mlp.` by then), as transformers applies its converters after its renames."""
+    try:
+        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+    except ImportError:
+        return []
+    merges = []
+    for transform in _transforms(class_name, model_type):
+        if not isinstance(transform, WeightConverter) or len(transform.target_patterns) != 1:
+            continue
+        sources, ops = tuple(transform.source_patterns), transform.operations
+        stacked = len(ops) >= 1 and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+        joined = len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1
+        single = len(ops) == 1 and len(sources) == 1
+        if stacked and (single or joined) and all(s.count("*") == 1 for s in sources):
+            merges.append(ExpertMerge(sources, transform.target_patterns[0]))
+    return merges
+
+
+def model_expert_merges(model: nn.Module) -> list[ExpertMerge]:
+    """`expert_merges` of the transformers model `model`."""
+    return expert_merges(library_class_name(model), getattr(getattr(model, "config", None), "model_type", None))
+
+
+def name_in_files(model: nn.Module | None, stored_as: Mapping[str, str]) -> Callable[[str], str]:
+    """Names as a checkpoint's files have them, for error messages: `stored_as` (`{loaded name: stored name}`) for
+    the names the files hold, and a name they lack as `save_pretrained` of the transformers model `model` would
+    store it (Mixtral's `mlp.` is `block_sparse_moe.` there)."""
+
+    def named(name: str) -> str:
+        if name in stored_as or model is None:
+            return stored_as.get(name, name)
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        return saved_names(library_class_name(model), model_type, [name])[name]
+
+    return named

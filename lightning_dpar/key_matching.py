@@ -30,6 +30,10 @@ class KeyMapping:
     missing: list[str] = field(default_factory=list)  # model keys the checkpoint has no value for
     unexpected: list[str] = field(default_factory=list)  # checkpoint keys the model lacks
     mismatched: list[str] = field(default_factory=list)  # "key: checkpoint (..), model (..)"
+    # Checkpoint tensors that do not make the model's parameter they are parts of (per-expert tensors of a fused
+    # expert parameter: one missing or mis-shaped, or both layouts at once), each a sentence naming them; refused
+    # strict or not, since no part of such a parameter can be loaded on its own.
+    incomplete: list[str] = field(default_factory=list)
 
     def problems(self, strict: bool) -> list[str]:
         found = [f"shapes differ: {', '.join(self.mismatched)}"] if self.mismatched else []
@@ -39,7 +43,7 @@ class KeyMapping:
         if strict and self.unexpected:
             unexpected = show_names(self.unexpected, 20, bracketed=False, count_rest=True)
             found.append(f"keys of the checkpoint not in the model: {unexpected}")
-        return found
+        return found + self.incomplete
 
 
 def map_keys(

@@ -9,6 +9,11 @@ model, so a model built on the meta device (`empty_init=True`) never exists unsh
 Checkpoint keys are the model's own names (`model.layers.0.self_attn.q_proj.weight`); the LightningModule holds the
 model somewhere (`self.model`, `self.net`), so its keys carry a prefix (`model.`, `net.`). The prefix is inferred by
 matching the checkpoint's keys against the LightningModule's, or given explicitly.
+
+A mixture-of-experts checkpoint that stores one tensor per expert (`mlp.experts.3.gate_proj.weight`, what
+`save_pretrained` writes) for a model whose experts are fused (`mlp.experts.gate_up_proj` [E, 2I, H]) is read the same
+way: each fused parameter counts as one checkpoint key (`lightning_dpar.expert_keys`), and `FusedExpertsReader`
+(`lightning_dpar.expert_reader`) fills each rank's block of it from the per-expert slices inside the block.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
@@ -27,6 +32,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_dpar import hf_keys, peft_keys
+from lightning_dpar.expert_keys import FusedExperts, group_experts
+from lightning_dpar.expert_reader import FusedExpertsReader
 from lightning_dpar.helpers import class_name, is_under, show_names, transformers_models
 from lightning_dpar.key_matching import KeyMapping, describe, map_keys, tied_groups
 
@@ -35,6 +42,8 @@ __all__ = [
     "PretrainedLoadError",
     "PretrainedSpec",
     "PretrainedWeights",
+    "TensorHeader",
+    "checkpoint_headers",
     "checkpoint_item_sizes",
     "checkpoint_shapes",
     "infer_prefix",
@@ -116,16 +125,31 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
     return files
 
 
-def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
-    """Every tensor's name and shape, from the safetensors headers only (no tensor data is read)."""
+@dataclass(frozen=True)
+class TensorHeader:
+    """What a safetensors header says of one tensor: its file, shape and dtype (`"F32"`, `"BF16"`, ...)."""
+
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def checkpoint_headers(path: str | os.PathLike) -> dict[str, TensorHeader]:
+    """Every tensor's file, shape and dtype, from the safetensors headers only (no tensor data is read)."""
     from safetensors import safe_open
 
-    shapes: dict[str, tuple[int, ...]] = {}
+    headers: dict[str, TensorHeader] = {}
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    return shapes
+                info = f.get_slice(key)
+                headers[key] = TensorHeader(str(file), tuple(info.get_shape()), info.get_dtype())
+    return headers
+
+
+def checkpoint_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, from the safetensors headers only (no tensor data is read)."""
+    return {key: header.shape for key, header in checkpoint_headers(path).items()}
 
 
 def infer_prefix(model_keys: Sequence[str], checkpoint_keys: Sequence[str]) -> str:
@@ -166,6 +190,7 @@ class PretrainedLoad:
     mapping: KeyMapping
     bytes_read: int  # this rank's slices of the tensors, in the checkpoint's dtypes
     seconds: float
+    expert_slices: list[str] = field(default_factory=list)  # the per-expert slices read, `'name[0:16, 0:32]'`
 
     def summary(self) -> str:
         """The one line the strategy logs on rank 0."""
@@ -185,18 +210,46 @@ def match_pretrained(
 ) -> tuple[dict[str, str], str, KeyMapping]:
     """Which tensor of `weights` fills which key of `module`, from the safetensors headers only (no tensor is read;
     local, no collective): `({name as loaded: name in the files}, prefix, mapping)`. Adapter parameters a `peft`
-    model adds (`lora_A`, `lora_B`) are not base weights, so no checkpoint has them: never counted as missing."""
+    model adds (`lora_A`, `lora_B`) are not base weights, so no checkpoint has them: never counted as missing. A
+    fused expert parameter the checkpoint stores per expert is one key, its own name in both places (the reader
+    assembles it); per-expert tensors that do not make the model's parameter exactly are `mapping.incomplete`."""
+    stored_as, prefix, mapping, _ = _match(module, weights, held_elsewhere, tied, state)
+    return stored_as, prefix, mapping
+
+
+def _match(
+    module: nn.Module,
+    weights: PretrainedWeights,
+    held_elsewhere: Sequence[str],
+    tied: Sequence[Sequence[str]] | None,
+    state: Mapping[str, object] | None,
+) -> tuple[dict[str, str], str, KeyMapping, dict[str, FusedExperts]]:
+    """`match_pretrained`, and every fused expert parameter the checkpoint stores per expert."""
     checkpoint = checkpoint_shapes(weights.path)
     stored_as = stored_names(module, list(checkpoint))
-    checkpoint = {name: checkpoint[stored] for name, stored in stored_as.items()}
+    loaded = {name: checkpoint[stored] for name, stored in stored_as.items()}
+    models = transformers_models(module)
+    merges = hf_keys.model_expert_merges(models[0][1]) if len(models) == 1 else []
+    loaded, fused, conflicts = group_experts(loaded, merges)
+    stored_as.update({name: name for name in fused})  # the reader serves a fused parameter under its own name
     state = module.state_dict() if state is None else state
     model_shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
-    prefix = weights.prefix if weights.prefix is not None else infer_prefix(list(model_shapes), list(checkpoint))
-    checkpoint = {k: shape for k, shape in checkpoint.items() if not is_under(prefix + k, held_elsewhere)}
-    mapping = map_keys(model_shapes, checkpoint, prefix, tied_groups(module) if tied is None else tied)
+    prefix = weights.prefix if weights.prefix is not None else infer_prefix(list(model_shapes), list(loaded))
+    loaded = {k: shape for k, shape in loaded.items() if not is_under(prefix + k, held_elsewhere)}
+    mapping = map_keys(model_shapes, loaded, prefix, tied_groups(module) if tied is None else tied)
     adapters = peft_keys.adapter_keys(module)
     mapping.missing = [key for key in mapping.missing if key not in adapters]
-    return stored_as, prefix, mapping
+    mapping.incomplete = list(conflicts)
+    in_files = hf_keys.name_in_files(models[0][1] if len(models) == 1 else None, stored_as)
+    for name, group in fused.items():
+        if name not in loaded or prefix + name not in model_shapes:
+            continue
+        problems = group.check(model_shapes[prefix + name], in_files, prefix + name)
+        if problems:  # named per expert tensor instead of as one fused shape
+            mapping.incomplete += problems
+            mapping.to_model.pop(name, None)
+            mapping.mismatched = [line for line in mapping.mismatched if not line.startswith(f"{name}: ")]
+    return stored_as, prefix, mapping, fused
 
 
 def load_pretrained(
@@ -218,22 +271,34 @@ def load_pretrained(
 
     start = time.perf_counter()
     state = module.state_dict()  # DTensor shards / local tensors sharing storage with the parameters
-    stored_as, prefix, mapping = match_pretrained(module, weights, held_elsewhere, tied, state)
+    stored_as, prefix, mapping, fused = _match(module, weights, held_elsewhere, tied, state)
     problems = mapping.problems(weights.strict)
     if not mapping.to_model:
         problems.append(f"no key of the checkpoint is a key of the model under the prefix {prefix!r}")
     if problems:
+        advice = " Pass `PretrainedWeights(path, prefix=..., strict=False)` to load only the keys that match."
+        if mapping.incomplete:  # strict=False does not help there
+            advice = (
+                " A fused expert parameter loads from all of its per-expert tensors or not at all: complete the"
+                " directory (every expert, as `save_pretrained` writes it), or build the model from the directory's"
+                f" `config.json`.{advice if len(problems) > len(mapping.incomplete) else ''}"
+            )
         raise PretrainedLoadError(
             f"Pretrained weights {weights.path!r} do not fit {class_name(module)} (keys matched with the prefix"
-            f" {prefix!r}): {'; '.join(problems)}. Pass `PretrainedWeights(path, prefix=..., strict=False)` to load"
-            " only the keys that match."
+            f" {prefix!r}): {'; '.join(problems)}.{advice}"
         )
     targets = {stored_as[key]: state[model_key] for key, model_key in mapping.to_model.items()}
+    headers = checkpoint_headers(weights.path)
+    files = {key: header.file for key, header in headers.items()}
+    # Every rank the same reader and metadata (all fused parameters), whichever of them it loads.
+    reader = FusedExpertsReader(str(weights.path), fused, stored_as, files) if fused else None
     with torch.no_grad():
-        dcp.load(targets, storage_reader=dcp.HuggingFaceStorageReader(str(weights.path)))
-    item_sizes = checkpoint_item_sizes(weights.path)
+        dcp.load(targets, storage_reader=reader or dcp.HuggingFaceStorageReader(str(weights.path)))
+    item_sizes = {key: SAFETENSORS_ITEM_SIZES.get(header.dtype, 4) for key, header in headers.items()}
+    item_sizes |= {name: item_sizes[stored_as[group.first_key]] for name, group in fused.items()}
     read = sum(_local_numel(target) * item_sizes[key] for key, target in targets.items())
-    return PretrainedLoad(weights, prefix, mapping, read, time.perf_counter() - start)
+    slices = reader.slices_read if reader is not None else []
+    return PretrainedLoad(weights, prefix, mapping, read, time.perf_counter() - start, slices)
 
 
 def load_unless_resuming(
@@ -276,14 +341,7 @@ SAFETENSORS_ITEM_SIZES |= {"I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_
 
 def checkpoint_item_sizes(path: str | os.PathLike) -> dict[str, int]:
     """Every tensor's bytes per element as stored, from the safetensors headers only."""
-    from safetensors import safe_open
-
-    sizes: dict[str, int] = {}
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                sizes[key] = SAFETENSORS_ITEM_SIZES.get(f.get_slice(key).get_dtype(), 4)
-    return sizes
+    return {key: SAFETENSORS_ITEM_SIZES.get(header.dtype, 4) for key, header in checkpoint_headers(path).items()}
 
 
 def _local_numel(tensor: torch.Tensor) -> int:

@@ -8,9 +8,11 @@ export then:
 2. builds the model class from the config on the meta device (no memory) and compares keys and shapes: a key the
    model expects but the checkpoint lacks, a key the model does not know, or a different shape is an error, never
    a `from_pretrained` that silently starts from random weights;
-3. drops the second name of each tied parameter (`lm_head.weight` under `tie_word_embeddings`) and renames what the
-   class stores under another name (GPT-NeoX's `lm_head` as `embed_out`, `lightning_dpar.hf_keys`), as
-   `save_pretrained` does;
+3. drops the second name of each tied parameter (`lm_head.weight` under `tie_word_embeddings`), splits each fused
+   expert parameter of a mixture-of-experts model into one tensor per expert and projection
+   (`mlp.experts.gate_up_proj` [E, 2I, H] into `mlp.experts.E.gate_proj.weight` and `...up_proj.weight`;
+   `lightning_dpar.expert_keys`) and renames what the class stores under another name (GPT-NeoX's `lm_head` as
+   `embed_out`, Mixtral's `mlp.` as `block_sparse_moe.`; `lightning_dpar.hf_keys`), as `save_pretrained` does;
 4. streams the tensors into safetensors files one at a time (see `consolidate.write_safetensors`), then writes
    `config.json` and `generation_config.json`.
 """
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from lightning_dpar import hf_keys
+from lightning_dpar.expert_keys import ExpertPart, split_fused
 from lightning_dpar.helpers import transformers_models
 from lightning_dpar.key_matching import map_keys, tied_groups  # the key matching of loading pretrained weights
 
@@ -84,8 +87,9 @@ def strip_prefix(names: list[str], prefix: str) -> dict[str, str]:
 
 def hf_tensor_names(
     record: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
-) -> tuple[dict[str, str], list[str]]:
-    """Checkpoint tensors -> the Hugging Face model's names: `({exported name: checkpoint name}, left out)`.
+) -> tuple[dict[str, str | ExpertPart], list[str]]:
+    """Checkpoint tensors -> the Hugging Face model's names: `({exported name: checkpoint name}, left out)`; a fused
+    expert parameter is exported as its per-expert tensors, each an `ExpertPart` of the checkpoint tensor.
 
     `shapes` maps the checkpoint's tensor names (relative to the LightningModule) to their shapes; tensors outside
     the model's prefix (a LightningModule's own heads or buffers) are left out and returned as such. Raises
@@ -103,10 +107,14 @@ def hf_tensor_names(
             f" its own config: {'; '.join(problems)}. Export with --format safetensors instead."
         )
     duplicates = {name for group in tied for name in group[1:]}
-    kept = [k for k in inside if k not in duplicates]
+    model_type = json.loads(record["config"]).get("model_type")
+    merges = hf_keys.expert_merges(record["class"], model_type)
+    exported: dict[str, str | ExpertPart] = {}
+    for name in (k for k in inside if k not in duplicates):
+        exported.update(split_fused(name, shapes[inside[name]], merges, inside[name]) or {name: inside[name]})
     # As `save_pretrained` names them (GPT-NeoX's `lm_head` is stored as `embed_out`; `lightning_dpar.hf_keys`).
-    saved = hf_keys.saved_names(record["class"], json.loads(record["config"]).get("model_type"), kept)
-    return {saved[k]: inside[k] for k in kept}, left_out
+    saved = hf_keys.saved_names(record["class"], model_type, exported)
+    return {saved[k]: source for k, source in exported.items()}, left_out
 
 
 def _expected_tensors(record: Mapping[str, Any]) -> tuple[dict[str, tuple[int, ...]], list[list[str]]]:

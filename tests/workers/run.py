@@ -41,6 +41,7 @@ MODULES = [
         "checkpoint_faults",
         "checkpoint_safety",
         "pretrained",
+        "moe_weights",
         "plan_apply",
         "hf_models",
         "litgpt_models",
