@@ -18,6 +18,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -25,7 +26,9 @@ from torch.optim import Optimizer
 
 from lightning_dpar import memory, parallelize
 from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
-from lightning_dpar.dry_run.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow
+from lightning_dpar.dry_run.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow, _group_modules
+from lightning_dpar.expert_parallel import local_expert_range
+from lightning_dpar.helpers import is_under
 from lightning_dpar.mesh import (
     EXPERT,
     TENSOR_PARALLEL,
@@ -66,10 +69,12 @@ def _layouts(value: Any) -> str:
     return ",".join(repr(v) for v in values)
 
 
-def _describe_modules(module: nn.Module, plan: ModulePlan, compiling: bool) -> dict[str, list[str]]:
+def _describe_modules(module: nn.Module, plan: ModulePlan, compiling: bool, dims: ParallelDims) -> dict[str, list[str]]:
     described: dict[str, list[str]] = {}
     for fqn, style in plan.tensor_parallel.items():
         described.setdefault(fqn, []).append(f"TP {describe_style(style)}")
+    for fqn in plan.experts:
+        described.setdefault(fqn, []).append(f"expert parallel {dims.expert}")
     for fqn in plan.activation_checkpointing:
         described.setdefault(fqn, []).append("activation checkpointing")
     for fqn in plan.compile_units if compiling else []:
@@ -181,7 +186,8 @@ def _plan_on_fake_world(
         rank=rank,
         coordinate=dict(zip(mesh.mesh_dim_names or (), mesh.get_coordinate() or ())),
         precision=precision,
-        modules=_describe_modules(module, module_plan, strategy.compile_options is not None),
+        modules=_describe_modules(module, module_plan, strategy.compile_options is not None, dims),
+        experts=_describe_experts(module, module_plan, dims, expert_mesh, rank),
         params=[
             ParamRow(
                 name,
@@ -209,6 +215,43 @@ def _plan_on_fake_world(
             optimizers, ParameterLayout.of(dims), type(strategy).__name__, strategy._computes_whole_updates
         ),
     )
+
+
+def _describe_experts(
+    module: nn.Module, plan: ModulePlan, dims: ParallelDims, expert_mesh: DeviceMesh | None, rank: int
+) -> list[str]:
+    """Which experts this rank holds in each experts module, and its parameter memory split into expert and other
+    parameters (what expert parallelism divides, and what it leaves to FSDP alone)."""
+    if not plan.experts or expert_mesh is None:
+        return []
+    coordinate = expert_mesh.get_coordinate()
+    assert coordinate is not None
+    expert_rank = coordinate[list(expert_mesh.mesh_dim_names or ()).index(EXPERT)]
+    lines = []
+    for fqn, _, count in _group_modules({fqn: [] for fqn in plan.experts}):
+        experts = module.get_submodule(fqn.replace("*", "0")).num_experts
+        held = local_expert_range(experts, expert_rank, dims.expert)
+        others = ", ".join(
+            f"{r}: {local_expert_range(experts, r, dims.expert)[0]}-{local_expert_range(experts, r, dims.expert)[-1]}"
+            for r in range(dims.expert)
+        )
+        times = f" x{count}" if count > 1 else ""
+        lines.append(
+            f"  {fqn}{times}: {experts} experts; rank {rank} (expert={expert_rank}) holds experts {held[0]}-{held[-1]}"
+            f" (by expert rank: {others}), FSDP-sharded over expert_shard {dims.expert_shard}"
+        )
+    expert_bytes = other_bytes = 0
+    for name, param in module.named_parameters():
+        size = memory.local_numel(param) * param.element_size()
+        if is_under(name, plan.experts):
+            expert_bytes += size
+        else:
+            other_bytes += size
+    lines.append(
+        f"  parameters on rank {rank}: experts {memory.format_bytes(expert_bytes)}, other"
+        f" {memory.format_bytes(other_bytes)}"
+    )
+    return lines
 
 
 def _describe_tie(module: nn.Module, group: Sequence[str], module_plan: ModulePlan) -> str:

@@ -116,6 +116,7 @@ class PlanReport:
     model_params: int | None = None  # the whole model's, when this rank holds only some pipeline stages
     tied: list[str] = field(default_factory=list)  # one line per parameter reachable under several names
     optimizer_exactness: list[str] = field(default_factory=list)  # per optimizer: exact here, or refused and why
+    experts: list[str] = field(default_factory=list)  # with expert parallelism: who holds which experts
 
     def render(self, all_params: bool = False) -> str:
         d = self.dims
@@ -136,6 +137,9 @@ class PlanReport:
             [(name, ", ".join(what), f"x{n}" if n > 1 else "") for name, what, n in _group_modules(self.modules)],
             ("module", "applied", ""),
         ) or ["  (nothing: every parameter stays whole on every rank)"]
+        if self.experts:
+            lines += ["", f"Experts (expert parallel {d.expert}: the experts of each MoE layer split between ranks)"]
+            lines += self.experts
         if self.tied:
             lines += ["", "Tied parameters (one parameter under several names, listed once below)", *self.tied]
         held = f"{self.total_params:,} in total"
