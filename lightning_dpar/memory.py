@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_dpar.mesh import TENSOR_PARALLEL, is_sharded
+from lightning_dpar.mesh import EXPERT, TENSOR_PARALLEL, is_sharded
 
 __all__ = [
     "STATES_PER_PARAMETER",
@@ -190,8 +190,8 @@ def format_bytes(n: float) -> str:
 
 
 def gathered_fsdp_units(module: nn.Module, compute_dtype: torch.dtype | None) -> list[tuple[str, int]]:
-    """Each FSDP unit's own parameters (not nested units') once all-gathered for compute (TP shards stay), in
-    bytes."""
+    """Each FSDP unit's own parameters (not nested units') once all-gathered for compute (TP shards and expert
+    parallelism's split of the experts stay), in bytes."""
     sizes = []
     for fqn, unit in module.named_modules():
         if not isinstance(unit, FSDPModule):
@@ -203,7 +203,7 @@ def gathered_fsdp_units(module: nn.Module, compute_dtype: torch.dtype | None) ->
             for p in sub.parameters()
         }
         size = sum(
-            unsharded_numel(p, [TENSOR_PARALLEL])
+            unsharded_numel(p, [TENSOR_PARALLEL, EXPERT])
             * (p.element_size() if compute_dtype is None else compute_dtype.itemsize)
             for p in unit.parameters()
             if id(p) not in nested

@@ -1,0 +1,39 @@
+"""The `plan` dry run of expert-parallel layouts: who holds which experts, the expert and other parameter memory, and
+the worked example of docs/moe.md (Qwen3-235B-A22B on 256 ranks), in this one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_dpar.dry_run import main
+from tests.conftest import ROOT
+
+EXAMPLE_MOE = str(ROOT / "examples" / "configs" / "moe.yaml")
+QWEN3_235B = str(ROOT / "examples" / "plan" / "qwen3_235b_a22b.yaml")
+
+pytestmark = pytest.mark.usefixtures("no_pytest_argv")
+
+
+def test_example_moe_plan_shows_the_experts_each_rank_holds(capsys):
+    assert main(["--config", EXAMPLE_MOE, "--rank", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "world=4 = replicate 1 x shard 4 (expert_shard 2 x expert 2) x tensor_parallel 1" in out
+    assert "model.blocks.*.mlp.experts  expert parallel 2, FSDP unit  x2" in out
+    assert "8 experts; rank 3 (expert=1) holds experts 4-7 (by expert rank: 0: 0-3, 1: 4-7)" in out
+    # fc and proj: 8 x 512 x 128 each, 2 layers, fp32: 4 MiB per layer; EP 2 x FSDP 2 leaves a quarter.
+    assert "parameters on rank 3: experts 2.00 MiB, other 211.27 KiB" in out
+    assert "(8, 512, 128)  expert_shard:_S(0, 2), expert:S(0)  (2, 512, 128)" in out
+    # FSDP gathers the 4 experts this rank's expert coordinate holds (2 MiB a layer), not all 8.
+    assert "the largest FSDP unit all-gathered for compute: 2.00 MiB (model.blocks.0.mlp.experts)" in out
+
+
+def test_worked_example_qwen3_235b_on_256_ranks(capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "finetune"))
+    assert main(["--config", QWEN3_235B]) == 0
+    out = capsys.readouterr().out
+    assert "world=256 = replicate 1 x shard 256 (expert_shard 32 x expert 8) x tensor_parallel 1" in out
+    assert "128 experts; rank 0 (expert=0) holds experts 0-15" in out
+    assert "parameters on rank 0: experts 3.30 GiB, other 59.96 MiB" in out
+    assert "Parameters on rank 0 (235,093,634,560 in total)" in out
+    assert "total       13.45 GiB" in out
