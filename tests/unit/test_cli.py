@@ -118,6 +118,7 @@ EXPECTED_CONFIGS = {
     "2d_tp_plan": (lightning_dpar.FSDPTensorParallelStrategy, (1, 2, 2)),
     "2d_compile": (lightning_dpar.FSDPTensorParallelStrategy, (1, 2, 2)),
     "3d": (lightning_dpar.FSDPTensorParallelStrategy, (1, 1, 2)),  # and pipeline 2
+    "moe": (lightning_dpar.FullyShardStrategy, (1, 4, 1)),  # shard 4 = expert_shard 2 x expert 2
 }
 
 
