@@ -57,6 +57,7 @@ from lightning_dpar.plan import AUTO, ModulePlan, ModuleSelector, PlanOptions, T
 from lightning_dpar.plan.structure import is_parallelized
 from lightning_dpar.precision import DparPrecision, to_dpar_precision
 from lightning_dpar.pretrained import PretrainedSpec, load_unless_resuming, to_pretrained_weights
+from lightning_dpar.router_loss import GlobalRouterLoss
 from lightning_dpar.strategies.checkpoint_hooks import CheckpointHooks
 from lightning_dpar.strategies.collectives import Collectives
 from lightning_dpar.strategies.data_loading import DataLoaderHooks
@@ -176,6 +177,8 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self._backward_sync_blocked = False
         #: DDP's buffer broadcast (`lightning_dpar.buffers`); made in `setup`, as DDP makes its own when wrapping.
         self._buffer_sync: BufferSync | None = None
+        #: The load-balancing loss of transformers MoE models over the global batch (`lightning_dpar.router_loss`).
+        self._router_loss: GlobalRouterLoss | None = None
         # Every FSDP unit: resharded between steps (`optimizer_step`).
         self._fsdp_modules: list[FSDPModule] = []
         self._parallelized_module: nn.Module | None = None
@@ -359,6 +362,8 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             if isinstance(callback, ModelCheckpoint):
                 replace_model_checkpoint_link(callback, self._point_last_link)
         self._buffer_sync = BufferSync(module, self.data_parallel_group)
+        router_loss = GlobalRouterLoss(module, self.data_parallel_group)
+        self._router_loss = router_loss if router_loss.applies else None
         self._sync_metrics_over_data_parallel(module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -6,7 +6,7 @@ and backward go through `lightning_dpar.strategies.pipeline_steps` instead of Li
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_dpar.buffers import BufferSync
+    from lightning_dpar.router_loss import GlobalRouterLoss
     from lightning_dpar.strategies.pipeline_steps import PipelineSteps
 
 __all__ = ["StepHooks"]
@@ -37,6 +38,7 @@ class StepHooks(ParallelStrategy):
     _pipeline: PipelineSteps | None
     #: DDP's buffer broadcast (`lightning_dpar.buffers`).
     _buffer_sync: BufferSync | None
+    _router_loss: GlobalRouterLoss | None
     #: Every FSDP unit: resharded between steps (`optimizer_step`).
     _fsdp_modules: list[FSDPModule]
     #: Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
@@ -46,10 +48,12 @@ class StepHooks(ParallelStrategy):
     @contextmanager
     def _step_forward(self, training: bool) -> Generator[None, None, None]:
         """Around each step's forward, as DDP's wrapper does: rank 0's buffers are broadcast to the data-parallel
-        peers first if a training forward ran since the last broadcast (`lightning_dpar.buffers`)."""
+        peers first if a training forward ran since the last broadcast (`lightning_dpar.buffers`); a transformers
+        MoE model's load-balancing loss covers the global batch (`lightning_dpar.router_loss`)."""
         if self._buffer_sync is not None:
             self._buffer_sync.before_forward()
-        yield
+        with self._router_loss.active() if self._router_loss is not None else nullcontext():
+            yield
         if self._buffer_sync is not None:
             module = self.lightning_module
             # Under manual optimisation Lightning's DDP switches its gradient sync off around the step's forward

@@ -49,3 +49,16 @@ def test_scale_gradient_is_the_identity_forward():
 
 def test_local_experts_are_contiguous_blocks():
     assert [list(local_expert_range(8, rank, 4)) for rank in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_router_loss_gathers_rows_keeping_this_ranks_gradient(gloo_world):
+    import torch.distributed as dist
+
+    from lightning_dpar.router_loss import GlobalRouterLoss, gather_rows
+
+    local = torch.randn(3, 4, requires_grad=True)
+    gathered = gather_rows(local, dist.group.WORLD)
+    gathered.sum().backward()
+    assert torch.equal(gathered, local) and torch.equal(local.grad, torch.ones(3, 4))
+    # One data-parallel rank: nothing to change.
+    assert not GlobalRouterLoss(torch.nn.Linear(2, 2), dist.group.WORLD).applies

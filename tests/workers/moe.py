@@ -186,6 +186,13 @@ def group_moe() -> Iterator[Case]:
         "example_moe_idle_expert",
         lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, IdleExpertMoE),
     )
+    # The router's load-balancing loss (coefficient 0.1): over the global batch, as one process computes it.
+    aux = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+    yield Case("qwen3_moe_aux_fsdp", lambda: parity_case(FullyShardStrategy(), world, lambda: HFMoEModule(**aux)))
+    yield Case(
+        "qwen3_moe_aux_ep",
+        lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, lambda: HFMoEModule(**aux)),
+    )
     yield Case(
         "qwen3_moe_ep_clipped",
         lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, clip=0.05),
