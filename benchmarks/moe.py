@@ -10,13 +10,14 @@ and expert parallel 4. Per step:
 - step time: rank 0's median wall time of a training step after 2 warm-up steps, and global tokens/s;
 - all-to-all bytes: the token rows all ranks together passed to `all_to_all_single` (measured by wrapping it: both
   exchanges, forward and backward, every MoE layer), against the minimum, every (token, choice) pair's row once each
-  way: `tokens x top_k x hidden x 4 bytes x 2 ways x 2 (forward, backward) x layers`;
+  way: `tokens x top_k x hidden x bytes x 2 ways x 2 (forward, backward) x layers`;
 - expert all-gather bytes: what FSDP's all-gathers of the expert parameters bring to one rank per step (each expert
   tensor's gathered size less its local shard, from the placements, times 2 gathers: forward, and again for
   backward since units reshard after forward).
 
-Prints a Markdown table and writes it to OUT_DIR/moe_cpu.md. On a GPU (`--accelerator cuda`, NCCL) the same table
-measures the real links; grouped GEMMs are not used by the example's experts (a loop over the chosen experts).
+Prints a Markdown table and writes it to OUT_DIR/moe_<preset>.md. `--preset gpu` (when a GPU is lent): CUDA and
+NCCL, bf16-mixed, and the experts as grouped matmuls (`experts_grouped_mm=True`, `torch._grouped_mm`) instead of
+the CPU preset's loop over the chosen experts.
 """
 
 from __future__ import annotations
@@ -103,14 +104,28 @@ def expert_gather_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-def run(layout: str, steps: int, accelerator: str) -> dict[str, float]:
+#: accelerator, precision and grouped matmuls per preset.
+PRESETS = {"cpu": ("cpu", "32-true", False), "gpu": ("cuda", "bf16-mixed", True)}
+
+
+def run(layout: str, steps: int, preset: str) -> dict[str, float]:
     expert = LAYOUTS[layout]
     world = int(os.environ["WORLD_SIZE"])
+    accelerator, precision, grouped = PRESETS[preset]
     torch.manual_seed(0)
-    module = GPT(block_size=SEQ, n_layer=2, n_head=4, n_embd=EMBD, n_experts=EXPERTS, experts_per_token=TOP_K)
+    module = GPT(
+        block_size=SEQ,
+        n_layer=2,
+        n_head=4,
+        n_embd=EMBD,
+        n_experts=EXPERTS,
+        experts_per_token=TOP_K,
+        experts_grouped_mm=grouped,
+    )
     timer = StepTimer()
     trainer = L.Trainer(
         accelerator=accelerator,
+        precision=precision,
         devices=world,
         strategy=FullyShardStrategy(expert_parallel_size=expert),
         max_steps=steps,
@@ -127,7 +142,8 @@ def run(layout: str, steps: int, accelerator: str) -> dict[str, float]:
     step = statistics.median(timer.times[2:])
     tokens = BATCH * SEQ * world  # per step
     layers = len(module.model.blocks)
-    minimum = tokens * TOP_K * EMBD * 4 * 2 * 2 * layers
+    element = 2 if precision.startswith("bf16") else 4  # the rows travel in the compute dtype
+    minimum = tokens * TOP_K * EMBD * element * 2 * 2 * layers
     gathers_per_step = 2  # forward, and again for backward (reshard_after_forward)
     return {
         "step_s": step,
@@ -142,14 +158,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     args = parser.parse_args()
-    rows = {layout: run(layout, args.steps, args.accelerator) for layout in LAYOUTS}
+    rows = {layout: run(layout, args.steps, args.preset) for layout in LAYOUTS}
     if int(os.environ.get("RANK", 0)) != 0:
         return
     lines = [
         f"MoE example GPT (8 experts, top-2, width {EMBD}, 2 layers), {os.environ['WORLD_SIZE']} ranks, batch"
-        f" {BATCH} x {SEQ} tokens per rank, fp32; per step:",
+        f" {BATCH} x {SEQ} tokens per rank, preset {args.preset} ({PRESETS[args.preset][1]}); per step:",
         "",
         "| layout | step time | tokens/s | all-to-all, all ranks | its minimum | expert all-gather per rank |",
         "|---|---|---|---|---|---|",
@@ -162,7 +178,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "moe_cpu.md").write_text(table + "\n")
+    (args.out / f"moe_{args.preset}.md").write_text(table + "\n")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ __all__ = [
     "detect_anomaly_requested",
     "flatten_mesh",
     "functional_all_reduce",
+    "grouped_mm",
     "init_dist_connection",
     "is_composable_replicated",
     "layer_sync_requested",
@@ -101,6 +102,15 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     `self.device_mesh["data_parallel"]`) resolve to; torch's own trainers (torchtitan) use it for the same reason.
     """
     return mesh._flatten(name)
+
+
+def grouped_mm() -> Callable[..., torch.Tensor] | None:
+    """`torch._grouped_mm(input, weights, offs=...)`, one matmul per group of rows, where this torch has it.
+
+    There is no public grouped GEMM in torch; MoE experts computed as one grouped matmul instead of a loop over the
+    experts is what torchtitan and transformers' `grouped_mm` experts use on GPUs (it runs on CPU too, in fp32).
+    """
+    return getattr(torch, "_grouped_mm", None)
 
 
 def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:

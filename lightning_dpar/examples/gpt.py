@@ -70,12 +70,14 @@ class Block(nn.Module):
     """Pre-norm transformer block: the unit `fully_shard` and activation checkpointing wrap. With `n_experts > 0` its
     feed-forward is a Mixture of Experts choosing `experts_per_token` experts per token."""
 
-    def __init__(self, n_embd: int, n_head: int, n_experts: int = 0, experts_per_token: int = 2) -> None:
+    def __init__(
+        self, n_embd: int, n_head: int, n_experts: int = 0, experts_per_token: int = 2, grouped: bool = False
+    ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head)
         self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp: nn.Module = MoE(n_embd, n_experts, experts_per_token) if n_experts else MLP(n_embd)
+        self.mlp: nn.Module = MoE(n_embd, n_experts, experts_per_token, grouped) if n_experts else MLP(n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -94,12 +96,15 @@ class Decoder(nn.Module):
         n_embd: int,
         n_experts: int = 0,
         experts_per_token: int = 2,
+        experts_grouped_mm: bool = False,
     ) -> None:
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, n_experts, experts_per_token) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(
+            Block(n_embd, n_head, n_experts, experts_per_token, experts_grouped_mm) for _ in range(n_layer)
+        )
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.n_layer = n_layer
@@ -135,6 +140,8 @@ class GPT(L.LightningModule):
         warmup_steps: linear warm-up length in optimizer steps.
         n_experts: experts per Mixture-of-Experts feed-forward (0: dense blocks).
         experts_per_token: experts the router chooses per token.
+        experts_grouped_mm: compute the experts with grouped matmuls (`torch._grouped_mm`; the GPU preset) instead
+            of a loop over the chosen experts.
     """
 
     def __init__(
@@ -149,10 +156,13 @@ class GPT(L.LightningModule):
         warmup_steps: int = 20,
         n_experts: int = 0,
         experts_per_token: int = 2,
+        experts_grouped_mm: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = Decoder(vocab_size, block_size, n_layer, n_head, n_embd, n_experts, experts_per_token)
+        self.model = Decoder(
+            vocab_size, block_size, n_layer, n_head, n_embd, n_experts, experts_per_token, experts_grouped_mm
+        )
         self.model.init_weights()
         self.tp_plan = dict(MOE_TP_PLAN if n_experts else TP_PLAN)
 

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_dpar._private_api import grouped_mm
+
 __all__ = ["Experts", "MoE", "Router"]
 
 
@@ -32,11 +34,16 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """`num_experts` GELU MLPs with their weights stacked: `fc` `[E, 4 * n_embd, n_embd]`, `proj` `[E, n_embd,
-    4 * n_embd]`. `forward(hidden_states, top_k_index, top_k_weights)` runs each chosen expert on its tokens only."""
+    4 * n_embd]`. `forward(hidden_states, top_k_index, top_k_weights)` runs each chosen expert on its tokens only:
+    in a loop over the chosen experts, or with `grouped=True` as one grouped matmul per projection over the
+    (token, choice) rows sorted by expert (`torch._grouped_mm`, where torch has it: the GPU preset)."""
 
-    def __init__(self, n_embd: int, num_experts: int) -> None:
+    def __init__(self, n_embd: int, num_experts: int, grouped: bool = False) -> None:
         super().__init__()
+        if grouped and grouped_mm() is None:
+            raise ValueError("`experts_grouped_mm=True` needs `torch._grouped_mm`, which this torch lacks.")
         self.num_experts = num_experts
+        self.grouped = grouped
         self.fc = nn.Parameter(torch.empty(num_experts, 4 * n_embd, n_embd))
         self.proj = nn.Parameter(torch.empty(num_experts, n_embd, 4 * n_embd))
         self.reset_parameters()
@@ -48,6 +55,8 @@ class Experts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.grouped:
+            return self._grouped_forward(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         for expert in top_k_index.unique().tolist():  # only the experts some token chose
             token, choice = torch.where(top_k_index == expert)
@@ -55,14 +64,27 @@ class Experts(nn.Module):
             out = out.index_add(0, token, y * top_k_weights[token, choice, None])
         return out
 
+    def _grouped_forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        matmul = grouped_mm()
+        assert matmul is not None
+        tokens, top_k = top_k_index.shape
+        order = torch.argsort(top_k_index.reshape(-1), stable=True)
+        rows = hidden_states[order // top_k]
+        ends = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts).cumsum(0).to(torch.int32)
+        y = matmul(F.gelu(matmul(rows, self.fc.transpose(1, 2), offs=ends)), self.proj.transpose(1, 2), offs=ends)
+        per_choice = y[torch.argsort(order)].view(tokens, top_k, -1)
+        return (per_choice * top_k_weights.unsqueeze(-1)).sum(dim=1)
+
 
 class MoE(nn.Module):
     """The MoE feed-forward of a block: `router` chooses, `experts` compute, on `[batch, time, n_embd]` inputs."""
 
-    def __init__(self, n_embd: int, num_experts: int, top_k: int) -> None:
+    def __init__(self, n_embd: int, num_experts: int, top_k: int, grouped: bool = False) -> None:
         super().__init__()
         self.router = Router(n_embd, num_experts, top_k)
-        self.experts = Experts(n_embd, num_experts)
+        self.experts = Experts(n_embd, num_experts, grouped)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])

@@ -62,3 +62,20 @@ def test_router_loss_gathers_rows_keeping_this_ranks_gradient(gloo_world):
     assert torch.equal(gathered, local) and torch.equal(local.grad, torch.ones(3, 4))
     # One data-parallel rank: nothing to change.
     assert not GlobalRouterLoss(torch.nn.Linear(2, 2), dist.group.WORLD).applies
+
+
+def test_grouped_experts_equal_the_loop():
+    """The GPU preset's grouped matmuls (`torch._grouped_mm`, fp32 on CPU) compute what the loop computes, gradients
+    included, with an expert no token chose."""
+    torch.manual_seed(0)
+    loop, grouped = Experts(8, 4), Experts(8, 4, grouped=True)
+    grouped.load_state_dict(loop.state_dict())
+    tokens = torch.randn(10, 8)
+    chosen = torch.randint(0, 3, (10, 2))  # expert 3: no token
+    weights = torch.rand(10, 2)
+    outputs = [experts(tokens, chosen, weights) for experts in (loop, grouped)]
+    for out in outputs:
+        out.square().sum().backward()
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-6)
+    assert torch.allclose(loop.fc.grad, grouped.fc.grad, atol=1e-6)
+    assert torch.equal(grouped.proj.grad[3], torch.zeros_like(grouped.proj.grad[3]))

@@ -58,9 +58,17 @@ class HFMoEModule(L.LightningModule):
 class ExampleMoE(GPT):
     """The example GPT with 4 experts per block; SGD so that the comparison measures gradients."""
 
-    def __init__(self) -> None:
+    def __init__(self, grouped: bool = False) -> None:
         torch.manual_seed(0)
-        super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=16, n_experts=EXPERTS)
+        super().__init__(
+            vocab_size=VOCAB,
+            block_size=SEQ,
+            n_layer=2,
+            n_head=4,
+            n_embd=16,
+            n_experts=EXPERTS,
+            experts_grouped_mm=grouped,
+        )
 
     def training_step(self, batch, batch_idx):
         return self._loss(batch)
@@ -182,6 +190,10 @@ def group_moe() -> Iterator[Case]:
     yield Case("qwen3_moe_fsdp", lambda: parity_case(FullyShardStrategy(), world))
     yield Case("qwen3_moe_ep", lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world))
     yield Case("example_moe_ep", lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, ExampleMoE))
+    yield Case(
+        "example_moe_ep_grouped_mm",
+        lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, lambda: ExampleMoE(grouped=True)),
+    )
     yield Case(
         "example_moe_idle_expert",
         lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, IdleExpertMoE),
