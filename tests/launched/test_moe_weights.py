@@ -40,8 +40,11 @@ def results4(workdir):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", moe.LAYOUTS)
 @pytest.mark.parametrize("kind", moe.KINDS)
-def test_every_layout_loads_into_fsdp_shards_exactly(results2, kind, layout):
-    result = results2[f"moe_load_{kind}_{layout}"]
+@pytest.mark.parametrize("expert_parallel", ["", "_ep"])
+def test_every_layout_loads_into_fsdp_shards_exactly(results2, kind, layout, expert_parallel):
+    """FSDP 2 (each rank holds half of each expert tensor's experts), and expert parallel 2 (each rank holds half of
+    the experts, `(_StridedShard, Shard)` over `expert_shard` x `expert`)."""
+    result = results2[f"moe_load_{kind}_{layout}{expert_parallel}"]
     assert result["random_init_diff"] > 0.01  # the model started from other values
     assert result["loaded_max_abs_diff"] == 0.0
     assert result["local_gate_up_shape"] == [2, 32, 32]  # each rank holds 2 of the 4 experts

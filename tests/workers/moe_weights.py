@@ -33,12 +33,13 @@ def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], prefix
     return max((got[prefix + k] - v).abs().max().item() for k, v in want.items())
 
 
-def load_case(kind: str, layout: str) -> dict | None:
-    """`FullyShardStrategy(pretrained=...)` on every rank: the full parameters right after setup, against the
-    model the directory was written from."""
+def load_case(kind: str, layout: str, expert_parallel_size: int = 1) -> dict | None:
+    """`FullyShardStrategy(pretrained=...)` on every rank (with `expert_parallel_size`): the full parameters right
+    after setup, against the model the directory was written from."""
     path = layout_dir(kind, layout)
     capture = CaptureStart()
-    trainer = trainer_for(FullyShardStrategy(pretrained=path), max_steps=1, callbacks=[capture])
+    strategy = FullyShardStrategy(pretrained=path, expert_parallel_size=expert_parallel_size)
+    trainer = trainer_for(strategy, max_steps=1, callbacks=[capture])
     module = CausalLM(path)
     experts = module.model.model.layers[0].mlp.experts
     trainer.fit(module, DataLoader(TokenData(128, n=8), batch_size=2))
@@ -155,6 +156,7 @@ def group_moe_load() -> Iterator[Case]:
     for kind in moe.KINDS:
         for layout in moe.LAYOUTS:
             yield Case(f"moe_load_{kind}_{layout}", lambda kind=kind, layout=layout: load_case(kind, layout))
+            yield Case(f"moe_load_{kind}_{layout}_ep", lambda kind=kind, layout=layout: load_case(kind, layout, 2))
 
 
 def group_moe_slices() -> Iterator[Case]:
