@@ -74,7 +74,7 @@ class Experts(nn.Module):
         rows = hidden_states[order // top_k]
         ends = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts).cumsum(0).to(torch.int32)
         y = matmul(F.gelu(matmul(rows, self.fc.transpose(1, 2), offs=ends)), self.proj.transpose(1, 2), offs=ends)
-        per_choice = y[torch.argsort(order)].view(tokens, top_k, -1)
+        per_choice = y[torch.argsort(order)].view(tokens, top_k, hidden_states.shape[-1])
         return (per_choice * top_k_weights.unsqueeze(-1)).sum(dim=1)
 
 

@@ -79,3 +79,9 @@ def test_grouped_experts_equal_the_loop():
     assert torch.allclose(outputs[0], outputs[1], atol=1e-6)
     assert torch.allclose(loop.fc.grad, grouped.fc.grad, atol=1e-6)
     assert torch.equal(grouped.proj.grad[3], torch.zeros_like(grouped.proj.grad[3]))
+
+
+def test_grouped_experts_take_zero_rows():
+    experts = Experts(8, 4, grouped=True)
+    out = experts(torch.randn(0, 8), torch.zeros(0, 1, dtype=torch.long), torch.ones(0, 1))
+    assert out.shape == (0, 8)
