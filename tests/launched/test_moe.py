@@ -4,6 +4,8 @@ example GPT's MoE variant, each against single-process training on the same glob
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -93,3 +95,28 @@ def test_router_load_balancing_loss_covers_the_global_batch(world, case, request
     computed over every data-parallel rank's routing, with or without expert parallelism."""
     result = request.getfixturevalue(world)[case]
     assert result["max_abs_diff"] < ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["moe2", "moe4"])
+def test_gradient_accumulation_under_expert_parallelism(world, request):
+    """`accumulate_grad_batches=2`: the experts' gradient sync is skipped on the first micro-batch (their FSDP unit
+    sits under the top-level units `no_sync` controls) and the step matches one process on the merged batches."""
+    assert request.getfixturevalue(world)["qwen3_moe_ep_accumulated"]["max_abs_diff"] < ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["moe2", "moe4"])
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("ep_on_dense_refused", r"ValueError: `expert_parallel_size=2` needs Mixture-of-Experts layers, but .*GPT"),
+        ("ep_indivisible_refused", r"ValueError: `expert_parallel_size=\d` does not divide the \d experts of"),
+        ("ep_size_refused", r"ValueError: `expert_parallel_size=3` does not divide the data-parallel ranks"),
+    ],
+)
+def test_wrong_expert_parallel_layouts_fail_on_every_rank(world, case, message, request):
+    """Refused on every rank, before any collective (a rank left waiting in one would time the case out)."""
+    messages = request.getfixturevalue(world)[case]
+    assert len(messages) == int(world[-1])
+    assert all(m is not None and re.match(message, m) for m in messages), messages

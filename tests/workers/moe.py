@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
@@ -110,11 +111,14 @@ def expert_shards(module: L.LightningModule) -> dict[str, object]:
     return {}
 
 
-def parity_case(strategy, dp: int, make=HFMoEModule, steps: int = 3, clip: float | None = None) -> dict | None:
-    """Train under `strategy` (clipping the gradients' global norm to `clip`); on rank 0, the largest difference to
-    single-process training of the same model, and the reference's gradient norms before clipping."""
+def parity_case(
+    strategy, dp: int, make=HFMoEModule, steps: int = 3, clip: float | None = None, accumulate: int = 1
+) -> dict | None:
+    """Train under `strategy` (clipping the gradients' global norm to `clip`, accumulating `accumulate` batches per
+    step); on rank 0, the largest difference to single-process training of the same model on the same global
+    batches, and the reference's gradient norms before clipping."""
     data = TokenIds()
-    trainer = trainer_for(strategy, max_steps=steps, gradient_clip_val=clip)
+    trainer = trainer_for(strategy, max_steps=steps, gradient_clip_val=clip, accumulate_grad_batches=accumulate)
     module = make()
     initial = {k: v.detach().clone() for k, v in make().state_dict().items()}
     trainer.fit(module, DataLoader(data, batch_size=BATCH))
@@ -122,7 +126,9 @@ def parity_case(strategy, dp: int, make=HFMoEModule, steps: int = 3, clip: float
     shards = expert_shards(module)
     if trainer.global_rank != 0:
         return None
-    want, norms = reference(make(), global_batches(data, dp, 0, steps), clip)
+    batches = global_batches(data, dp, 0, steps * accumulate)
+    merged = [torch.cat(batches[s * accumulate : (s + 1) * accumulate]) for s in range(steps)]
+    want, norms = reference(make(), merged, clip)
     assert set(got) == set(want), sorted(set(got) ^ set(want))
     moved = {k: (got[k][-1] - initial[k][-1]).abs().max().item() for k in got if ".experts." in k}
     return {
@@ -145,6 +151,19 @@ class CaptureLoadedState(L.Callback):
 
 #: The resharding chain: (expert_parallel_size, the step each stage trains to); each stage resumes the previous one.
 CHAIN = [(2, 2), (1, 3), (4, 4)]
+
+
+def refusal_case(make_strategy, make_module) -> list[str | None]:
+    """Every rank's error (None where it trained), gathered: a refused layout must fail on every rank, before any
+    collective (one that hung would time the case out)."""
+    message = None
+    try:
+        trainer_for(make_strategy()).fit(make_module(), DataLoader(TokenIds(), batch_size=BATCH))
+    except Exception as err:
+        message = f"{type(err).__name__}: {err}"
+    messages: list[str | None] = [None] * world_size()
+    dist.all_gather_object(messages, message)
+    return messages
 
 
 def reshard_chain_case() -> dict | None:
@@ -204,6 +223,24 @@ def group_moe() -> Iterator[Case]:
     yield Case(
         "qwen3_moe_aux_ep",
         lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, lambda: HFMoEModule(**aux)),
+    )
+    yield Case(
+        "qwen3_moe_ep_accumulated",
+        lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, steps=2, accumulate=2),
+    )
+    yield Case(
+        "ep_on_dense_refused",
+        lambda: refusal_case(lambda: FullyShardStrategy(expert_parallel_size=2), lambda: GPT(n_embd=16, n_head=2)),
+    )
+    yield Case(
+        "ep_indivisible_refused",
+        lambda: refusal_case(
+            lambda: FullyShardStrategy(expert_parallel_size=world), lambda: HFMoEModule(num_experts=world + 1)
+        ),
+    )
+    yield Case(
+        "ep_size_refused",
+        lambda: refusal_case(lambda: FullyShardStrategy(expert_parallel_size=3), HFMoEModule),
     )
     yield Case(
         "qwen3_moe_ep_clipped",
