@@ -120,3 +120,11 @@ def test_wrong_expert_parallel_layouts_fail_on_every_rank(world, case, message, 
     messages = request.getfixturevalue(world)[case]
     assert len(messages) == int(world[-1])
     assert all(m is not None and re.match(message, m) for m in messages), messages
+
+
+@pytest.mark.slow
+def test_full_format_checkpoint_of_expert_parallel_training(moe4):
+    """EP 4 saves one full-format file (the experts gathered whole on rank 0); FSDP 4 resumes it at the next batch."""
+    result = moe4["moe_full_format"]
+    assert result["is_file"]
+    assert result["max_abs_diff"] < ATOL

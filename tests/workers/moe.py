@@ -166,6 +166,24 @@ def refusal_case(make_strategy, make_module) -> list[str | None]:
     return messages
 
 
+def full_format_case() -> dict | None:
+    """Expert parallelism over every rank saves a full-format checkpoint (one file, gathered on rank 0) after 2
+    steps; FSDP without expert parallelism resumes it and trains step 3, matching one process."""
+    data = TokenIds()
+    world = world_size()
+    path = case_dir("moe_full_format") / "step2.ckpt"
+    first = trainer_for(FullyShardStrategy(expert_parallel_size=world, checkpoint_format="full"), max_steps=2)
+    first.fit(HFMoEModule(), DataLoader(data, batch_size=BATCH))
+    first.save_checkpoint(path)
+    second = trainer_for(FullyShardStrategy(checkpoint_format="full"), max_steps=3)
+    second.fit(HFMoEModule(), DataLoader(data, batch_size=BATCH), ckpt_path=path)
+    got = full_params(second)
+    if second.global_rank != 0:
+        return None
+    want, _ = reference(HFMoEModule(), global_batches(data, world, 0, 3))
+    return {"max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want), "is_file": path.is_file()}
+
+
 def reshard_chain_case() -> dict | None:
     """EP 2 x FSDP 2 trains 2 steps and saves; FSDP 4 (no expert parallelism) resumes it and trains step 3; EP 4
     resumes that and trains step 4. Each stage's model and optimizer state right after loading must equal what the
@@ -263,6 +281,7 @@ def group_moe() -> Iterator[Case]:
             lambda: parity_case(FullyShardStrategy(pipeline_parallel_size=2, expert_parallel_size=2), 2),
         )
         yield Case("moe_reshard_chain", reshard_chain_case)
+        yield Case("moe_full_format", full_format_case)
         yield Case(
             "qwen3_moe_hsdp_ep2",
             lambda: parity_case(FullyShardStrategy(replicate_size=2, expert_parallel_size=2), 4),
