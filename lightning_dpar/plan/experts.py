@@ -12,9 +12,10 @@ your own follows with a few lines:
   for each token `[T, k]` and their weights `[T, k]`, and returns `sum_j top_k_weights[t, j] * expert_{id}(x_t)`
   `[T, H]`, indexing its parameters by expert id and reading `num_experts` only as the number of experts it holds.
 
-The router stays outside: it runs on each rank's own tokens, as without expert parallelism. Modules are found by
-that contract (or named with `expert_modules`); a transformers model's experts (the modules its `base_model_ep_plan`
-marks `ep_dispatch_experts`) follow it.
+The router stays outside: it runs on each rank's own tokens, as without expert parallelism. The experts modules are,
+first found: those named by the strategy's `expert_modules`, those a transformers model's `base_model_ep_plan` marks
+`ep_dispatch_experts` (the same precedence as tensor-parallel plans), or every module that follows the contract.
+Named ones are checked against it.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from lightning_dpar.plan.structure import (
 )
 from lightning_dpar.plan.styles import AUTO, PlanStyle, parse_tp_plan
 from lightning_dpar.plan.tensor_parallel import TensorParallelSizeError, resolve_tp_plan, tensor_parallel_size_fix
-from lightning_dpar.plan.transformers import transformers_tp_plan
+from lightning_dpar.plan.transformers import transformers_experts, transformers_tp_plan
 from lightning_dpar.ties import check_each_in_one_unit, check_tied_layouts, tied_parameters
 
 __all__ = ["PlanOptions", "plan_modules"]
@@ -108,7 +108,7 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
         units = compile_units(module, shard_units, blocks)
         return ModulePlan({}, [], shard_units, units, adopted=True, adopted_sharded=has_fully_shard(module))
     tied = tied_parameters(module)
-    experts = plan_experts(module, dims.expert, dims.shard, options.expert_modules)
+    experts = plan_experts(module, dims.expert, dims.shard, _expert_selectors(module, options))
     tensor_parallel = _tensor_parallel(module, dims, options, experts)
     check_tied_layouts(module, tied, tensor_parallel)
     check_compile_with_tensor_parallel(module, tensor_parallel, options.compile)
@@ -147,7 +147,7 @@ def _pipeline_plan(
     )
     check_initialisable(module)
     tied = tied_parameters(module)
-    experts = plan_experts(module, dims.expert, dims.shard, options.expert_modules)
+    experts = plan_experts(module, dims.expert, dims.shard, _expert_selectors(module, options))
     tensor_parallel = _tensor_parallel(module, dims, options, experts)
     check_tied_layouts(module, tied, tensor_parallel)
     check_compile_with_tensor_parallel(module, tensor_parallel, options.compile)
@@ -181,6 +181,14 @@ def _whole_plan(
         data_parallel_roots=list(data_parallel_roots),
         ignored=list(ignored),
     )
+
+
+def _expert_selectors(module: nn.Module, options: PlanOptions) -> Sequence[ModuleSelector] | None:
+    """The experts modules' source, first found: the strategy's `expert_modules`, the `base_model_ep_plan` of the
+    transformers model the module holds; `None`: found by the experts contract."""
+    if options.expert_modules is not None:
+        return options.expert_modules
+    return transformers_experts(module)
 
 
 def _shard_units(module: nn.Module, options: PlanOptions, blocks: list[str]) -> list[str]:

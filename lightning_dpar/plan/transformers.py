@@ -21,10 +21,15 @@ from lightning_dpar.plan.selectors import fqn_matches
 from lightning_dpar.plan.styles import HF_STYLES, UNSUPPORTED_HF_STYLES
 
 __all__ = [
+    "EXPERTS_STYLE",
     "check_style_supported",
     "model_tp_plan",
+    "transformers_experts",
     "transformers_tp_plan",
 ]
+
+#: The style a transformers model's `base_model_ep_plan` gives its experts modules.
+EXPERTS_STYLE = "ep_dispatch_experts"
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -57,6 +62,20 @@ def transformers_tp_plan(root: nn.Module, leave_out: Sequence[str] = ()) -> dict
             check_style_supported(style, key, class_name(model))
             plan[name] = style
     return plan or None
+
+
+def transformers_experts(root: nn.Module) -> list[str] | None:
+    """The experts modules the transformers model(s) in `root` mark in their `base_model_ep_plan` (style
+    `ep_dispatch_experts`), as module-name patterns relative to `root`; `None` if no model has such a plan."""
+    patterns: list[str] = []
+    for fqn, model in transformers_models(root):
+        plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+        prefix = getattr(model, "base_model_prefix", "")
+        base = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+        for key, style in plan.items():
+            if style == EXPERTS_STYLE:
+                patterns.append(f"{fqn}.{base}{key}" if fqn else f"{base}{key}")
+    return patterns or None
 
 
 def check_style_supported(style: object, key: str, model_name: str) -> None:

@@ -103,8 +103,9 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         expert_parallel_size: ranks holding different experts of each MoE layer (`"auto"`: the shard dim's ranks in
             one node), taken from the data-parallel ranks that shard the model; tokens travel to their experts by
             all-to-all. See `lightning_dpar.expert_parallel` and `docs/moe.md`.
-        expert_modules: the experts modules (class names or module-name globs); default: every module that follows
-            the experts contract (`lightning_dpar.plan.experts`), e.g. transformers' `...mlp.experts`.
+        expert_modules: the experts modules (class names or module-name globs); default: those a transformers
+            model's `base_model_ep_plan` marks, else every module that follows the experts contract
+            (`lightning_dpar.plan.experts`).
         pretrained: a Hugging Face `save_pretrained` directory (or `PretrainedWeights(path, prefix, strict)`) read
             into the model once it is parallelised, each rank reading only its shards; skipped when a checkpoint is
             resumed (`ckpt_path`), but for an adapter-only checkpoint's frozen base. See `lightning_dpar.pretrained`.

@@ -15,6 +15,7 @@ from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.plan import plan_modules, transformers_tp_plan
 from lightning_dpar.plan.experts import check_experts_contract, find_experts, pattern_reaches, plan_experts
 from lightning_dpar.plan.planner import PlanOptions
+from lightning_dpar.plan.transformers import transformers_experts
 
 
 def example_moe(n_experts: int = 4) -> GPT:
@@ -156,6 +157,7 @@ class TestTransformersMoE:
     def test_auto_plan_leaves_the_experts_to_expert_parallelism(self, qwen3_moe):
         experts = find_experts(qwen3_moe)
         assert experts == ["net.model.layers.0.mlp.experts", "net.model.layers.1.mlp.experts"]
+        assert transformers_experts(qwen3_moe) == ["net.model.layers.*.mlp.experts"]  # its base_model_ep_plan
         plan = transformers_tp_plan(qwen3_moe, leave_out=experts)
         assert not any(".mlp." in key for key in plan)  # the experts' entries, and the dense MLP's (no such layer)
         assert plan["net.model.layers.*.self_attn.q_proj"] == "colwise"
