@@ -21,6 +21,10 @@ are only `data_parallel / expert_parallel_size` ranks. The local experts' gradie
 divided twice nor left summed. (FSDP's own `set_gradient_divide_factor` would do the same on NCCL, but needs a
 reduce op gloo lacks.)
 
+Under `compile`, the dispatch and the local experts run eagerly (`torch.compiler.disable`): the split sizes are
+read back to the host and the rows per expert change every step, which would make the compiler recompile each step;
+the rest of each block compiles.
+
 A rank whose experts receive no token still runs the module on zero rows and keeps its output attached to the
 experts' parameters and to the received rows (a zero-sized term), so each collective runs in backward on every rank,
 every expert gets a (zero) gradient, and FSDP reduces the same tensors on every rank.
@@ -92,6 +96,7 @@ class ExpertDispatch:
         self.num_experts: int = module.num_experts  # type: ignore[assignment]
         self.local_experts = self.num_experts // self._size
 
+    @torch.compiler.disable
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
         (tokens, hidden), top_k = hidden_states.shape, top_k_index.shape[-1]
         experts = top_k_index.reshape(-1)

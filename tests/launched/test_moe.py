@@ -128,3 +128,9 @@ def test_full_format_checkpoint_of_expert_parallel_training(moe4):
     result = moe4["moe_full_format"]
     assert result["is_file"]
     assert result["max_abs_diff"] < ATOL
+
+
+@pytest.mark.slow
+def test_expert_parallel_blocks_compile(moe2):
+    """`compile=True` with EP 2: each block compiles around the dispatch, which runs eagerly, at parity."""
+    assert moe2["example_moe_ep_compiled"]["max_abs_diff"] < ATOL

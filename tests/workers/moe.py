@@ -264,6 +264,12 @@ def group_moe() -> Iterator[Case]:
         "qwen3_moe_ep_clipped",
         lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, clip=0.05),
     )
+    if world == 2:  # compiling costs about 20 s: once
+        yield Case(
+            "example_moe_ep_compiled",
+            lambda: parity_case(FullyShardStrategy(expert_parallel_size=2, compile=True), 2, ExampleMoE),
+            timeout_s=600,
+        )
     if world == 4:
         yield Case("qwen3_moe_ep2_fsdp2", lambda: parity_case(FullyShardStrategy(expert_parallel_size=2), 4))
         yield Case(
