@@ -17,29 +17,25 @@ from pathlib import Path
 
 import torch
 
+from tests.support.hf_configs import decoder_config
+
 KINDS = ("qwen3_moe", "mixtral")
 LAYOUTS = ("save_pretrained", "per_expert", "fused")
 EXPERTS, INTERMEDIATE, HIDDEN = 4, 16, 32
 
 
-def config(kind: str):
-    import transformers
-
-    common = dict(
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=128,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
+def config(kind: str, **overrides):
+    """The tiny config of `kind` (the tests' tiny decoder with 4 experts of width 16 per layer, top-2); `overrides`
+    change any setting."""
     if kind == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(
-            **common, num_experts=EXPERTS, moe_intermediate_size=INTERMEDIATE, intermediate_size=64
-        )
-    return transformers.MixtralConfig(**common, num_local_experts=EXPERTS, intermediate_size=INTERMEDIATE)
+        experts = dict(num_experts=EXPERTS, moe_intermediate_size=INTERMEDIATE, intermediate_size=64)
+    else:
+        experts = dict(num_local_experts=EXPERTS, intermediate_size=INTERMEDIATE)
+    settings = dict(
+        hidden_size=HIDDEN, head_dim=8, vocab_size=128, num_experts_per_tok=2, max_position_embeddings=64, **experts
+    )
+    config_class = "Qwen3MoeConfig" if kind == "qwen3_moe" else "MixtralConfig"
+    return decoder_config(config_class, **{**settings, **overrides})
 
 
 def source(kind: str, seed: int = 0):

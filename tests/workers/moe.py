@@ -14,25 +14,13 @@ from torch.utils.data import DataLoader
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
 from lightning_dpar.examples.gpt import GPT
-from tests.support.hf_configs import decoder_config
+from tests.support import moe
 from tests.workers.cases import Case
 from tests.workers.checkpoint_common import case_dir, flat_tensors, full_optimizer, max_diff
 from tests.workers.common import BATCH, full_params, trainer_for, world_size
 from tests.workers.hf_models import SEQ, VOCAB, TokenIds, global_batches
 
 EXPERTS = 4
-
-
-def qwen3_moe_config(**overrides):
-    """Tiny Qwen3-MoE: the tests' tiny decoder with 4 experts of width 16 per layer, top-2."""
-    settings = dict(moe_intermediate_size=16, num_experts=EXPERTS, num_experts_per_tok=2, norm_topk_prob=True)
-    return decoder_config("Qwen3MoeConfig", head_dim=8, max_position_embeddings=SEQ, **{**settings, **overrides})
-
-
-def mixtral_config(**overrides):
-    """Tiny Mixtral: the tests' tiny decoder with 4 experts of width 16 per layer, top-2."""
-    settings = dict(intermediate_size=16, num_local_experts=EXPERTS, num_experts_per_tok=2)
-    return decoder_config("MixtralConfig", head_dim=8, max_position_embeddings=SEQ, **{**settings, **overrides})
 
 
 class HFMoEModule(L.LightningModule):
@@ -44,10 +32,11 @@ class HFMoEModule(L.LightningModule):
         from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
 
         torch.manual_seed(0)
+        settings = dict(vocab_size=VOCAB, max_position_embeddings=SEQ, num_hidden_layers=depth, **overrides)
         if family == "qwen3_moe":
-            self.net = Qwen3MoeForCausalLM(qwen3_moe_config(num_hidden_layers=depth, **overrides))
+            self.net = Qwen3MoeForCausalLM(moe.config(family, norm_topk_prob=True, **settings))
         else:
-            self.net = MixtralForCausalLM(mixtral_config(num_hidden_layers=depth, **overrides))
+            self.net = MixtralForCausalLM(moe.config(family, **settings))
 
     def training_step(self, batch, batch_idx):
         return self.net(input_ids=batch, labels=batch).loss
