@@ -27,7 +27,10 @@ def moe4(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", ["moe2", "moe4"])
-@pytest.mark.parametrize("case", ["qwen3_moe_fsdp", "qwen3_moe_ep", "example_moe_ep", "example_moe_ep_grouped_mm"])
+@pytest.mark.parametrize(
+    "case",
+    ["qwen3_moe_fsdp", "qwen3_moe_ep", "qwen3_moe_ep_checkpointed", "example_moe_ep", "example_moe_ep_grouped_mm"],
+)
 def test_moe_matches_single_process_training(world, case, request):
     """FSDP alone, and expert parallelism over every rank (EP 2, EP 4): the expert gradients are averaged over the
     global batch, neither divided by the expert-parallel size twice nor left summed (either would show here)."""

@@ -232,6 +232,10 @@ def group_moe() -> Iterator[Case]:
         lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, lambda: HFMoEModule(**aux)),
     )
     yield Case(
+        "qwen3_moe_ep_checkpointed",  # activation checkpointing: backward recomputes the dispatch on every rank
+        lambda: parity_case(FullyShardStrategy(expert_parallel_size=world, activation_checkpointing=True), world),
+    )
+    yield Case(
         "qwen3_moe_ep_accumulated",
         lambda: parity_case(FullyShardStrategy(expert_parallel_size=world), world, steps=2, accumulate=2),
     )
