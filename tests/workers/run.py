@@ -52,6 +52,7 @@ MODULES = [
         "peft",
         "adapter_checkpoints",
         "ray_train",
+        "activations",
     )
 ]
 
