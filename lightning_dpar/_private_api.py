@@ -56,11 +56,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 __all__ = [
     "IS_INTERACTIVE",
     "LIGHTNING_SUBCLASS_HOOKS",
+    "FakeTensorMode",
     "FsspecReader",
     "Launcher",
     "MultiProcessingLauncher",
     "StrategyRegistryType",
     "SubprocessScriptLauncher",
+    "TorchDispatchMode",
     "WorkerOutput",
     "adopt_metric_state",
     "attach_device_mesh",
@@ -84,11 +86,15 @@ __all__ = [
     "privateuse1_backend_name",
     "replace_model_checkpoint_link",
     "replace_muon_group_step",
+    "storage_key",
     "swap_ddp_optimize_mode",
     "swapped_parameters",
     "sync_ddp_if_available",
+    "trainer_and_mesh",
     "transformers_module_initialiser",
     "transformers_tp_plan_attribute",
+    "tree_leaves",
+    "tree_map",
     "unfetched_training_iterator",
     "unflatten_mesh",
     "view_base",
@@ -332,3 +338,25 @@ def averaged_copy(callback: Any) -> nn.Module | None:
 
     average = callback._average_model
     return average.module if isinstance(average, AveragedModel) else average
+
+
+# The activation estimate (`lightning_dpar.activation_trace`) runs a training step on fake tensors and follows every
+# tensor storage it creates. `FakeTensorMode` is torch's own way to run operators without memory (what
+# `torch.compile` traces with) on a device of our choosing, so kernels are picked as on a real device; a
+# `TorchDispatchMode` sees each operator's outputs; pytree reads them out of nested results. torch has no public
+# equivalents of the three.
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """The address of a storage's `StorageImpl`: the same for every view of it, unique among live storages (a fake
+    or meta storage has no data pointer to tell storages apart, and Python storage objects are made on demand)."""
+    return storage._cdata
+
+
+def trainer_and_mesh(module: nn.Module) -> tuple[Any, Any]:
+    """The Trainer and device mesh a LightningModule holds, or None, without raising when none is attached (the
+    public `trainer` property raises): what a copy of the module must share rather than copy."""
+    return getattr(module, "_trainer", None), getattr(module, "_device_mesh", None)

@@ -14,8 +14,9 @@ The estimate counts what lives for the whole run, on one rank, from the real (sh
 - while FSDP computes a unit it all-gathers that unit's parameters in the compute dtype (bf16 under
   "bf16-mixed"): reported separately as the largest unit's size.
 
-Not counted: activations (they depend on batch and sequence length), DDP's gradient buckets, temporary buffers,
-the CUDA context and allocator fragmentation. Keep head-room on top of the total.
+Not counted here: activations (they depend on batch and sequence length: `lightning_dpar.activations` estimates them),
+DDP's gradient buckets, temporary buffers, the CUDA context and allocator fragmentation. Keep head-room on top of the
+total.
 """
 
 from __future__ import annotations

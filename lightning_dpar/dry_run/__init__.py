@@ -10,7 +10,8 @@ each pipeline rank is planned the same way on its own meta copy of the model, an
 ranks would hold. Llama 3 405B on 1024 ranks (`examples/plan/llama3_405b.yaml`, 16 stages) also takes seconds.
 
 Modules: `engine` (`plan`: run the training code path on the fake world), `report` (what is reported, and
-`render()`), `cli` (the argparse command line). Memory formulas are `lightning_dpar.memory`'s, the pipeline bubble
+`render()`), `cli` (the argparse command line). Memory formulas are `lightning_dpar.memory`'s, activations
+`lightning_dpar.activations`' (given a batch shape), the pipeline bubble and microbatches in flight
 `lightning_dpar.pipeline.schedule`'s.
 """
 

@@ -4,7 +4,9 @@ inside a fake process group of `world_size` ranks, and fills in a `PlanReport` (
 The strategy's `resolve_dims`, `build_device_mesh`, the strategy's `module_plan` and `data_parallel_wrapper`, and
 `parallelize.apply_plan` (tensor parallel, activation checkpointing, compile, FSDP or replicate) run as in training,
 without materialisation; the strategy object is only read, never changed. With pipeline parallelism each pipeline
-rank is planned the same way on its own meta copy of the model (`_pipeline_report`).
+rank is planned the same way on its own meta copy of the model (`_pipeline_report`). Given a batch shape, the
+activations are estimated on a copy of the model taken before any parallelism, under the plans of every pipeline
+rank (`lightning_dpar.activations.estimate_activations`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_dpar import memory, parallelize
 from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
+from lightning_dpar.activations import ActivationEstimate, estimate_activations
 from lightning_dpar.dry_run.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow, _group_modules
 from lightning_dpar.expert_parallel import local_expert_range
 from lightning_dpar.helpers import is_under
@@ -111,10 +114,15 @@ def plan(
     world_size: int,
     num_nodes: int = 1,
     rank: int = 0,
+    batch: Any = None,
+    batch_source: str = "",
 ) -> PlanReport:
     """Apply `strategy` to `module` (built on the meta device) as rank `rank` of `world_size` would, and report.
 
-    Raises the same errors as training for sizes that do not tile the world or plans that do not fit the model.
+    `batch` is what one data-parallel rank's `training_step` receives per step: a shape (token ids) or a pytree of
+    meta tensors; with it the report estimates activation memory (`lightning_dpar.activations`), saying it came from
+    `batch_source`. Raises the same errors as training for sizes that do not tile the world or plans that do not fit
+    the model.
     """
     if not isinstance(strategy, DparStrategy):
         raise TypeError(f"`plan` needs a lightning_dpar strategy, got {type(strategy).__name__}.")
@@ -133,7 +141,7 @@ def plan(
         with warnings.catch_warnings():
             # DTensor notes that CPU meshes lack its RNG; a dry run draws no random numbers.
             warnings.filterwarnings("ignore", message=".*DTensor random operators.*")
-            return _plan_on_fake_world(strategy, module, dims, num_nodes, rank, devices_per_node)
+            return _plan_on_fake_world(strategy, module, dims, num_nodes, rank, devices_per_node, batch, batch_source)
     finally:
         dist.destroy_process_group()
 
@@ -145,14 +153,17 @@ def _plan_on_fake_world(
     num_nodes: int,
     rank: int,
     devices_per_node: int,
+    batch: Any,
+    batch_source: str,
 ) -> PlanReport:
     mesh, data_parallel_mesh, expert_mesh = build_device_mesh(dims, "cpu")
     attach_device_mesh(module, mesh)  # what `LightningModule.device_mesh` returns inside `configure_model`
     with torch.device("meta"):
         module.configure_model()
     module = strategy.precision_plugin.convert_module(module)
-    # Each pipeline rank drops the other stages' units, so the other stages are planned on copies of the whole model.
-    unsplit = _meta_copy(module) if dims.pipeline > 1 else None
+    # Each pipeline rank drops the other stages' units, so the other stages are planned on copies of the whole model;
+    # activations are traced on the model before parallelism, with the plan's layouts applied to the trace.
+    unsplit = _meta_copy(module) if dims.pipeline > 1 or batch is not None else None
     model_params = sum(p.numel() for p in module.parameters())
     meshes = ParallelMeshes(dims, mesh, data_parallel_mesh, torch.device("meta"), expert_mesh)
     applied, module_plan, optimizers, optimizer_error = _apply(strategy, module, dims, rank, meshes)
@@ -161,10 +172,10 @@ def _plan_on_fake_world(
         notes.append("the model's configure_model applied its own parallelism; it is shown as applied")
     if optimizer_error is not None:  # e.g. configure_optimizers reads self.trainer, which a dry run does not have
         notes.append(f"configure_optimizers could not run without a Trainer ({optimizer_error})")
-    pipeline = None
+    pipeline, plans = None, [module_plan]
     if applied.pipeline is not None:
         assert unsplit is not None and module_plan.pipeline is not None
-        pipeline = _pipeline_report(strategy, unsplit, dims, rank, meshes, (applied, optimizers))
+        pipeline, plans = _pipeline_report(strategy, unsplit, dims, rank, meshes, (applied, module_plan, optimizers))
     if getattr(strategy, "cpu_offload", False):
         notes.append(
             "cpu_offload: parameters, gradients and optimizer state below live in CPU memory; the accelerator holds"
@@ -179,6 +190,10 @@ def _plan_on_fake_world(
             f" backward: rank {rank}'s stages all-gathered, {memory.format_bytes(gathered)}, stay in memory during"
             " a step, in place of the one unit above"
         )
+    activations, activation_note = None, "not estimated: give the batch shape with --batch-size and --seq-len"
+    if batch is not None:
+        assert unsplit is not None
+        activations, activation_note = _activations(strategy, unsplit, plans, dims, batch, precision)
     return PlanReport(
         strategy=type(strategy).__name__,
         dims=dims,
@@ -214,6 +229,9 @@ def _plan_on_fake_world(
         optimizer_exactness=exactness_summary(
             optimizers, ParameterLayout.of(dims), type(strategy).__name__, strategy._computes_whole_updates
         ),
+        activations=activations,
+        activation_source=batch_source if activations is not None else "",
+        activation_note=activation_note,
     )
 
 
@@ -252,6 +270,33 @@ def _describe_experts(
         f" {memory.format_bytes(other_bytes)}"
     )
     return lines
+
+
+def _activations(
+    strategy: DparStrategy,
+    unsplit: nn.Module,
+    plans: list[ModulePlan],
+    dims: ParallelDims,
+    batch: Any,
+    precision: str,
+) -> tuple[ActivationEstimate | None, str]:
+    """The activation estimate of the plans on the unparallelised model, or why there is none (a training step that
+    does not run on fake tensors, a batch the microbatches do not divide)."""
+    bf16_mixed = precision == "bf16-mixed"
+    shards = strategy.plan_options.shards  # FSDP2 casts parameters to bf16; the `replicate` wrapper autocasts
+    try:
+        estimate = estimate_activations(
+            unsplit,
+            plans,
+            dims,
+            batch,
+            pipeline=strategy.pipeline_config if dims.pipeline > 1 else None,
+            compute_dtype=torch.bfloat16 if bf16_mixed and shards else None,
+            autocast_dtype=torch.bfloat16 if bf16_mixed and not shards else None,
+        )
+    except Exception as err:  # the dry run reports the rest; the error says why this part is missing
+        return None, f"could not be estimated ({type(err).__name__}: {err})"
+    return estimate, ""
 
 
 def _describe_tie(module: nn.Module, group: Sequence[str], module_plan: ModulePlan) -> str:
@@ -302,22 +347,25 @@ def _pipeline_report(
     dims: ParallelDims,
     rank: int,
     meshes: ParallelMeshes,
-    shown: tuple[parallelize.AppliedPlan, list[Optimizer]],
-) -> PipelineReport:
+    shown: tuple[parallelize.AppliedPlan, ModulePlan, list[Optimizer]],
+) -> tuple[PipelineReport, list[ModulePlan]]:
     """Every stage's units, ranks and per-rank memory. Each pipeline rank is planned, as training would plan it, on a
     fresh copy of the whole model, at the shown rank's coordinate in the other mesh dims: the same local shapes as
-    that rank's pipeline peers hold (meshes are row-major with the pipeline dim outermost)."""
+    that rank's pipeline peers hold (meshes are row-major with the pipeline dim outermost). Also returns each
+    pipeline rank's local plan."""
     ranks_per_stage = dims.world_size // dims.pipeline
     shown_pipeline_rank, offset = divmod(rank, ranks_per_stage)
     config = strategy.pipeline_config
     rows: list[StageRow] = []
+    plans: list[ModulePlan] = []
     split: PipelineSplit | None = None
     for pipeline_rank in range(dims.pipeline):
         if pipeline_rank == shown_pipeline_rank:  # planned already: the report's main sections show it
-            applied, optimizers = shown
+            applied, local, optimizers = shown
         else:
             copy_rank = pipeline_rank * ranks_per_stage + offset
-            applied, _, optimizers, _ = _apply(strategy, _meta_copy(unsplit), dims, copy_rank, meshes)
+            applied, local, optimizers, _ = _apply(strategy, _meta_copy(unsplit), dims, copy_rank, meshes)
+        plans.append(local)
         assert applied.pipeline is not None
         split = applied.pipeline.split
         ranks = range(pipeline_rank * ranks_per_stage, (pipeline_rank + 1) * ranks_per_stage)
@@ -334,7 +382,7 @@ def _pipeline_report(
                 )
             )
     assert split is not None
-    return PipelineReport(
+    report = PipelineReport(
         schedule=config.schedule.name,
         microbatches=config.num_microbatches(dims.pipeline),
         microbatches_by_default=config.microbatches is None,
@@ -343,3 +391,4 @@ def _pipeline_report(
         stages=sorted(rows, key=lambda row: row.stage),
         num_ranks=dims.pipeline,
     )
+    return report, plans

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_dpar import memory
+from lightning_dpar.activations import ActivationEstimate
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.pipeline.schedule import schedule_spec
 
@@ -56,7 +57,7 @@ class PipelineReport:
         (`ScheduleSpec.bubble`)."""
         return schedule_spec(self.schedule).bubble(self.num_ranks, self.microbatches, self.stages_per_rank)
 
-    def render(self) -> list[str]:
+    def render(self, activations: ActivationEstimate | None = None) -> list[str]:
         default = " (default: one per stage)" if self.microbatches_by_default else ""
         stages = f"{self.stages_per_rank} stage{'s' if self.stages_per_rank > 1 else ''}"
         lines = [
@@ -79,11 +80,13 @@ class PipelineReport:
                 memory.format_bytes(row.memory.gradients),
                 memory.format_bytes(row.memory.optimizer) if row.memory.optimizer is not None else "unknown",
                 memory.format_bytes(row.memory.total),
+                *([memory.format_bytes(activations.peak(row.pipeline_rank))] if activations is not None else []),
             )
             for row in self.stages
         ]
         header = ("stage", "pipeline rank", "ranks", "units", "parameters", "params/rank", "grads/rank")
-        lines += _table(rows, (*header, "optimizer/rank", "total/rank"))
+        header += ("optimizer/rank", "total/rank", *(["activations/rank"] if activations is not None else []))
+        lines += _table(rows, header)
         if self.stages_per_rank > 1:
             for pipeline_rank in range(self.num_ranks):
                 held = [row for row in self.stages if row.pipeline_rank == pipeline_rank]
@@ -117,6 +120,13 @@ class PlanReport:
     tied: list[str] = field(default_factory=list)  # one line per parameter reachable under several names
     optimizer_exactness: list[str] = field(default_factory=list)  # per optimizer: exact here, or refused and why
     experts: list[str] = field(default_factory=list)  # with expert parallelism: who holds which experts
+    activations: ActivationEstimate | None = None
+    activation_source: str = ""  # where the batch shape came from
+    activation_note: str = ""  # why there is no estimate
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.rank // (self.dims.world_size // self.dims.pipeline)
 
     def render(self, all_params: bool = False) -> str:
         d = self.dims
@@ -129,7 +139,7 @@ class PlanReport:
             f"  rank {self.rank} is at " + ", ".join(f"{k}={v}" for k, v in self.coordinate.items()),
         ]
         if self.pipeline is not None:
-            lines += ["", *self.pipeline.render()]
+            lines += ["", *self.pipeline.render(self.activations)]
             lines += ["", f"Modules on rank {self.rank} (its pipeline stages only)"]
         else:
             lines += ["", "Modules"]
@@ -158,21 +168,73 @@ class PlanReport:
         )
         lines += [
             "",
-            f"Estimated memory on rank {self.rank} (see lightning_dpar.memory for the formula)",
+            f"Estimated memory on rank {self.rank} (see lightning_dpar.memory and lightning_dpar.activations)",
             f"  parameters  {memory.format_bytes(m.parameters)}{memory.frozen_note(m)}",
             f"  gradients   {memory.format_bytes(m.gradients)}",
             f"  optimizer   {optimizer}   [{'; '.join(self.optimizers) or 'no optimizer'}]",
             f"  total       {memory.format_bytes(m.total)}",
         ]
+        peak = m.total
         if self.largest_unit:
             fqn, size = self.largest_unit
             lines.append(f"  + the largest FSDP unit all-gathered for compute: {memory.format_bytes(size)} ({fqn})")
-        lines.append("  not included: activations, communication buffers, allocator overhead")
+            peak += size
+        if self.activations is None:
+            lines.append(f"  activations {self.activation_note}")
+            lines.append("  not included: activations, communication buffers, allocator overhead")
+        else:
+            a = self.activations
+            active = "with" if a.checkpointing else "without"
+            lines.append(
+                f"  + activations at their peak: {memory.format_bytes(a.peak(self.pipeline_rank))}"
+                f" ({active} activation checkpointing; below)"
+            )
+            peak += a.peak(self.pipeline_rank)
+            lines.append(f"  peak        {memory.format_bytes(peak)}")
+            lines.append("  not included: communication buffers, allocator overhead")
+            lines += ["", *_render_activations(a, self.pipeline_rank, self.activation_source)]
         if self.optimizer_exactness:
             lines += ["", "Optimizers under this layout (exact as under DDP, or refused before training)"]
             lines += [f"  {line}" for line in self.optimizer_exactness]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source: str) -> list[str]:
+    """Per microbatch, without and with activation checkpointing (the plan's marked), then the microbatches in
+    flight."""
+    rank = estimate.rank(pipeline_rank)
+    where = f"pipeline rank {pipeline_rank}'s ranks" if len(estimate.ranks) > 1 else "each rank"
+    lines = [
+        f"Activations on {where}, per microbatch: {estimate.microbatch}" + (f" ({source})" if source else ""),
+    ]
+    rows = []
+    for checkpointing in (False, True):
+        footprint = rank.per_microbatch(checkpointing)
+        rows.append(
+            (
+                f"{'with' if checkpointing else 'without'} activation checkpointing",
+                memory.format_bytes(footprint.retained),
+                memory.format_bytes(footprint.peak),
+                "<- the plan" if checkpointing == estimate.checkpointing else "",
+            )
+        )
+    lines += _table(rows, ("", "kept for backward", "peak in the step", ""))
+    groups = _group_modules({fqn: [] for fqn in estimate.checkpointed})
+    described = ", ".join(name + (f" x{n}" if n > 1 else "") for name, _, n in groups)
+    lines.append(f"  checkpointing {described or 'nothing (no repeated blocks)'}")
+    if estimate.tensor_parallel > 1:
+        lines.append(f"  tensor parallel: sharded activations split over {estimate.tensor_parallel} ranks")
+    if estimate.schedule is not None:
+        per_stage = ", ".join(str(n) for n in rank.in_flight)
+        bound = "" if rank.in_flight_known else " (not modelled for this schedule: every microbatch, an upper bound)"
+        lines.append(
+            f"  {estimate.schedule} over {estimate.microbatches} microbatches keeps up to {per_stage} in flight on"
+            f" this rank{bound}: in flight x kept + (peak - kept) ="
+            f" {memory.format_bytes(rank.peak(estimate.checkpointing))}"
+        )
+    lines += [f"  note: {note}" for note in estimate.notes]
+    return lines
 
 
 def _shape(shape: Sequence[int]) -> str:

@@ -80,6 +80,12 @@ class StdlibBytes(L.LightningDataModule):
         self.block_size, self.batch_size = block_size, batch_size
         self.max_bytes, self.val_fraction, self.root = max_bytes, val_fraction, root
 
+    @property
+    def batch_shape(self) -> tuple[int, int]:
+        """One training batch's shape, `(batch_size, block_size + 1)`: the `plan` dry run suggests it as
+        `--batch-size` / `--seq-len` for its activation estimate."""
+        return (self.batch_size, self.block_size + 1)
+
     def setup(self, stage: str) -> None:
         data = stdlib_source_bytes(self.max_bytes, self.root)
         split = int(len(data) * (1.0 - self.val_fraction))

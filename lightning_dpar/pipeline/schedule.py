@@ -80,6 +80,33 @@ class ScheduleSpec:
             return (p - 1) / (v * m + p - 1)
         return None
 
+    def microbatches_in_flight(
+        self, num_ranks: int, num_microbatches: int, stages_per_rank: int, pipeline_rank: int
+    ) -> tuple[int, ...] | None:
+        """The most microbatches whose activations `pipeline_rank` holds at once (forwards run, backwards not yet),
+        per stage of that rank in execution order, as torch's schedules order their actions; None for the
+        zero-bubble schedules, whose deferred weight gradients keep activations by rules not modelled here.
+
+        GPipe: all `m` (every forward runs before any backward). 1F1B: stage `r` runs `min(m, p - r)` warm-up forwards
+        before its first backward, then alternates. Interleaved1F1B: `min((v-1)*k + 2*(p-1-r), v*m)` warm-up forwards
+        (`k` microbatches per round) plus the first steady forward, each round of `k` going to the next local stage.
+        LoopedBFS: every microbatch of every local stage runs forward before the backwards."""
+        p, m, v, r = num_ranks, num_microbatches, stages_per_rank, pipeline_rank
+        if self.name == "GPipe":
+            return (m,)
+        if self.name == "1F1B":
+            return (min(m, p - r),)
+        if self.name == "LoopedBFS":
+            return (m,) * v
+        if self.name == "Interleaved1F1B":
+            per_round = m // max(1, m // p)
+            forwards = min((v - 1) * per_round + 2 * (p - 1 - r) + 1, v * m)
+            counts = [0] * v
+            for step in range(forwards):
+                counts[(step // per_round) % v] += 1
+            return tuple(counts)
+        return None
+
 
 SCHEDULES: dict[str, ScheduleSpec] = {
     spec.name.lower(): spec
