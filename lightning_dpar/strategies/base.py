@@ -57,7 +57,6 @@ from lightning_dpar.plan import AUTO, ModulePlan, ModuleSelector, PlanOptions, T
 from lightning_dpar.plan.structure import is_parallelized
 from lightning_dpar.precision import DparPrecision, to_dpar_precision
 from lightning_dpar.pretrained import PretrainedSpec, load_unless_resuming, to_pretrained_weights
-from lightning_dpar.router_loss import GlobalRouterLoss
 from lightning_dpar.strategies.checkpoint_hooks import CheckpointHooks
 from lightning_dpar.strategies.collectives import Collectives
 from lightning_dpar.strategies.data_loading import DataLoaderHooks
@@ -71,6 +70,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.accelerators import Accelerator
     from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_dpar.router_loss import GlobalRouterLoss
 
 __all__ = [
     "DparStrategy",
@@ -100,12 +101,10 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         checkpoint_weights: `"all"` (default) saves every parameter; `"trainable"` leaves out the frozen base that
             `pretrained=` supplies (adapter-only checkpoints, e.g. LoRA), which a resume reads from `pretrained=`
             again. See `lightning_dpar.checkpoint.adapter_only`.
-        expert_parallel_size: ranks holding different experts of each MoE layer (`"auto"`: the shard dim's ranks in
-            one node), taken from the data-parallel ranks that shard the model; tokens travel to their experts by
-            all-to-all. See `lightning_dpar.expert_parallel` and `docs/moe.md`.
-        expert_modules: the experts modules (class names or module-name globs); default: those a transformers
-            model's `base_model_ep_plan` marks, else every module that follows the experts contract
-            (`lightning_dpar.plan.experts`).
+        expert_parallel_size: ranks holding different experts of each MoE layer, taken from the shard ranks
+            (`"auto"`: those of one node); see `lightning_dpar.expert_parallel`.
+        expert_modules: the experts modules (class names or globs); default: a transformers model's
+            `base_model_ep_plan`, else the experts contract (`lightning_dpar.plan.experts`).
         pretrained: a Hugging Face `save_pretrained` directory (or `PretrainedWeights(path, prefix, strict)`) read
             into the model once it is parallelised, each rank reading only its shards; skipped when a checkpoint is
             resumed (`ckpt_path`), but for an adapter-only checkpoint's frozen base. See `lightning_dpar.pretrained`.
@@ -178,8 +177,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self._backward_sync_blocked = False
         #: DDP's buffer broadcast (`lightning_dpar.buffers`); made in `setup`, as DDP makes its own when wrapping.
         self._buffer_sync: BufferSync | None = None
-        #: The load-balancing loss of transformers MoE models over the global batch (`lightning_dpar.router_loss`).
-        self._router_loss: GlobalRouterLoss | None = None
+        self._router_loss: GlobalRouterLoss | None = None  # around each step's forward, as `_buffer_sync`
         # Every FSDP unit: resharded between steps (`optimizer_step`).
         self._fsdp_modules: list[FSDPModule] = []
         self._parallelized_module: nn.Module | None = None
@@ -312,9 +310,8 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
     def parallel_meshes(self) -> ParallelMeshes:
         """This run's mesh sizes, meshes and device (exists once the processes are initialised)."""
         assert self.dims is not None and self._data_parallel_mesh is not None
-        return ParallelMeshes(
-            self.dims, self.device_mesh, self._data_parallel_mesh, self.root_device, self._expert_mesh
-        )
+        meshes = (self.device_mesh, self._data_parallel_mesh)
+        return ParallelMeshes(self.dims, *meshes, self.root_device, self._expert_mesh)
 
     def _parallelize(self, module: pl.LightningModule) -> ModulePlan:
         """The training code path: `apply_plan` with this strategy's plan and wrapper, materialising the shards;
@@ -362,10 +359,8 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 replace_model_checkpoint_link(callback, self._point_last_link)
-        self._buffer_sync = BufferSync(module, self.data_parallel_group)
-        router_loss = GlobalRouterLoss(module, self.data_parallel_group)
-        self._router_loss = router_loss if router_loss.applies else None
-        self._sync_metrics_over_data_parallel(module)
+        self._prepare_step_forward(module)
+        self.sync_metrics_over_data_parallel(module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -395,14 +390,6 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    def _sync_metrics_over_data_parallel(self, module: nn.Module) -> None:
-        """torchmetrics `Metric`s sync over data-parallel peers only; TP peers hold the same values."""
-        from torchmetrics import Metric
-
-        for metric in module.modules():
-            if isinstance(metric, Metric):
-                metric.process_group = self.data_parallel_group
 
     @override
     def teardown(self) -> None:

@@ -30,6 +30,14 @@ class Collectives(ParallelStrategy):
         """Ranks that see different batches; metrics and logged values reduce over this group only."""
         return self._data_parallel_mesh.get_group() if self._data_parallel_mesh is not None else None
 
+    def sync_metrics_over_data_parallel(self, module: torch.nn.Module) -> None:
+        """torchmetrics `Metric`s sync over data-parallel peers only; TP peers hold the same values."""
+        from torchmetrics import Metric
+
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                metric.process_group = self.data_parallel_group
+
     @override
     def barrier(self, name: str | None = None) -> None:
         if not dist.is_initialized() or name == "Trainer.save_checkpoint":

@@ -17,15 +17,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dpar import parallelize
+from lightning_dpar.buffers import BufferSync
 from lightning_dpar.callback_checks import optimizer_problem
 from lightning_dpar.checkpoint.agreement import first_problem
 from lightning_dpar.helpers import attached_trainer
+from lightning_dpar.router_loss import GlobalRouterLoss
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_dpar.buffers import BufferSync
-    from lightning_dpar.router_loss import GlobalRouterLoss
     from lightning_dpar.strategies.pipeline_steps import PipelineSteps
 
 __all__ = ["StepHooks"]
@@ -38,12 +38,20 @@ class StepHooks(ParallelStrategy):
     _pipeline: PipelineSteps | None
     #: DDP's buffer broadcast (`lightning_dpar.buffers`).
     _buffer_sync: BufferSync | None
+    #: The load-balancing loss of transformers MoE models over the global batch (`lightning_dpar.router_loss`).
     _router_loss: GlobalRouterLoss | None
     #: Every FSDP unit: resharded between steps (`optimizer_step`).
     _fsdp_modules: list[FSDPModule]
     #: Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
     _grad_sync_modules: list[nn.Module]
     _backward_sync_blocked: bool
+
+    def _prepare_step_forward(self, module: nn.Module) -> None:
+        """What runs around each step's forward (`_step_forward`), made once the model is parallelised: DDP's buffer
+        broadcast, and the global-batch router loss of a transformers MoE model."""
+        self._buffer_sync = BufferSync(module, self.data_parallel_group)
+        router_loss = GlobalRouterLoss(module, self.data_parallel_group)
+        self._router_loss = router_loss if router_loss.applies else None
 
     @contextmanager
     def _step_forward(self, training: bool) -> Generator[None, None, None]:
