@@ -1,0 +1,76 @@
+"""The layout search's window on the dry run: a layout's mesh planned and wrapped for real (the `plan` dry run's
+engine, a fake process group and meta tensors), reduced to the per-rank numbers the cost model needs.
+
+The dry run is what makes the search honest about what cannot run: a tensor-parallel size that does not divide the
+heads, a pipeline with more stages than layers, an expert-parallel size that does not divide the experts fail here
+with the planner's own message, exactly as training would fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_dpar.dry_run.engine import plan
+from lightning_dpar.layout.candidates import Layout
+from lightning_dpar.layout.cost import MeshMemory
+from lightning_dpar.layout.search import MeshProbe
+from lightning_dpar.precision import DparPrecision
+from lightning_dpar.strategies.fully_shard import FSDPTensorParallelStrategy
+
+__all__ = ["dry_run_probe", "meta_copy"]
+
+
+def meta_copy(module: L.LightningModule) -> L.LightningModule:
+    """A copy of `module` whose parameters and buffers are meta tensors (no memory), detached from any Trainer: what
+    the dry run plans on. A model that builds its layers in `configure_model` is copied as it is (empty)."""
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None:
+        memo[id(trainer)] = None
+    return copy.deepcopy(module, memo)
+
+
+def dry_run_probe(
+    make_module: Callable[[], L.LightningModule],
+    world_size: int,
+    num_nodes: int,
+    precision: str = "32-true",
+    strategy_kwargs: dict[str, Any] | None = None,
+) -> MeshProbe:
+    """A probe that plans `make_module()` (a fresh meta-device model per call) with `FSDPTensorParallelStrategy` on
+    the layout's sizes and `strategy_kwargs` (e.g. `tp_plan`), and returns the largest per-rank memory: over the
+    pipeline ranks with pipelining (each rank's stages summed), else rank 0's (ranks hold equal shards but for
+    rounding, and rank 0 the larger part)."""
+    base = dict(strategy_kwargs or {})
+
+    def probe(layout: Layout) -> MeshMemory:
+        strategy = FSDPTensorParallelStrategy(**{**base, **layout.strategy_kwargs()})
+        strategy.precision_plugin = DparPrecision(precision)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = plan(strategy, make_module(), world_size, num_nodes)
+        unit = report.largest_unit[1] if report.largest_unit is not None else 0
+        if report.pipeline is None:
+            m = report.memory
+            return MeshMemory(m.parameters, m.gradients, m.optimizer or 0, unit)
+        per_rank: dict[int, list[int]] = {}
+        for row in report.pipeline.stages:
+            sums = per_rank.setdefault(row.pipeline_rank, [0, 0, 0])
+            sums[0] += row.memory.parameters
+            sums[1] += row.memory.gradients
+            sums[2] += row.memory.optimizer or 0
+        parameters, gradients, optimizer = max(per_rank.values(), key=sum)
+        return MeshMemory(parameters, gradients, optimizer, unit)
+
+    return probe
