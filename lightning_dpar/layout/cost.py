@@ -95,7 +95,9 @@ def _crosses(span: int, profile: HardwareProfile) -> bool:
     return span > profile.devices_per_node
 
 
-def _ring(profile: HardwareProfile, collective: str, n: int, nbytes: float, span: int, all_reduce: bool = False) -> float:
+def _ring(
+    profile: HardwareProfile, collective: str, n: int, nbytes: float, span: int, all_reduce: bool = False
+) -> float:
     """Seconds for one ring collective over `n` ranks of an `nbytes` buffer (the whole, unsharded size)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
@@ -111,7 +113,8 @@ def _fsdp_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfile) -
     dense = (facts.params - facts.expert_params) / d.pipeline / d.tensor_parallel
     experts = facts.expert_params / d.pipeline / d.expert
     seconds = 0.0
-    for params, n, span in ((dense, d.shard, d.shard * d.tensor_parallel), (experts, d.expert_shard, d.shard * d.tensor_parallel)):
+    span = d.shard * d.tensor_parallel
+    for params, n in ((dense, d.shard), (experts, d.expert_shard)):
         if params <= 0:
             continue
         per_unit = params / units

@@ -135,7 +135,9 @@ def get_profile(spec: str | HardwareProfile) -> HardwareProfile:
         try:
             return load_profile(spec)
         except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"`profile={spec!r}` is not a hardware profile ({err}); rewrite it with calibrate.") from err
+            raise ValueError(
+                f"`profile={spec!r}` is not a hardware profile ({err}); rewrite it with calibrate."
+            ) from err
     raise ValueError(
         f"`profile={spec!r}` is not a known hardware profile. Use a preset {sorted(PRESETS)} or the path of a JSON"
         " profile written by `python -m lightning_dpar calibrate --out FILE.json`."

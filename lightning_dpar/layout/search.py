@@ -103,9 +103,8 @@ class Suggestion:
     def describe(self) -> str:
         lines = []
         if self.memory_layout is not None and self.memory_needed is not None:
-            lines.append(
-                f"with {self.memory_needed / GIB:.2f} GiB per device it would fit: {self.memory_layout.layout.describe()}"
-            )
+            layout = self.memory_layout.layout.describe()
+            lines.append(f"with {self.memory_needed / GIB:.2f} GiB per device it would fit: {layout}")
         if self.devices_layout is not None:
             lines.append(f"on {self.devices_needed} devices it would fit: {self.devices_layout.layout.describe()}")
         elif self.devices_needed is None:
