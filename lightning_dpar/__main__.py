@@ -4,6 +4,7 @@
   the bundled GPT example on 4 CPU processes with `dpar_2d`.
 - `plan`: print the mesh, the per-module plan, every parameter's placement and per-rank memory, without launching
   processes or allocating the model (see `lightning_dpar.dry_run`).
+- `plan --auto`: rank every valid layout by estimated step time among those that fit (see `lightning_dpar.layout`).
 - `consolidate`: turn a sharded checkpoint into a single file (see `lightning_dpar.consolidate`).
 """
 
@@ -21,6 +22,8 @@ USAGE = """usage: python -m lightning_dpar {fit,validate,test,predict,plan,conso
                               Add --config FILE.yaml, --trainer.strategy=NAME, --ckpt_path last, --help, ...
   plan                        dry-run: mesh, per-module plan, parameter placement and per-rank memory, without
                               launching processes or allocating the model (--help for options).
+  plan --auto                 rank every valid layout by estimated step time and memory (--profile, --batch-size,
+                              --device-memory; see docs/auto-layout.md).
   consolidate                 sharded checkpoint -> single file (--help for options).
 """
 
@@ -37,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
 
         cli_main(None if from_command_line else argv)  # None: LightningCLI reads sys.argv itself
         return 0
+    if command == "plan" and "--auto" in rest:
+        from lightning_dpar.layout.cli import main as auto_main
+
+        return auto_main(rest)
     if command == "plan":
         from lightning_dpar.dry_run import main as plan_main
 

@@ -21,11 +21,13 @@ from torch import nn
 from lightning_dpar.dry_run.engine import plan
 from lightning_dpar.layout.candidates import Layout
 from lightning_dpar.layout.cost import MeshMemory
-from lightning_dpar.layout.search import MeshProbe
+from lightning_dpar.layout.model_facts import facts_of
+from lightning_dpar.layout.profiles import HardwareProfile
+from lightning_dpar.layout.search import MeshProbe, SearchResult, search
 from lightning_dpar.precision import DparPrecision
 from lightning_dpar.strategies.fully_shard import FSDPTensorParallelStrategy
 
-__all__ = ["dry_run_probe", "meta_copy"]
+__all__ = ["default_seq_len", "dry_run_probe", "meta_copy", "probe_for_model", "search_model"]
 
 
 def meta_copy(module: L.LightningModule) -> L.LightningModule:
@@ -74,3 +76,50 @@ def dry_run_probe(
         return MeshMemory(parameters, gradients, optimizer, unit)
 
     return probe
+
+
+def default_seq_len(module: nn.Module) -> int | None:
+    """The model's context length, if it says: `block_size` (hparams or attribute) or a transformers config's
+    `max_position_embeddings`."""
+    hparams = dict(getattr(module, "hparams", {}) or {})
+    for value in (hparams.get("block_size"), getattr(module, "block_size", None)):
+        if isinstance(value, int) and value > 0:
+            return value
+    for sub in module.modules():
+        value = getattr(getattr(sub, "config", None), "max_position_embeddings", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def search_model(
+    module: L.LightningModule,
+    world_size: int,
+    num_nodes: int,
+    profile: HardwareProfile,
+    batch_size: int,
+    seq_len: int | None = None,
+    precision: str = "32-true",
+    strategy_kwargs: dict[str, Any] | None = None,
+    activation_checkpointing: bool | None = None,
+) -> SearchResult:
+    """The layout search for `module` (any device; planned on meta copies) on `world_size` ranks: what `plan --auto`
+    prints and `AutoParallelStrategy` chooses from. `seq_len` defaults to the model's context length."""
+    seq_len = seq_len if seq_len is not None else default_seq_len(module)
+    if seq_len is None:
+        raise ValueError(
+            "The sequence length is unknown: the model has no `block_size` nor `config.max_position_embeddings`. Pass"
+            " `seq_len` (`--seq-len` to `plan --auto`, `seq_len=` to `AutoParallelStrategy`)."
+        )
+    template = meta_copy(module)
+    facts = facts_of(template, seq_len, batch_size, precision)
+    probe = dry_run_probe(lambda: meta_copy(template), world_size, num_nodes, precision, strategy_kwargs)
+    return search(facts, world_size, num_nodes, profile, probe, activation_checkpointing)
+
+
+def probe_for_model(
+    module: L.LightningModule, precision: str = "32-true", strategy_kwargs: dict[str, Any] | None = None
+) -> Callable[[int, int], MeshProbe]:
+    """`what_would_fit`'s probe factory for `module`: the dry-run probe on another world."""
+    template = meta_copy(module)
+    return lambda world, nodes: dry_run_probe(lambda: meta_copy(template), world, nodes, precision, strategy_kwargs)
