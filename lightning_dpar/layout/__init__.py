@@ -12,3 +12,5 @@
 
 See docs/auto-layout.md.
 """
+
+__all__: list[str] = []
