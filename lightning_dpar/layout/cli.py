@@ -15,10 +15,9 @@ import sys
 import warnings
 from typing import Any
 
-from lightning_dpar.layout.probe import probe_for_model, search_model
+from lightning_dpar.layout.probe import search_model
 from lightning_dpar.layout.profiles import GIB, get_profile
 from lightning_dpar.layout.report import render_search
-from lightning_dpar.layout.search import what_would_fit
 
 __all__ = ["main"]
 
@@ -77,13 +76,10 @@ def main(argv: list[str] | None = None) -> int:
             profile = profile.with_memory(s["device_memory"])
         kwargs = s.get("strategy_kwargs")
         result = search_model(
-            cli.model, world_size, num_nodes, profile, s["batch_size"], s["seq_len"], precision, kwargs
+            cli.model, world_size, num_nodes, profile, s["batch_size"], s["seq_len"], precision, kwargs, suggest=True
         )
-        suggestion = None
-        if result.best is None:
-            suggestion = what_would_fit(result, probe_for_model(cli.model, precision, kwargs))
     except (ValueError, TypeError) as err:
         print(f"plan --auto failed: {err}", file=sys.stderr)
         return 1
-    print(render_search(result, args.top, suggestion), end="")
+    print(render_search(result, args.top), end="")
     return 0 if result.best is not None else 1

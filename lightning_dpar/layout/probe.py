@@ -12,6 +12,7 @@ import copy
 import itertools
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import lightning as L
@@ -23,7 +24,7 @@ from lightning_dpar.layout.candidates import Layout
 from lightning_dpar.layout.cost import MeshMemory
 from lightning_dpar.layout.model_facts import facts_of
 from lightning_dpar.layout.profiles import HardwareProfile
-from lightning_dpar.layout.search import MeshProbe, SearchResult, search
+from lightning_dpar.layout.search import MeshProbe, SearchResult, search, what_would_fit
 from lightning_dpar.precision import DparPrecision
 from lightning_dpar.strategies.fully_shard import FSDPTensorParallelStrategy
 
@@ -102,9 +103,11 @@ def search_model(
     precision: str = "32-true",
     strategy_kwargs: dict[str, Any] | None = None,
     activation_checkpointing: bool | None = None,
+    suggest: bool = False,
 ) -> SearchResult:
     """The layout search for `module` (any device; planned on meta copies) on `world_size` ranks: what `plan --auto`
-    prints and `AutoParallelStrategy` chooses from. `seq_len` defaults to the model's context length."""
+    prints and `AutoParallelStrategy` chooses from. `seq_len` defaults to the model's context length; with `suggest`,
+    a search where nothing fits also says what would (`what_would_fit`, more dry runs on larger worlds)."""
     seq_len = seq_len if seq_len is not None else default_seq_len(module)
     if seq_len is None:
         raise ValueError(
@@ -114,7 +117,10 @@ def search_model(
     template = meta_copy(module)
     facts = facts_of(template, seq_len, batch_size, precision)
     probe = dry_run_probe(lambda: meta_copy(template), world_size, num_nodes, precision, strategy_kwargs)
-    return search(facts, world_size, num_nodes, profile, probe, activation_checkpointing)
+    result = search(facts, world_size, num_nodes, profile, probe, activation_checkpointing)
+    if suggest and result.best is None:
+        return replace(result, suggestion=what_would_fit(result, probe_for_model(template, precision, strategy_kwargs)))
+    return result
 
 
 def probe_for_model(

@@ -5,7 +5,7 @@ print)."""
 from __future__ import annotations
 
 from lightning_dpar.layout.cost import Estimate
-from lightning_dpar.layout.search import SearchResult, Suggestion
+from lightning_dpar.layout.search import SearchResult
 from lightning_dpar.memory import format_bytes
 
 __all__ = ["render_choice", "render_search"]
@@ -88,7 +88,7 @@ def render_choice(result: SearchResult) -> str:
     return "\n".join(lines)
 
 
-def render_search(result: SearchResult, top: int | None = None, suggestion: Suggestion | None = None) -> str:
+def render_search(result: SearchResult, top: int | None = None) -> str:
     """The whole search as text: choice, ranked table (the first `top` rows), what does not fit, what was rejected."""
     f, p = result.facts, result.profile
     moe = f", {f.experts} experts (top {f.experts_per_token})" if f.experts else ""
@@ -122,6 +122,6 @@ def render_search(result: SearchResult, top: int | None = None, suggestion: Sugg
         lines.append(f"Rejected ({len(result.rejected)}):")
         lines += [f"  {r.what}: {r.reason}" for r in result.rejected]
         lines.append("")
-    if result.best is None and suggestion is not None:
-        lines.append(f"Nothing fits. {suggestion.describe()}.")
+    if result.best is None and result.suggestion is not None:
+        lines.append(f"Nothing fits. {result.suggestion.describe()}.")
     return "\n".join(lines).rstrip() + "\n"

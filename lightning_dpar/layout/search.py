@@ -37,6 +37,8 @@ class SearchResult:
     ranked: list[Estimate]
     too_big: list[Estimate]
     rejected: list[Rejected]
+    #: When nothing fits and it was asked for (`what_would_fit`): how much memory, or how many devices, would do.
+    suggestion: Suggestion | None = None
 
     @property
     def best(self) -> Estimate | None:

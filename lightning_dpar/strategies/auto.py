@@ -21,10 +21,10 @@ from typing_extensions import override
 from lightning_dpar._private_api import StrategyRegistryType, training_data_source
 from lightning_dpar.helpers import attached_trainer
 from lightning_dpar.layout.candidates import Layout
-from lightning_dpar.layout.probe import probe_for_model, search_model
+from lightning_dpar.layout.isolated import search_anywhere
 from lightning_dpar.layout.profiles import GIB, HardwareProfile, get_profile
 from lightning_dpar.layout.report import render_choice
-from lightning_dpar.layout.search import SearchResult, what_would_fit
+from lightning_dpar.layout.search import SearchResult
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.plan import ModuleSelector, TPPlanSpec
@@ -151,7 +151,7 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
                 " use `python -m lightning_dpar plan --auto ...`."
             )
         precision = self.precision_plugin.precision
-        result = search_model(
+        result = search_anywhere(
             module,
             world_size,
             num_nodes,
@@ -161,13 +161,14 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
             precision,
             self._planning_kwargs,
             self._fixed_checkpointing,
+            suggest=True,
         )
         if result.best is None:
-            suggestion = what_would_fit(result, probe_for_model(module, precision, self._planning_kwargs))
+            would_fit = result.suggestion.describe() if result.suggestion is not None else ""
             smallest = result.too_big[0].layout.describe() if result.too_big else "none runs"
             raise ValueError(
                 f"No layout of {world_size} ranks fits {self._profile.device_memory / GIB:.2f} GiB per device"
-                f" (profile {self._profile.name}; the smallest, {smallest}). {suggestion.describe()}. Add devices,"
+                f" (profile {self._profile.name}; the smallest, {smallest}). {would_fit}. Add devices,"
                 " raise `device_memory`, or lower the batch size."
             )
         self.search_result = result

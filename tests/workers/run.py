@@ -54,6 +54,7 @@ MODULES = [
         "adapter_checkpoints",
         "ray_train",
         "moe",
+        "auto_layout",
     )
 ]
 
