@@ -5,6 +5,7 @@
 - `plan`: print the mesh, the per-module plan, every parameter's placement and per-rank memory, without launching
   processes or allocating the model (see `lightning_dpar.dry_run`).
 - `plan --auto`: rank every valid layout by estimated step time among those that fit (see `lightning_dpar.layout`).
+- `calibrate`: measure this machine into a hardware profile for `plan --auto` (see `lightning_dpar.layout.calibrate`).
 - `consolidate`: turn a sharded checkpoint into a single file (see `lightning_dpar.consolidate`).
 """
 
@@ -16,7 +17,7 @@ __all__ = [
     "main",
 ]
 
-USAGE = """usage: python -m lightning_dpar {fit,validate,test,predict,plan,consolidate} [ARGS...]
+USAGE = """usage: python -m lightning_dpar {fit,validate,test,predict,plan,calibrate,consolidate} [ARGS...]
 
   fit|validate|test|predict   LightningCLI; defaults train the bundled GPT example (4 CPU processes, TP 2 x FSDP 2).
                               Add --config FILE.yaml, --trainer.strategy=NAME, --ckpt_path last, --help, ...
@@ -24,6 +25,7 @@ USAGE = """usage: python -m lightning_dpar {fit,validate,test,predict,plan,conso
                               launching processes or allocating the model (--help for options).
   plan --auto                 rank every valid layout by estimated step time and memory (--profile, --batch-size,
                               --device-memory; see docs/auto-layout.md).
+  calibrate                   measure matmul throughput and collectives by group size -> profile JSON (--out).
   consolidate                 sharded checkpoint -> single file (--help for options).
 """
 
@@ -48,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_dpar.dry_run import main as plan_main
 
         return plan_main(rest)
+    if command == "calibrate":
+        from lightning_dpar.layout.calibrate import main as calibrate_main
+
+        return calibrate_main(rest)
     if command == "consolidate":
         from lightning_dpar.consolidate import main as consolidate_main
 
