@@ -288,6 +288,19 @@ def run_model(model: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]
     return rows, summarize(rows)
 
 
+def rescore(model: str, args: argparse.Namespace, measured: list[dict[str, Any]]) -> tuple[list, dict[str, Any]]:
+    """The current predictions against an earlier run's measurements, matched by layout."""
+    rows, _ = predictions(model, args.profile, args.world_size)
+    by_layout = {row["layout"]: row for row in measured}
+    kept = []
+    for row in rows:
+        old = by_layout.get(row["layout"])
+        if old is not None:
+            row.update({k: v for k, v in old.items() if not k.startswith("pred_") and k not in ("fits", "kwargs")})
+            kept.append(row)
+    return kept, summarize(kept)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default="benchmarks/results/profile_cpu.json")
@@ -297,6 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--limit", type=int, default=0, help="run only the first N layouts (0: all)")
     parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument(
+        "--rescore",
+        help="an earlier run's raw JSON: predict again (current cost model, profile) against its measurements",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--layouts", help=argparse.SUPPRESS)
@@ -313,8 +330,11 @@ def main(argv: list[str] | None = None) -> None:
         f"per layout, the median step after {args.warmup} warm-up steps. Written by `benchmarks/layout_search.py`."
     )
     text.append("")
+    earlier = json.loads(Path(args.rescore).read_text()) if args.rescore else {}
+    if args.rescore:
+        text[-2] += f" Measurements of `{args.rescore}`, predicted again."
     for model in args.models.split(","):
-        rows, summary = run_model(model, args)
+        rows, summary = rescore(model, args, earlier[model]["rows"]) if args.rescore else run_model(model, args)
         raw[model] = {"rows": rows, "summary": summary}
         text.append(markdown(model, rows, summary))
         print(text[-1], flush=True)
