@@ -11,6 +11,10 @@ at once (so ranks that share cores are measured sharing them):
   at a small and a large buffer, fitted to the model's own form `time = steps x latency + bytes / bandwidth` with the
   cost model's ring steps and bytes per rank (`layout.cost`): two sizes, two unknowns.
 
+- the runtime: a near-empty model (one 64 x 64 linear layer) trained for a few steps through a Trainer and
+  `FullyShardStrategy` over the group: its peak memory growth (CPU: RSS high-water mark over the RSS before; CUDA:
+  the device memory in use beyond PyTorch's tensors) is `runtime_memory`, its median step time `step_overhead`.
+
 The profile keeps the base preset's other fields (device memory, the link across nodes, FSDP overlap); a CPU run
 sets the device memory to this machine's RAM over the largest group size.
 """
@@ -127,11 +131,79 @@ def _worker(out: Path) -> None:
         except (RuntimeError, NotImplementedError) as err:  # e.g. a collective this backend lacks
             timings[name] = []
             print(f"calibrate: {name} on {n} ranks skipped: {err}", file=sys.stderr)
+    runtime = _runtime(device, n)
     gathered: list[object] = [None] * n
-    dist.all_gather_object(gathered, {"matmul": matmul, "timings": timings})
+    dist.all_gather_object(gathered, {"matmul": matmul, "timings": timings, **runtime})
     if dist.get_rank() == 0:
         out.write_text(json.dumps({"world_size": n, "ranks": gathered, "device": device.type}))
     dist.destroy_process_group()
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _runtime(device: torch.device, world_size: int) -> dict[str, float]:
+    """Peak memory growth and median step time of a near-empty model trained through a Trainer on this group."""
+    import ctypes
+    import gc
+
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_dpar.strategies.fully_shard import FullyShardStrategy
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(64, 64)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.layer(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters())
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, *args: object) -> None:
+            self.ends.append(time.perf_counter())
+
+    gc.collect()
+    if device.type == "cpu":
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark restarts from here
+    baseline = _rss("VmRSS")
+    clock = Clock()
+    trainer = L.Trainer(
+        accelerator=device.type,
+        devices=world_size,
+        strategy=FullyShardStrategy(),
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+    )
+    trainer.fit(Tiny(), DataLoader([torch.randn(64) for _ in range(8 * 8 * world_size)], batch_size=8))
+    if device.type == "cpu":
+        memory = _rss("VmHWM") - baseline
+    else:
+        free, total = torch.cuda.mem_get_info(device)
+        memory = total - free - torch.cuda.memory_allocated(device)
+    steps = [b - a for a, b in zip(clock.ends, clock.ends[1:])][2:]
+    return {"runtime_memory": float(memory), "step_overhead": statistics.median(steps)}
 
 
 def _launch(world_size: int, directory: Path) -> dict:
@@ -168,6 +240,11 @@ def profile_from(measured: list[dict], base: HardwareProfile, name: str) -> Hard
     size = max(int(s) for s in largest["ranks"][0]["matmul"])
     flops = statistics.median(rank["matmul"][str(size)] for rank in largest["ranks"])
     intra = collectives.get("all_reduce", {}).get(str(largest["world_size"]), base.intra_node)
+    runtime = {
+        name: statistics.median(rank[name] for rank in largest["ranks"] if name in rank)
+        for name in ("runtime_memory", "step_overhead")
+        if all(name in rank for rank in largest["ranks"])
+    }
     memory = base.device_memory
     if largest["device"] == "cpu":
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // largest["world_size"]
@@ -179,6 +256,8 @@ def profile_from(measured: list[dict], base: HardwareProfile, name: str) -> Hard
         matmul_flops=flops,
         intra_node=intra,
         collectives=collectives,
+        runtime_memory=int(runtime.get("runtime_memory", base.runtime_memory)),
+        step_overhead=runtime.get("step_overhead", base.step_overhead),
         description=f"calibrated on {socket.gethostname()} ({largest['device']}, group sizes"
         f" {sorted(launch['world_size'] for launch in measured)}) from the {base.name} preset",
     )

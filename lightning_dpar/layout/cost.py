@@ -23,7 +23,8 @@ Step time (seconds, one optimizer step of every data-parallel rank's batch) is s
 
 Per-rank peak memory is split into parameters, gradients and optimizer state (the dry run's, for the rank that holds
 most), activations (`layout.activations`, a formula) and communication buffers: the FSDP unit being computed and the
-one prefetched, all-gathered (2 x the dry run's largest unit), plus a reduce-scatter buffer of one unit's gradients.
+one prefetched, all-gathered (2 x the dry run's largest unit), plus a reduce-scatter buffer of one unit's gradients;
+and the profile's `runtime_memory`. The step time adds the profile's `step_overhead`.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ class MemorySplit:
     optimizer: int
     activations: int
     buffers: int
+    runtime: int = 0  # the profile's `runtime_memory`
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers + self.runtime
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,11 @@ class TimeSplit:
     exposed_communication: float
     bubble: float
     communication: float  # all of it, hidden or not
+    overhead: float = 0.0  # the profile's `step_overhead`
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed_communication + self.bubble
+        return self.compute + self.exposed_communication + self.bubble + self.overhead
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,7 @@ def estimate(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: Hardw
         optimizer=mesh.optimizer,
         activations=activations,
         buffers=2 * mesh.gathered_unit + reduce_buffer,
+        runtime=profile.runtime_memory,
     )
-    time = TimeSplit(compute, exposed, bubble, fsdp + tp + pp + ep)
+    time = TimeSplit(compute, exposed, bubble, fsdp + tp + pp + ep, profile.step_overhead)
     return Estimate(layout, memory, time, facts.batch_size * d.data_parallel)

@@ -9,7 +9,10 @@ profile (`python -m lightning_dpar calibrate --out profile.json`) and the preset
   rank sends and receives at, over that link);
 - `collectives`: measured `(latency, bandwidth)` by collective and group size, which override the links for groups
   of that size within a node (what `calibrate` writes);
-- `fsdp_overlap`: the fraction of FSDP's all-gather / reduce-scatter time hidden behind compute (prefetching).
+- `fsdp_overlap`: the fraction of FSDP's all-gather / reduce-scatter time hidden behind compute (prefetching);
+- `runtime_memory`: bytes a rank holds beyond the model's tensors (CUDA context, communication library, allocator,
+  the framework's own objects), and `step_overhead`: seconds per step beyond compute and communication (the training
+  loop, hooks, the optimizer's launch): both measured by `calibrate` on a near-empty model, estimated in presets.
 
 The presets are estimates, not measurements: `cpu-gloo` is a small shared CPU machine through gloo, and `h100-node`
 is 8 x H100 SXM per node (NVLink 4 within, 400 Gb/s InfiniBand per GPU across, ~400 TFLOP/s sustained bf16 matmul,
@@ -50,6 +53,8 @@ class HardwareProfile:
     intra_node: Link
     inter_node: Link
     fsdp_overlap: float = 0.0
+    runtime_memory: int = 0
+    step_overhead: float = 0.0
     #: `{collective: {group size (as a string, JSON keys): Link}}`, measured; used within a node.
     collectives: dict[str, dict[str, Link]] = field(default_factory=dict)
     description: str = ""
@@ -96,6 +101,8 @@ PRESETS: dict[str, HardwareProfile] = {
         intra_node=Link(latency=5e-5, bandwidth=1.0e9),  # gloo over loopback TCP
         inter_node=Link(latency=1e-4, bandwidth=1.25e9),  # 10 Gb/s Ethernet
         fsdp_overlap=0.0,  # the ranks share the cores: communication competes with compute
+        runtime_memory=32 * 1024**2,
+        step_overhead=0.01,
         description="estimate for a small CPU machine running gloo; calibrate for numbers of this machine",
     ),
     "h100-node": HardwareProfile(
@@ -106,6 +113,8 @@ PRESETS: dict[str, HardwareProfile] = {
         intra_node=Link(latency=5e-6, bandwidth=2.0e11),  # NVLink 4: ~200 GB/s achieved per direction
         inter_node=Link(latency=1e-5, bandwidth=4.5e10),  # 400 Gb/s InfiniBand per GPU, ~90% achieved
         fsdp_overlap=0.8,
+        runtime_memory=2 * GIB,  # CUDA context, NCCL buffers, allocator fragmentation
+        step_overhead=0.005,
         description="8 x H100 SXM per node, NVLink within, 400 Gb/s per GPU across; estimate, not yet checked",
     ),
 }

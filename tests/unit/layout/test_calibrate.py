@@ -31,8 +31,9 @@ def test_noise_that_makes_the_latency_negative_falls_back_to_the_large_buffers_b
 
 
 def test_the_cost_model_reads_a_calibrated_collective_back():
-    rank = {"matmul": {"256": 1e9, "1024": 3e9}, "timings": {"all_reduce": [[4096, 1e-3], [2**23, 2e-2]]}}
-    slow = {"matmul": {"256": 1e9, "1024": 1e9}, "timings": {"all_reduce": [[4096, 2e-3], [2**23, 4e-2]]}}
+    runtime = {"runtime_memory": 5e7, "step_overhead": 0.02}
+    rank = {"matmul": {"256": 1e9, "1024": 3e9}, "timings": {"all_reduce": [[4096, 1e-3], [2**23, 2e-2]]}, **runtime}
+    slow = {"matmul": {"256": 1e9, "1024": 1e9}, "timings": {"all_reduce": [[4096, 2e-3], [2**23, 4e-2]]}, **runtime}
     launch = {"world_size": 2, "device": "cpu", "ranks": [rank, slow, rank]}
     profile = profile_from([launch], PRESETS["cpu-gloo"], "measured")
     assert profile.matmul_flops == 3e9  # the median rank at the largest size
@@ -40,3 +41,4 @@ def test_the_cost_model_reads_a_calibrated_collective_back():
     assert link == fit_link("all_reduce", 2, (4096, 2e-3), (2**23, 4e-2))  # the slowest rank
     assert _ring(profile, "all_reduce", 2, 2**23, 2, all_reduce=True) == pytest.approx(4e-2)
     assert profile.devices_per_node == 2 and profile.device_memory > 0
+    assert (profile.runtime_memory, profile.step_overhead) == (50_000_000, 0.02)

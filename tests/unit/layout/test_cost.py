@@ -145,3 +145,13 @@ def test_groups_spanning_nodes_use_the_slower_link():
         HardwareProfile("f8", 8, 10**12, 1e12, Link(0, 1e9), Link(0, 1e8)),
     )
     assert across.time.communication == pytest.approx(10 * within.time.communication)
+
+
+def test_the_profiles_runtime_memory_and_step_overhead_are_added_once():
+    from dataclasses import replace
+
+    plain = estimate(Layout(dims()), FACTS, MESH, FLAT)
+    busy = estimate(Layout(dims()), FACTS, MESH, replace(FLAT, runtime_memory=123, step_overhead=0.5))
+    assert busy.memory.total == plain.memory.total + 123 and busy.memory.runtime == 123
+    assert busy.time.total == pytest.approx(plain.time.total + 0.5)
+    assert busy.time.compute == plain.time.compute
