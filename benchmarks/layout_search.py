@@ -7,6 +7,8 @@ trained for a few steps each with `FSDPTensorParallelStrategy` and the layout's 
 What is measured, per layout (one torchrun launch per model, the layouts in the search's order):
 - step time: wall time between the ends of consecutive training steps on rank 0 (ranks move in step), the median of
   the steps after `--warmup`; compared per sample (step time over the global batch), the search's objective;
+- the launch first runs the first layout once, unrecorded: a process's first Trainer pays one-time costs (lazy
+  initialisation, first page faults) that would otherwise count against whichever layout ran first;
 - peak memory: each rank's peak RSS growth (VmHWM after `clear_refs`) over its RSS before the Trainer built the
   model (on the meta device, so only this rank's shards are allocated), freed memory returned first
   (`malloc_trim`); the largest rank's.
@@ -135,6 +137,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     layouts = json.loads(Path(args.layouts).read_text())
+    if layouts:  # a process's first Trainer pays one-time costs (lazy initialisation, first page faults): unrecorded
+        _run_layout(args.model, layouts[0]["kwargs"], args.warmup)
     for index, entry in enumerate(layouts):
         try:
             result = _run_layout(args.model, entry["kwargs"], args.warmup)
