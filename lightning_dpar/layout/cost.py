@@ -151,6 +151,27 @@ def _critical_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfil
     return tp, pp, ep
 
 
+def _activations(layout: Layout, facts: ModelFacts) -> int:
+    """Peak activation bytes of one rank: scaled from what one step saves, counted on meta tensors, when that ran;
+    else the formula (`layout.activations`)."""
+    d = layout.dims
+    shape = dict(
+        layers=facts.layers,
+        hidden=facts.hidden,
+        seq_len=facts.seq_len,
+        microbatch_size=facts.batch_size // layout.microbatches,
+        element_size=facts.activation_bytes,
+        tensor_parallel=d.tensor_parallel,
+        pipeline=d.pipeline,
+        microbatches=layout.microbatches,
+        schedule=layout.schedule,
+        checkpointing=layout.activation_checkpointing,
+    )
+    if facts.saved is not None:
+        return facts.saved.per_rank(**shape)
+    return activation_bytes(heads=facts.heads, vocab=facts.vocab, **shape)
+
+
 def estimate(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: HardwareProfile) -> Estimate:
     """The predicted per-rank peak memory and step time of `layout` (see the module docstring)."""
     d = layout.dims
@@ -164,20 +185,7 @@ def estimate(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: Hardw
     fsdp = _fsdp_seconds(layout, facts, profile)
     tp, pp, ep = _critical_seconds(layout, facts, profile)
     exposed = fsdp - min(fsdp * profile.fsdp_overlap, compute) + tp + pp + ep
-    activations = activation_bytes(
-        layers=facts.layers,
-        hidden=facts.hidden,
-        heads=facts.heads,
-        vocab=facts.vocab,
-        seq_len=facts.seq_len,
-        microbatch_size=facts.batch_size // layout.microbatches,
-        element_size=facts.activation_bytes,
-        tensor_parallel=d.tensor_parallel,
-        pipeline=d.pipeline,
-        microbatches=layout.microbatches,
-        schedule=layout.schedule,
-        checkpointing=layout.activation_checkpointing,
-    )
+    activations = _activations(layout, facts)
     reduce_buffer = mesh.gathered_unit * facts.param_bytes // max(facts.activation_bytes, 1)
     memory = MemorySplit(
         parameters=mesh.parameters,

@@ -24,6 +24,7 @@ from lightning_dpar.layout.candidates import Layout
 from lightning_dpar.layout.cost import MeshMemory
 from lightning_dpar.layout.model_facts import facts_of
 from lightning_dpar.layout.profiles import HardwareProfile
+from lightning_dpar.layout.saved_activations import measure_saved
 from lightning_dpar.layout.search import MeshProbe, SearchResult, search, what_would_fit
 from lightning_dpar.precision import DparPrecision
 from lightning_dpar.strategies.fully_shard import FSDPTensorParallelStrategy
@@ -116,6 +117,10 @@ def search_model(
         )
     template = meta_copy(module)
     facts = facts_of(template, seq_len, batch_size, precision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. `self.log` without a Trainer
+        saved = measure_saved(meta_copy(template), batch_size, seq_len, facts.vocab)
+    facts = replace(facts, saved=saved)
     probe = dry_run_probe(lambda: meta_copy(template), world_size, num_nodes, precision, strategy_kwargs)
     result = search(facts, world_size, num_nodes, profile, probe, activation_checkpointing)
     if suggest and result.best is None:

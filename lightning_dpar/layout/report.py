@@ -112,7 +112,12 @@ def render_search(result: SearchResult, top: int | None = None) -> str:
         lines += _table([_HEADER, *(_row(i, e) for i, e in enumerate(shown, start=1))])
         if len(shown) < len(result.ranked):
             lines.append(f"  ... {len(result.ranked) - len(shown)} more (--top to show them)")
-        lines.append("  * activations: a formula (lightning_dpar.layout.activations), not measured")
+        lines.append(
+            "  * activations: what one step saves for backward, counted on meta tensors and scaled to the layout"
+            " (lightning_dpar.layout.saved_activations)"
+            if f.saved is not None
+            else "  * activations: a formula (lightning_dpar.layout.activations); the step did not run on meta tensors"
+        )
         lines.append("")
     if result.too_big:
         lines.append(f"Layouts that do not fit {format_bytes(p.device_memory)} per device ({len(result.too_big)}):")

@@ -13,7 +13,7 @@ SMALL_GPT = ["--trainer.devices", "4", "--model.n_layer", "4", "--model.n_embd",
 
 
 def test_plan_auto_prints_the_ranked_table_choice_and_rejections(capsys):
-    assert main(["plan", "--auto", *SMALL_GPT]) == 0
+    assert main(["plan", "--auto", "--top", "100", *SMALL_GPT]) == 0
     out = capsys.readouterr().out
     assert "Chosen layout for 4 ranks (profile cpu-gloo)" in out
     assert out.count("runner-up") == 2
