@@ -2,9 +2,13 @@
 
 The search plans each candidate mesh with the dry run, on a fake process group of N ranks, which torch can only
 create in a process without a default group. A second `dpar_auto` Trainer in a process whose first Trainer started
-the real group (or a `Trainer` in a process that started one itself) would fail there; `search_anywhere` runs the
-same search in a child process instead (`python -m lightning_dpar.layout.isolated IN OUT`): the model goes over as
-its meta copy, the result comes back pickled. The child costs a Python start and the imports (seconds); the search
+the real group (or a `Trainer` in a process that started one itself) would fail there. And a process about to train
+should not host the fake worlds at all: the device meshes they build leave process-group names behind, and a later
+real mesh's DTensors can resolve to groups that no longer exist (seen on 4 gloo ranks: "Could not resolve the process
+group registered under the name 3" when gathering a 2-D state dict). `AutoParallelStrategy` therefore always searches
+in a child (`in_child=True`); `search_anywhere` runs the same search there
+(`python -m lightning_dpar.layout.isolated IN OUT`): the model goes over as its meta copy, the result comes back
+pickled. The child costs a Python start and the imports (seconds); the search
 and its result are the same as in this process.
 """
 
@@ -28,9 +32,10 @@ from lightning_dpar.layout.search import SearchResult
 __all__ = ["search_anywhere"]
 
 
-def search_anywhere(module: L.LightningModule, *args: Any, **kwargs: Any) -> SearchResult:
-    """`search_model(module, *args, **kwargs)`, in this process when it has no process group, else in a child."""
-    if not dist.is_initialized():
+def search_anywhere(module: L.LightningModule, *args: Any, in_child: bool = False, **kwargs: Any) -> SearchResult:
+    """`search_model(module, *args, **kwargs)`, in this process when it has no process group and `in_child` is
+    false, else in a child process."""
+    if not in_child and not dist.is_initialized():
         return search_model(module, *args, **kwargs)
     with tempfile.TemporaryDirectory(prefix="dpar-layout-") as directory:
         request, answer = Path(directory) / "request.pt", Path(directory) / "answer.pkl"

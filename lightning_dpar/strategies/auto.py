@@ -2,7 +2,8 @@
 `FSDPTensorParallelStrategy` would train it chosen by hand.
 
 The choice happens in `resolve_dims`, which `setup_environment` calls before the process group exists: every rank
-runs the same deterministic search (`lightning_dpar.layout`) on a meta copy of the same model, so all ranks choose the
+runs the same deterministic search (`lightning_dpar.layout`, in a child process: `layout.isolated`) on a meta copy of
+the same model, so all ranks choose the
 same layout without a collective. The chosen sizes, pipeline schedule, microbatches and activation checkpointing are
 then set on this strategy, and everything after (plan, wrappers, steps, checkpoints) is `FSDPTensorParallelStrategy`'s.
 
@@ -162,6 +163,7 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
             self._planning_kwargs,
             self._fixed_checkpointing,
             suggest=True,
+            in_child=True,  # the dry run's fake worlds must not precede this process's real one (layout.isolated)
         )
         if result.best is None:
             would_fit = result.suggestion.describe() if result.suggestion is not None else ""
