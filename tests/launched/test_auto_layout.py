@@ -22,7 +22,7 @@ def auto4(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", ["auto2", "auto4"])
-@pytest.mark.parametrize("case", ["auto_gpt", "auto_gpt_budget"])
+@pytest.mark.parametrize("case", ["auto_gpt", "auto_gpt_budget", "auto_gpt_split"])
 def test_auto_trains_at_parity_with_the_same_layout_by_hand(world, case, request):
     result = request.getfixturevalue(world)[case]
     assert result["steps"] == 3
@@ -38,3 +38,10 @@ def test_a_memory_budget_below_the_first_choice_changes_the_choice(world, reques
     results = request.getfixturevalue(world)
     assert results["auto_gpt_budget"]["chosen"] != results["auto_gpt"]["chosen"]
     assert results["auto_gpt_budget"]["peak"] < results["auto_gpt"]["peak"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["auto2", "auto4"])
+def test_a_budget_below_every_data_parallel_layout_chooses_pipeline_or_tensor_parallelism(world, request):
+    chosen = request.getfixturevalue(world)["auto_gpt_split"]["chosen"]
+    assert "pp" in chosen or "tp1" not in chosen, chosen

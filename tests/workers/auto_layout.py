@@ -1,6 +1,7 @@
-"""`dpar_auto` through real Trainers: the layout it chooses (with no budget, and with a memory budget just below
-its first choice's peak) trains to the same parameters as the same layout chosen by hand with
-`FSDPTensorParallelStrategy`, and as single-process training on the same global batches."""
+"""`dpar_auto` through real Trainers: the layout it chooses (with no budget, with a memory budget just below its
+first choice's peak, and with one below every layout that neither pipelines nor tensor-parallelises) trains to the
+same parameters as the same layout chosen by hand with `FSDPTensorParallelStrategy`, and as single-process training
+on the same global batches."""
 
 from __future__ import annotations
 
@@ -78,9 +79,17 @@ def _budget_below_first_choice() -> float:
     return (result.best.memory.total - 1) / GIB
 
 
+def _budget_below_data_parallel_layouts() -> float:
+    """GiB just below every layout without pipeline or tensor parallelism: the search must split the model."""
+    result = search_anywhere(TinyGPT(), world_size(), 1, PRESETS["cpu-gloo"], BATCH)
+    plain = [e.memory.total for e in result.ranked if e.layout.dims.pipeline == e.layout.dims.tensor_parallel == 1]
+    return (min(plain) - 1) / GIB
+
+
 def group_auto_layout() -> Iterator[Case]:
     yield Case("auto_gpt", lambda: parity_case(None))
     yield Case("auto_gpt_budget", lambda: parity_case(_budget_below_first_choice()))
+    yield Case("auto_gpt_split", lambda: parity_case(_budget_below_data_parallel_layouts()))
 
 
 GROUPS = {"auto_layout": group_auto_layout}
