@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_dpar.dry_run.engine import plan
+from lightning_dpar.helpers import attached_trainer
 from lightning_dpar.layout.candidates import Layout
 from lightning_dpar.layout.cost import MeshMemory
 from lightning_dpar.layout.model_facts import facts_of
@@ -39,7 +40,7 @@ def meta_copy(module: L.LightningModule) -> L.LightningModule:
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         meta = torch.empty_like(tensor, device="meta")
         memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    trainer = getattr(module, "_trainer", None)
+    trainer = attached_trainer(module)
     if trainer is not None:
         memo[id(trainer)] = None
     return copy.deepcopy(module, memo)

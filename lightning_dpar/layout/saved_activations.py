@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_dpar._private_api import view_base
+
 __all__ = ["SavedActivations", "measure_saved"]
 
 
@@ -82,7 +84,8 @@ def measure_saved(module: nn.Module, batch_size: int, seq_len: int, vocab: int) 
     outside = [0]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        base = tensor._base if tensor._base is not None else tensor
+        base = view_base(tensor)
+        base = base if base is not None else tensor
         if id(tensor) in seen or id(base) in params or id(tensor) in params:
             return tensor
         seen.add(id(tensor))
