@@ -1,7 +1,7 @@
 """lightning_dpar: composable data, fully sharded and tensor parallelism for PyTorch Lightning.
 
 Importing the package registers the strategy names (`"dpar_replicate"`, `"dpar_fsdp"`, `"dpar_fsdp_offload"`,
-`"dpar_hsdp"`, `"dpar_2d"`, `"dpar_3d"`) with Lightning, so `Trainer(strategy="dpar_2d")` works.
+`"dpar_hsdp"`, `"dpar_2d"`, `"dpar_3d"`, `"dpar_auto"`) with Lightning, so `Trainer(strategy="dpar_2d")` works.
 
 How a step flows: `strategies` (Lightning's hooks) -> `plan` (what goes where, as data) -> `parallelize` (applied)
 -> `checkpoint` (its manager owns save, load and resume). See `docs/architecture.md`. Packages and modules:
@@ -40,13 +40,15 @@ from lightning_dpar.strategies import (
     FullyShardStrategy,
     ReplicateStrategy,
 )
+from lightning_dpar.strategies.auto import AutoParallelStrategy
 
 __version__ = "0.1.0"
 
-for _strategy in (ReplicateStrategy, FullyShardStrategy, FSDPTensorParallelStrategy):
+for _strategy in (ReplicateStrategy, FullyShardStrategy, FSDPTensorParallelStrategy, AutoParallelStrategy):
     _strategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "AutoParallelStrategy",
     "CheckpointLoadError",
     "DparPrecision",
     "DparStrategy",

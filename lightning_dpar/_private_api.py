@@ -91,6 +91,7 @@ __all__ = [
     "swapped_parameters",
     "sync_ddp_if_available",
     "trainer_and_mesh",
+    "training_data_source",
     "transformers_module_initialiser",
     "transformers_tp_plan_attribute",
     "tree_leaves",
@@ -199,6 +200,17 @@ def unfetched_training_iterator(trainer: Any) -> Any | None:
     if fetcher is None or getattr(fetcher, "batches", None) or getattr(fetcher, "iterator", None) is None:
         return None
     return fetcher.iterator
+
+
+def training_data_source(trainer: Any) -> Any | None:
+    """What `trainer.fit` was given to train on (a `DataLoader`, a `LightningDataModule`, or the LightningModule
+    itself), before any loader is built.
+
+    Lightning has no public handle on it before `setup`. `AutoParallelStrategy` reads the per-rank batch size from it
+    in `setup_environment`, to choose the layout before the process group exists (microbatches must divide it).
+    """
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+    return getattr(source, "instance", None)
 
 
 def compiled_autograd(compiler: Callable[[Any], Any]) -> AbstractContextManager[None]:

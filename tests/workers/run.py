@@ -55,6 +55,7 @@ MODULES = [
         "ray_train",
         "moe",
         "activations",
+        "auto_layout",
     )
 ]
 

@@ -1,0 +1,352 @@
+"""The layout search checked against measured runs: on 4 CPU ranks, every layout the search considers (all that run:
+those that fit and those that do not fit the profile's memory) for the bundled GPT and a tiny transformers Llama,
+trained for a few steps each with `FSDPTensorParallelStrategy` and the layout's sizes, compared with its predictions.
+
+    python -m benchmarks.layout_search --profile benchmarks/results/profile_cpu.json --out benchmarks/results
+
+What is measured, per layout (one torchrun launch per model, the layouts in the search's order):
+- step time: wall time between the ends of consecutive training steps on rank 0 (ranks move in step), the median of
+  the steps after `--warmup`; compared per sample (step time over the global batch), the search's objective;
+- the launch first runs the first layout once, unrecorded: a process's first Trainer pays one-time costs (lazy
+  initialisation, first page faults) that would otherwise count against whichever layout ran first;
+- peak memory: each rank's peak RSS growth (VmHWM after `clear_refs`) over its RSS before the Trainer built the
+  model (on the meta device, so only this rank's shards are allocated), freed memory returned first
+  (`malloc_trim`); the largest rank's.
+Compared: Spearman's rank correlation of predicted and measured time per sample; the chosen layout's measured time
+per sample against the measured best; memory error |predicted - measured| / measured per layout.
+Writes `<out>/layout_search_cpu.json` (raw) and `<out>/layout_search_cpu.md` (tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODELS = ("gpt", "llama")
+SEQ, BATCH, STEPS = 128, 8, 6
+
+
+def build(model: str) -> Any:
+    """The LightningModule of `model` (on the current default device)."""
+    import lightning as L
+    import torch
+
+    from lightning_dpar.examples import GPT
+
+    if model == "gpt":
+        return GPT(vocab_size=256, block_size=SEQ, n_layer=4, n_head=4, n_embd=128)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class Llama(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            config = LlamaConfig(
+                vocab_size=512,
+                hidden_size=128,
+                intermediate_size=352,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                max_position_embeddings=SEQ,
+            )
+            self.net = LlamaForCausalLM(config)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return Llama()
+
+
+def strategy_kwargs(model: str) -> dict[str, Any]:
+    return {"tp_plan": "auto"} if model == "llama" else {}
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _release_memory() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+
+
+def _run_layout(model: str, kwargs: dict[str, Any], warmup: int) -> dict[str, Any]:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_dpar import FSDPTensorParallelStrategy
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.ends.append(time.perf_counter())
+
+    vocab = 256 if model == "gpt" else 512
+    data = torch.randint(0, vocab, (BATCH * 4 * STEPS, SEQ + (1 if model == "gpt" else 0)))
+    _release_memory()
+    baseline = _rss("VmRSS")
+    clock = Clock()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        strategy=FSDPTensorParallelStrategy(**{**strategy_kwargs(model), **kwargs}),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[clock],
+    )
+    with trainer.init_module(empty_init=True):
+        module = build(model)
+    trainer.fit(module, DataLoader(list(data), batch_size=BATCH))
+    peak = _rss("VmHWM") - baseline
+    steps = [b - a for a, b in zip(clock.ends, clock.ends[1:])][max(warmup - 1, 0) :]
+    del trainer, module
+    return {"step_s": statistics.median(steps), "steps_s": steps, "peak_bytes": peak}
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: every layout of the plan file, in order; rank 0 appends each result to the output file."""
+    import torch.distributed as dist
+
+    layouts = json.loads(Path(args.layouts).read_text())
+    if layouts:  # a process's first Trainer pays one-time costs (lazy initialisation, first page faults): unrecorded
+        _run_layout(args.model, layouts[0]["kwargs"], args.warmup)
+    for index, entry in enumerate(layouts):
+        try:
+            result = _run_layout(args.model, entry["kwargs"], args.warmup)
+        except Exception as err:  # a layout that fails is reported, not fatal
+            result = {"error": f"{type(err).__name__}: {err}"[:500]}
+        peaks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, result.get("peak_bytes"))
+        if dist.get_rank() == 0:
+            if "peak_bytes" in result:
+                result["peak_bytes"] = max(peaks)
+            with open(args.out, "a") as f:
+                f.write(json.dumps({"index": index, **result}) + "\n")
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        result = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                result[order[k]] = (i + j) / 2
+            i = j + 1
+        return result
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def predictions(model: str, profile_path: str, world: int) -> tuple[list[dict[str, Any]], Any]:
+    """Every layout that runs, as the search prices it: fitting ones ranked first, then those that do not fit."""
+    import torch
+
+    from lightning_dpar.layout.probe import search_model
+    from lightning_dpar.layout.profiles import get_profile
+
+    with torch.device("meta"):
+        module = build(model)
+    result = search_model(module, world, 1, get_profile(profile_path), BATCH, SEQ, "32-true", strategy_kwargs(model))
+    rows = []
+    for estimate in result.ranked + result.too_big:
+        rows.append(
+            {
+                "layout": estimate.layout.describe(),
+                "kwargs": estimate.layout.strategy_kwargs(),
+                "fits": estimate in result.ranked,
+                "samples": estimate.samples_per_step,
+                "pred_step_s": estimate.time.total,
+                "pred_compute_s": estimate.time.compute,
+                "pred_comm_s": estimate.time.exposed_communication,
+                "pred_bubble_s": estimate.time.bubble,
+                "pred_peak_bytes": estimate.memory.total,
+            }
+        )
+    return rows, result
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank correlation, chosen vs measured best, memory error, over the layouts that ran."""
+    ran = [r for r in rows if "step_s" in r]
+    if len(ran) < 2:
+        return {"layouts_run": len(ran)}
+    predicted = [r["pred_step_s"] / r["samples"] for r in ran]
+    measured = [r["step_s"] / r["samples"] for r in ran]
+    chosen = next((r for r in ran if r["fits"]), ran[0])  # the search's best that ran
+    best = min(ran, key=lambda r: r["step_s"] / r["samples"])
+    errors = [abs(r["pred_peak_bytes"] - r["peak_bytes"]) / r["peak_bytes"] for r in ran if r["peak_bytes"] > 0]
+    return {
+        "layouts_run": len(ran),
+        "layouts_failed": len(rows) - len(ran),
+        "spearman_time_per_sample": spearman(predicted, measured),
+        "chosen": chosen["layout"],
+        "measured_best": best["layout"],
+        "chosen_over_best": (chosen["step_s"] / chosen["samples"]) / (best["step_s"] / best["samples"]),
+        "memory_error_median": statistics.median(errors) if errors else None,
+        "memory_error_max": max(errors) if errors else None,
+        "memory_within_25pct": sum(e <= 0.25 for e in errors),
+    }
+
+
+def markdown(model: str, rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    lines = [f"### {model}", ""]
+    if "spearman_time_per_sample" in summary:
+        lines += [
+            f"- layouts run: {summary['layouts_run']} (failed: {summary['layouts_failed']})",
+            f"- Spearman rank correlation, predicted vs measured time per sample:"
+            f" **{summary['spearman_time_per_sample']:.3f}** (target >= 0.8)",
+            f"- chosen: {summary['chosen']}; measured best: {summary['measured_best']}; chosen / best time per"
+            f" sample: **{summary['chosen_over_best']:.2f}** (target <= 1.10)",
+            f"- peak memory error |pred - meas| / meas: median **{summary['memory_error_median']:.0%}**, max"
+            f" {summary['memory_error_max']:.0%}; within 25%: {summary['memory_within_25pct']} of"
+            f" {summary['layouts_run']}",
+            "",
+        ]
+    lines += [
+        "| # | layout | fits | pred step | meas step | pred ms/sample | meas ms/sample | pred peak MiB"
+        " | meas peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(rows, start=1):
+        meas = (
+            f"{r['step_s'] * 1e3:.0f} ms | {r['pred_step_s'] / r['samples'] * 1e3:.2f} |"
+            f" {r['step_s'] / r['samples'] * 1e3:.2f} | {r['pred_peak_bytes'] / 2**20:.1f} |"
+            f" {r['peak_bytes'] / 2**20:.1f}"
+            if "step_s" in r
+            else f"{r.get('error', 'not run')[:80]} | | | {r['pred_peak_bytes'] / 2**20:.1f} |"
+        )
+        lines.append(
+            f"| {i} | {r['layout']} | {'yes' if r['fits'] else 'no'} | {r['pred_step_s'] * 1e3:.0f} ms | {meas} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_model(model: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    rows, _ = predictions(model, args.profile, args.world_size)
+    if args.limit:
+        rows = rows[: args.limit]
+    with tempfile.TemporaryDirectory(prefix="dpar-layout-bench-") as directory:
+        plan, out = Path(directory) / "layouts.json", Path(directory) / "results.jsonl"
+        plan.write_text(json.dumps([{"kwargs": r["kwargs"]} for r in rows]))
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.world_size}",
+            "-m",
+            "benchmarks.layout_search",
+            "--worker",
+            "--model",
+            model,
+            "--layouts",
+            str(plan),
+            "--out",
+            str(out),
+            "--warmup",
+            str(args.warmup),
+        ]
+        subprocess.run(command, timeout=args.timeout)
+        measured = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    for entry in measured:
+        rows[entry.pop("index")].update(entry)
+    return rows, summarize(rows)
+
+
+def rescore(model: str, args: argparse.Namespace, measured: list[dict[str, Any]]) -> tuple[list, dict[str, Any]]:
+    """The current predictions against an earlier run's measurements, matched by layout."""
+    rows, _ = predictions(model, args.profile, args.world_size)
+    by_layout = {row["layout"]: row for row in measured}
+    kept = []
+    for row in rows:
+        old = by_layout.get(row["layout"])
+        if old is not None:
+            row.update({k: v for k, v in old.items() if not k.startswith("pred_") and k not in ("fits", "kwargs")})
+            kept.append(row)
+    return kept, summarize(kept)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="benchmarks/results/profile_cpu.json")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--limit", type=int, default=0, help="run only the first N layouts (0: all)")
+    parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument(
+        "--rescore",
+        help="an earlier run's raw JSON: predict again (current cost model, profile) against its measurements",
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--layouts", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        worker(args)
+        return
+    raw, text = {}, ["# Layout search: predicted against measured (4 CPU ranks, gloo)", ""]
+    text.append(f"Profile: `{args.profile}`; {BATCH} sequences of {SEQ} tokens per data-parallel rank; {STEPS} steps")
+    text.append(
+        f"per layout, the median step after {args.warmup} warm-up steps. Written by `benchmarks/layout_search.py`."
+    )
+    text.append("")
+    earlier = json.loads(Path(args.rescore).read_text()) if args.rescore else {}
+    if args.rescore:
+        text[-2] += f" Measurements of `{args.rescore}`, predicted again."
+    for model in args.models.split(","):
+        rows, summary = rescore(model, args, earlier[model]["rows"]) if args.rescore else run_model(model, args)
+        raw[model] = {"rows": rows, "summary": summary}
+        text.append(markdown(model, rows, summary))
+        print(text[-1], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "layout_search_cpu.json").write_text(json.dumps(raw, indent=1) + "\n")
+    (out / "layout_search_cpu.md").write_text("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""Choosing the layout: a cost model as data and a search over every valid layout for a world size.
+
+- `profiles`: hardware profiles (presets, and JSON files `calibrate` writes);
+- `model_facts`: what the cost model reads off a model (parameters, layers, width, experts, batch);
+- `candidates`: every layout considered for a world, and those refused by arithmetic, with the reason;
+- `activations`: the activation-memory formula;
+- `cost`: one layout's per-rank peak memory and step time;
+- `search`: all layouts priced and ranked, and what would fit when nothing does (pure, given a dry-run probe);
+- `probe`: the dry run's per-rank numbers for a layout's mesh (the real planning and wrapping, on meta tensors);
+- `report`, `cli`: the ranked table and `python -m lightning_dpar plan --auto`;
+- `calibrate`: measuring this machine into a profile.
+
+See docs/auto-layout.md.
+"""
+
+__all__: list[str] = []

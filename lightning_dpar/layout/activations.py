@@ -1,0 +1,65 @@
+"""Activation memory per rank: a formula, not a measurement, until the dry run reports activations itself.
+
+Per transformer layer and microbatch of `b` sequences of `s` tokens, width `h`, `a` heads, tensor-parallel size `t`
+and activation element size `e` bytes, what backward keeps (Korthikanti et al., "Reducing Activation Recomputation in
+Large Transformer Models", 2022, section 4.1, without sequence parallelism; their 16-bit count, 10 + 24/t bytes per
+`s*b*h`, is `e * (5 + 12/t)` at `e = 2`):
+
+    layer(b) = s*b*h*e*(5 + 12/t)  +  [5*a*s*s*b*e/(2*t) when attention scores are materialised]
+
+The attention-score term is left out when `flash_attention` (fused attention keeps no `s x s` matrix; torch's SDPA
+on CPU and CUDA does so for these models). With activation checkpointing each layer keeps only its input, `s*b*h*e`,
+and one layer is recomputed whole during its backward. On top, once per rank:
+
+- the embeddings' output, `s*b*h*e`;
+- the logits of the last stage: `3 * s*b*V*4` (fp32 logits, their log-softmax in the loss, and their gradient),
+  for every microbatch under GPipe (all forwards run before the first backward).
+
+A rank of pipeline stage 0 holds the activations of the microbatches in flight: every microbatch under GPipe,
+`min(m, p)` under 1F1B and Interleaved1F1B (a bound for the interleaved schedule's `p + (p - 1) / v`), each for its
+`layers / p` layers. The logits are counted on that same rank, which over-counts a little with pipelining (they live
+on the last stage), on the safe side.
+"""
+
+from __future__ import annotations
+
+__all__ = ["activation_bytes"]
+
+
+def activation_bytes(
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    vocab: int,
+    seq_len: int,
+    microbatch_size: int,
+    element_size: int,
+    tensor_parallel: int = 1,
+    pipeline: int = 1,
+    microbatches: int = 1,
+    schedule: str | None = None,
+    checkpointing: bool = False,
+    flash_attention: bool = True,
+) -> int:
+    """Peak activation bytes of one rank (see the module docstring for the formula and what it assumes)."""
+    s, b, h, e, t = seq_len, microbatch_size, hidden, element_size, tensor_parallel
+    full_layer = s * b * h * e * (5 + 12 / t)
+    if not flash_attention and heads:
+        full_layer += 5 * heads * s * s * b * e / (2 * t)
+    stage_layers = -(-layers // pipeline)
+    if schedule is None:
+        in_flight = 1
+    elif schedule == "GPipe":
+        in_flight = microbatches
+    else:
+        in_flight = min(microbatches, pipeline)
+    if checkpointing:
+        per_microbatch = stage_layers * s * b * h * e
+        recompute = full_layer
+    else:
+        per_microbatch = stage_layers * full_layer
+        recompute = 0
+    embeddings = s * b * h * e
+    logits = 3 * s * b * vocab * 4 * (microbatches if schedule == "GPipe" else 1)
+    return int(in_flight * (per_microbatch + embeddings) + recompute + logits)

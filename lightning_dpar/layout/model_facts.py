@@ -1,0 +1,127 @@
+"""The facts about a model the layout cost model needs, read once off the (meta-device) model: parameter counts,
+the transformer's shape (layers, width, heads, vocabulary), experts, and the batch one data-parallel rank trains on.
+
+`ModelFacts` is plain data, so the cost model and the search are pure functions of it (tests build it by hand);
+`facts_of(module, ...)` reads it off a model, by structure only (no forward pass):
+
+- layers: the longest `nn.ModuleList` (the repeated blocks, as the planner's default units);
+- width and vocabulary: the largest `nn.Embedding` (its `embedding_dim`, `num_embeddings`);
+- heads: the first of `num_attention_heads` / `n_head` / `num_heads` found on a `config`, on `hparams`, or on a
+  submodule (0 when none is found: then the activation formula drops its attention-score term);
+- experts: modules with an integer `num_experts` (the experts contract of `lightning_dpar.plan.experts`), and the
+  experts each token chooses from `top_k` / `num_experts_per_tok` / `experts_per_token` on a submodule or config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from lightning_dpar.layout.saved_activations import SavedActivations
+
+__all__ = ["ModelFacts", "facts_of"]
+
+_HEAD_NAMES = ("num_attention_heads", "n_head", "num_heads")
+_TOP_K_NAMES = ("num_experts_per_tok", "experts_per_token", "top_k")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """A model and its batch, as the cost model sees them. `batch_size` is samples per data-parallel rank per step
+    (what each rank's data loader yields); `param_bytes` the parameters' element size (fp32 master weights under
+    "bf16-mixed"), `activation_bytes` the compute dtype's."""
+
+    params: int
+    layers: int
+    hidden: int
+    vocab: int
+    seq_len: int
+    batch_size: int
+    heads: int = 0
+    embedding_params: int = 0  # lookups, no matmul FLOPs
+    expert_params: int = 0  # all experts of all MoE layers
+    experts: int = 0  # per MoE layer; 0: dense
+    experts_per_token: int = 0
+    moe_layers: int = 0
+    param_bytes: int = 4
+    activation_bytes: int = 4
+    #: What one step saves for backward, counted on meta tensors (`layout.saved_activations`); `None`: the formula.
+    saved: SavedActivations | None = None
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: every non-expert parameter and `k / E` of the experts."""
+        if not self.experts:
+            return self.params
+        return self.params - self.expert_params + self.expert_params * self.experts_per_token // self.experts
+
+    def flops_per_token(self, recompute: bool = False) -> float:
+        """Training FLOPs per token: 6 x the active parameters that multiply activations (forward 2, backward 4),
+        plus attention's 12 x layers x width x sequence (PaLM's count); activation checkpointing recomputes the
+        forward once more (8 instead of 6)."""
+        matmul = 6.0 * (self.active_params - self.embedding_params) + 12.0 * self.layers * self.hidden * self.seq_len
+        return matmul * (8.0 / 6.0 if recompute else 1.0)
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens one data-parallel rank trains on per step."""
+        return self.batch_size * self.seq_len
+
+
+def _first_int(objects: list[Any], names: tuple[str, ...]) -> int:
+    for obj in objects:
+        for name in names:
+            value = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 0
+
+
+def facts_of(module: nn.Module, seq_len: int, batch_size: int, precision: str = "32-true") -> ModelFacts:
+    """`ModelFacts` of `module` (any device, meta included) training `batch_size` sequences of `seq_len` tokens per
+    data-parallel rank at `precision`."""
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(
+            f"`seq_len={seq_len}`, `batch_size={batch_size}`: both must be positive (tokens per sequence and"
+            " sequences per data-parallel rank per step)."
+        )
+    params = sum(p.numel() for p in module.parameters())
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
+    layers = max((len(m) for m in lists), default=1) or 1
+    embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+    largest = max(embeddings, key=lambda m: m.num_embeddings, default=None)
+    hidden = largest.embedding_dim if largest is not None else 0
+    if not hidden:  # no embedding: the widest square-ish Linear
+        hidden = max((m.in_features for m in module.modules() if isinstance(m, nn.Linear)), default=1)
+    sources: list[Any] = [getattr(m, "config", None) for m in module.modules()]
+    sources += [dict(getattr(module, "hparams", {}) or {})]
+    sources += list(module.modules())
+    sources = [s for s in sources if s is not None]
+    # The experts contract: an integer `num_experts` and the experts' parameters stacked on the module itself (a
+    # router may carry `num_experts` too, but holds its weights in a child).
+    experts_modules = [
+        m
+        for m in module.modules()
+        if isinstance(getattr(m, "num_experts", None), int) and list(m.parameters(recurse=False))
+    ]
+    expert_params = sum(p.numel() for m in experts_modules for p in m.parameters(recurse=False))
+    experts = experts_modules[0].num_experts if experts_modules else 0
+    bf16 = precision in ("bf16-mixed", "bf16-true", "16-mixed")
+    return ModelFacts(
+        params=params,
+        layers=layers,
+        hidden=hidden,
+        vocab=largest.num_embeddings if largest is not None else 0,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        heads=_first_int(sources, _HEAD_NAMES),
+        embedding_params=sum(p.numel() for m in embeddings for p in m.parameters()),
+        expert_params=expert_params if experts else 0,
+        experts=experts,
+        experts_per_token=_first_int(sources, _TOP_K_NAMES) if experts else 0,
+        moe_layers=len(experts_modules),
+        param_bytes=2 if precision == "bf16-true" else 4,
+        activation_bytes=2 if bf16 else 4,
+    )

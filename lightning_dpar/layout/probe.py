@@ -1,0 +1,137 @@
+"""The layout search's window on the dry run: a layout's mesh planned and wrapped for real (the `plan` dry run's
+engine, a fake process group and meta tensors), reduced to the per-rank numbers the cost model needs.
+
+The dry run is what makes the search honest about what cannot run: a tensor-parallel size that does not divide the
+heads, a pipeline with more stages than layers, an expert-parallel size that does not divide the experts fail here
+with the planner's own message, exactly as training would fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_dpar.dry_run.engine import plan
+from lightning_dpar.helpers import attached_trainer
+from lightning_dpar.layout.candidates import Layout
+from lightning_dpar.layout.cost import MeshMemory
+from lightning_dpar.layout.model_facts import facts_of
+from lightning_dpar.layout.profiles import HardwareProfile
+from lightning_dpar.layout.saved_activations import measure_saved
+from lightning_dpar.layout.search import MeshProbe, SearchResult, search, what_would_fit
+from lightning_dpar.precision import DparPrecision
+from lightning_dpar.strategies.fully_shard import FSDPTensorParallelStrategy
+
+__all__ = ["default_seq_len", "dry_run_probe", "meta_copy", "probe_for_model", "search_model"]
+
+
+def meta_copy(module: L.LightningModule) -> L.LightningModule:
+    """A copy of `module` whose parameters and buffers are meta tensors (no memory), detached from any Trainer: what
+    the dry run plans on. A model that builds its layers in `configure_model` is copied as it is (empty)."""
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    trainer = attached_trainer(module)
+    if trainer is not None:
+        memo[id(trainer)] = None
+    return copy.deepcopy(module, memo)
+
+
+def dry_run_probe(
+    make_module: Callable[[], L.LightningModule],
+    world_size: int,
+    num_nodes: int,
+    precision: str = "32-true",
+    strategy_kwargs: dict[str, Any] | None = None,
+) -> MeshProbe:
+    """A probe that plans `make_module()` (a fresh meta-device model per call) with `FSDPTensorParallelStrategy` on
+    the layout's sizes and `strategy_kwargs` (e.g. `tp_plan`), and returns the largest per-rank memory: over the
+    pipeline ranks with pipelining (each rank's stages summed), else rank 0's (ranks hold equal shards but for
+    rounding, and rank 0 the larger part)."""
+    base = dict(strategy_kwargs or {})
+
+    def probe(layout: Layout) -> MeshMemory:
+        strategy = FSDPTensorParallelStrategy(**{**base, **layout.strategy_kwargs()})
+        strategy.precision_plugin = DparPrecision(precision)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            report = plan(strategy, make_module(), world_size, num_nodes)
+        unit = report.largest_unit[1] if report.largest_unit is not None else 0
+        if report.pipeline is None:
+            m = report.memory
+            return MeshMemory(m.parameters, m.gradients, m.optimizer or 0, unit)
+        per_rank: dict[int, list[int]] = {}
+        for row in report.pipeline.stages:
+            sums = per_rank.setdefault(row.pipeline_rank, [0, 0, 0])
+            sums[0] += row.memory.parameters
+            sums[1] += row.memory.gradients
+            sums[2] += row.memory.optimizer or 0
+        parameters, gradients, optimizer = max(per_rank.values(), key=sum)
+        return MeshMemory(parameters, gradients, optimizer, unit)
+
+    return probe
+
+
+def default_seq_len(module: nn.Module) -> int | None:
+    """The model's context length, if it says: `block_size` (hparams or attribute) or a transformers config's
+    `max_position_embeddings`."""
+    hparams = dict(getattr(module, "hparams", {}) or {})
+    for value in (hparams.get("block_size"), getattr(module, "block_size", None)):
+        if isinstance(value, int) and value > 0:
+            return value
+    for sub in module.modules():
+        value = getattr(getattr(sub, "config", None), "max_position_embeddings", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def search_model(
+    module: L.LightningModule,
+    world_size: int,
+    num_nodes: int,
+    profile: HardwareProfile,
+    batch_size: int,
+    seq_len: int | None = None,
+    precision: str = "32-true",
+    strategy_kwargs: dict[str, Any] | None = None,
+    activation_checkpointing: bool | None = None,
+    suggest: bool = False,
+) -> SearchResult:
+    """The layout search for `module` (any device; planned on meta copies) on `world_size` ranks: what `plan --auto`
+    prints and `AutoParallelStrategy` chooses from. `seq_len` defaults to the model's context length; with `suggest`,
+    a search where nothing fits also says what would (`what_would_fit`, more dry runs on larger worlds)."""
+    seq_len = seq_len if seq_len is not None else default_seq_len(module)
+    if seq_len is None:
+        raise ValueError(
+            "The sequence length is unknown: the model has no `block_size` nor `config.max_position_embeddings`. Pass"
+            " `seq_len` (`--seq-len` to `plan --auto`, `seq_len=` to `AutoParallelStrategy`)."
+        )
+    template = meta_copy(module)
+    facts = facts_of(template, seq_len, batch_size, precision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. `self.log` without a Trainer
+        saved = measure_saved(meta_copy(template), batch_size, seq_len, facts.vocab)
+    facts = replace(facts, saved=saved)
+    probe = dry_run_probe(lambda: meta_copy(template), world_size, num_nodes, precision, strategy_kwargs)
+    result = search(facts, world_size, num_nodes, profile, probe, activation_checkpointing)
+    if suggest and result.best is None:
+        return replace(result, suggestion=what_would_fit(result, probe_for_model(template, precision, strategy_kwargs)))
+    return result
+
+
+def probe_for_model(
+    module: L.LightningModule, precision: str = "32-true", strategy_kwargs: dict[str, Any] | None = None
+) -> Callable[[int, int], MeshProbe]:
+    """`what_would_fit`'s probe factory for `module`: the dry-run probe on another world."""
+    template = meta_copy(module)
+    return lambda world, nodes: dry_run_probe(lambda: meta_copy(template), world, nodes, precision, strategy_kwargs)

@@ -1,0 +1,153 @@
+"""Hardware profiles as data: what the layout search's cost model knows about the machine.
+
+A profile is a frozen dataclass that round-trips through JSON (`save_profile` / `load_profile`), so a measured
+profile (`python -m lightning_dpar calibrate --out profile.json`) and the presets are used the same way. It holds:
+
+- `devices_per_node` and `device_memory` (bytes one rank may use);
+- `matmul_flops`: the sustained (not peak) matmul throughput of one device, FLOP/s;
+- two links, `intra_node` and `inter_node`, each a latency (seconds per message step) and a bandwidth (bytes/s one
+  rank sends and receives at, over that link);
+- `collectives`: measured `(latency, bandwidth)` by collective and group size, which override the links for groups
+  of that size within a node (what `calibrate` writes);
+- `fsdp_overlap`: the fraction of FSDP's all-gather / reduce-scatter time hidden behind compute (prefetching);
+- `runtime_memory`: bytes a rank holds beyond the model's tensors (CUDA context, communication library, allocator,
+  the framework's own objects), and `step_overhead`: seconds per step beyond compute and communication (the training
+  loop, hooks, the optimizer's launch): both measured by `calibrate` on a near-empty model, estimated in presets.
+
+The presets are estimates, not measurements: `cpu-gloo` is a small shared CPU machine through gloo, and `h100-node`
+is 8 x H100 SXM per node (NVLink 4 within, 400 Gb/s InfiniBand per GPU across, ~400 TFLOP/s sustained bf16 matmul,
+i.e. ~40% of the dense peak). The H100 preset is not yet checked against a measured step (see docs/auto-layout.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+__all__ = ["PRESETS", "HardwareProfile", "Link", "get_profile", "load_profile", "save_profile"]
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between two ranks: time for n bytes over one message step is `latency + n / bandwidth`."""
+
+    latency: float  # seconds per message step
+    bandwidth: float  # bytes per second, per rank, each direction
+
+    def seconds(self, nbytes: float, steps: int = 1) -> float:
+        """Time to move `nbytes` per rank in `steps` message steps (the latency is paid once per step)."""
+        return steps * self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One kind of machine; see the module docstring for each field's meaning."""
+
+    name: str
+    devices_per_node: int
+    device_memory: int  # bytes
+    matmul_flops: float  # sustained FLOP/s per device
+    intra_node: Link
+    inter_node: Link
+    fsdp_overlap: float = 0.0
+    runtime_memory: int = 0
+    step_overhead: float = 0.0
+    #: `{collective: {group size (as a string, JSON keys): Link}}`, measured; used within a node.
+    collectives: dict[str, dict[str, Link]] = field(default_factory=dict)
+    description: str = ""
+
+    def link(self, crosses_nodes: bool) -> Link:
+        return self.inter_node if crosses_nodes else self.intra_node
+
+    def collective_link(self, collective: str, group_size: int, crosses_nodes: bool) -> Link:
+        """The link a collective over `group_size` ranks runs at: the measured one for that collective and size
+        within a node when the profile has it (the nearest smaller measured size otherwise), else the plain link."""
+        measured = self.collectives.get(collective, {})
+        if not crosses_nodes and measured:
+            sizes = sorted(int(size) for size in measured)
+            fitting = [size for size in sizes if size <= group_size] or sizes[:1]
+            return measured[str(fitting[-1])]
+        return self.link(crosses_nodes)
+
+    def with_memory(self, device_memory: int) -> HardwareProfile:
+        """The same machine with `device_memory` bytes per rank (a user's budget, or the search for a size that
+        fits)."""
+        return replace(self, device_memory=int(device_memory))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> HardwareProfile:
+        data = dict(data)
+        data["intra_node"] = Link(**data["intra_node"])
+        data["inter_node"] = Link(**data["inter_node"])
+        data["collectives"] = {
+            name: {str(size): Link(**link) for size, link in sizes.items()}
+            for name, sizes in data.get("collectives", {}).items()
+        }
+        return cls(**data)
+
+
+PRESETS: dict[str, HardwareProfile] = {
+    "cpu-gloo": HardwareProfile(
+        name="cpu-gloo",
+        devices_per_node=4,
+        device_memory=4 * GIB,
+        matmul_flops=2.0e10,  # a few shared cores, fp32
+        intra_node=Link(latency=5e-5, bandwidth=1.0e9),  # gloo over loopback TCP
+        inter_node=Link(latency=1e-4, bandwidth=1.25e9),  # 10 Gb/s Ethernet
+        fsdp_overlap=0.0,  # the ranks share the cores: communication competes with compute
+        runtime_memory=32 * 1024**2,
+        step_overhead=0.01,
+        description="estimate for a small CPU machine running gloo; calibrate for numbers of this machine",
+    ),
+    "h100-node": HardwareProfile(
+        name="h100-node",
+        devices_per_node=8,
+        device_memory=80 * GIB,
+        matmul_flops=4.0e14,  # ~40% of the bf16 dense peak, sustained
+        intra_node=Link(latency=5e-6, bandwidth=2.0e11),  # NVLink 4: ~200 GB/s achieved per direction
+        inter_node=Link(latency=1e-5, bandwidth=4.5e10),  # 400 Gb/s InfiniBand per GPU, ~90% achieved
+        fsdp_overlap=0.8,
+        runtime_memory=2 * GIB,  # CUDA context, NCCL buffers, allocator fragmentation
+        step_overhead=0.005,
+        description="8 x H100 SXM per node, NVLink within, 400 Gb/s per GPU across; estimate, not yet checked",
+    ),
+}
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    """A profile from a JSON file written by `save_profile` (or `calibrate`)."""
+    return HardwareProfile.from_json(json.loads(Path(path).read_text()))
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile.to_json(), indent=2, sort_keys=True) + "\n")
+
+
+def get_profile(spec: str | HardwareProfile) -> HardwareProfile:
+    """A preset by name, or a JSON file's profile by path; anything else fails naming what is valid."""
+    if isinstance(spec, HardwareProfile):
+        return spec
+    if isinstance(spec, str) and spec in PRESETS:
+        return PRESETS[spec]
+    if isinstance(spec, str) and spec.endswith(".json"):
+        if not Path(spec).is_file():
+            raise ValueError(
+                f"`profile={spec!r}`: no such file. Write one with `python -m lightning_dpar calibrate --out {spec}`,"
+                f" or use a preset: {sorted(PRESETS)}."
+            )
+        try:
+            return load_profile(spec)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(
+                f"`profile={spec!r}` is not a hardware profile ({err}); rewrite it with calibrate."
+            ) from err
+    raise ValueError(
+        f"`profile={spec!r}` is not a known hardware profile. Use a preset {sorted(PRESETS)} or the path of a JSON"
+        " profile written by `python -m lightning_dpar calibrate --out FILE.json`."
+    )

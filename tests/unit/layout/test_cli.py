@@ -1,0 +1,46 @@
+"""`python -m lightning_dpar plan --auto`: the ranked table from the command line, in this process (each candidate
+mesh planned by the dry run on a fake world), what it says when nothing fits, and a bad profile."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_dpar.__main__ import main
+
+pytestmark = pytest.mark.usefixtures("no_pytest_argv")
+
+SMALL_GPT = ["--trainer.devices", "4", "--model.n_layer", "4", "--model.n_embd", "64", "--model.n_head", "4"]
+
+
+def test_plan_auto_prints_the_ranked_table_choice_and_rejections(capsys):
+    assert main(["plan", "--auto", "--top", "100", *SMALL_GPT]) == 0
+    out = capsys.readouterr().out
+    assert "Chosen layout for 4 ranks (profile cpu-gloo)" in out
+    assert out.count("runner-up") == 2
+    for column in ("mesh", "pipeline", "AC", "params", "grads", "optim", "activ*", "buffers", "peak/rank"):
+        assert column in out
+    for column in ("compute", "exposed comm", "bubble", "samples/s"):
+        assert column in out
+    assert "pp4 Interleaved1F1B: 8 stages need at least as many layers; the model has 4" in out
+    assert "fsdp1 tp4" in out and "1F1B m4" in out
+
+
+def test_heads_not_divisible_by_the_tp_size_are_rejected_with_the_planners_message(capsys):
+    assert main(["plan", "--auto", "--top", "3", *SMALL_GPT[:-1], "2"]) == 0
+    out = capsys.readouterr().out
+    rejected = out[out.index("Rejected") :]
+    assert "tp4" in rejected and "2" in rejected  # 2 heads over 4 tensor-parallel ranks
+    assert "fsdp1 tp4" not in out[: out.index("Rejected")]
+
+
+def test_when_nothing_fits_it_says_what_would(capsys):
+    assert main(["plan", "--auto", "--device-memory", "0.004", *SMALL_GPT]) == 1
+    out = capsys.readouterr().out
+    assert "No layout of 4 ranks fits" in out
+    assert "does not fit by" in out
+    assert "Nothing fits. with" in out and "GiB per device it would fit" in out
+
+
+def test_an_unknown_profile_is_refused_naming_the_presets(capsys):
+    assert main(["plan", "--auto", "--profile", "tpu", *SMALL_GPT]) == 1
+    assert "`profile='tpu'` is not a known hardware profile" in capsys.readouterr().err
