@@ -261,6 +261,7 @@ LLAMA_405B = str(ROOT / "examples" / "plan" / "llama3_405b.yaml")
 GPT_405B = str(ROOT / "examples" / "plan" / "gpt_405b.yaml")
 
 
+@pytest.mark.slow  # several seconds (a search in a child process, or a large model traced): full suite only
 def test_llama3_405b_on_1024_ranks_pipeline_16_tp_8_fsdp_8(monkeypatch):
     """The worked example of docs/pipeline.md: Llama 3 405B's real shapes, built on meta from its config.json."""
     pytest.importorskip("transformers")
@@ -310,6 +311,7 @@ def test_llama3_405b_on_1024_ranks_pipeline_16_tp_8_fsdp_8(monkeypatch):
     assert [line for line in quoted if line.strip() not in ("", "...") and line not in rendered] == []
 
 
+@pytest.mark.slow  # several seconds (a search in a child process, or a large model traced): full suite only
 def test_gpt_405b_config_shows_heavier_first_and_last_stages(capsys):
     """The example GPT's `tp_plan` leaves embeddings and head to FSDP alone: the dry run shows what that costs."""
     assert main(["--config", GPT_405B]) == 0

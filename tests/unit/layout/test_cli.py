@@ -33,6 +33,7 @@ def test_heads_not_divisible_by_the_tp_size_are_rejected_with_the_planners_messa
     assert "fsdp1 tp4" not in out[: out.index("Rejected")]
 
 
+@pytest.mark.slow  # several seconds (a search in a child process, or a large model traced): full suite only
 def test_when_nothing_fits_it_says_what_would(capsys):
     assert main(["plan", "--auto", "--device-memory", "0.004", *SMALL_GPT]) == 1
     out = capsys.readouterr().out

@@ -30,6 +30,7 @@ def test_registered_as_dpar_auto():
     assert StrategyRegistry["dpar_auto"]["strategy"] is lightning_dpar.AutoParallelStrategy
 
 
+@pytest.mark.slow  # several seconds (a search in a child process, or a large model traced): full suite only
 def test_chooses_the_searchs_best_layout_and_trains_it_as_the_2d_strategy_would():
     strategy = connected(AutoParallelStrategy(batch_size=8), gpt())
     dims = strategy.resolve_dims(4, 4, 1)
@@ -45,6 +46,7 @@ def test_chooses_the_searchs_best_layout_and_trains_it_as_the_2d_strategy_would(
     assert again.resolve_dims(4, 4, 1) == dims and again.chosen == strategy.chosen
 
 
+@pytest.mark.slow  # several seconds (a search in a child process, or a large model traced): full suite only
 def test_fixed_activation_checkpointing_is_kept():
     strategy = connected(AutoParallelStrategy(batch_size=8, activation_checkpointing=True), gpt())
     strategy.resolve_dims(2, 2, 1)
@@ -61,6 +63,7 @@ def test_an_unknown_profile_fails_when_built():
         AutoParallelStrategy(profile="a100")
 
 
+@pytest.mark.slow  # several seconds (a search in a child process, or a large model traced): full suite only
 def test_a_memory_budget_below_the_models_minimum_says_what_would_fit():
     strategy = connected(AutoParallelStrategy(batch_size=8, device_memory=0.001), gpt())
     with pytest.raises(ValueError, match=r"No layout of 2 ranks fits 0.00 GiB per device.*GiB per device it would fit"):
