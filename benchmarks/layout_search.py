@@ -74,14 +74,6 @@ def strategy_kwargs(model: str) -> dict[str, Any]:
     return {"tp_plan": "auto"} if model == "llama" else {}
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _release_memory() -> None:
     gc.collect()
     try:
@@ -98,6 +90,7 @@ def _run_layout(model: str, kwargs: dict[str, Any], warmup: int) -> dict[str, An
     from torch.utils.data import DataLoader
 
     from lightning_dpar import FSDPTensorParallelStrategy
+    from lightning_dpar.helpers import process_memory
 
     class Clock(L.Callback):
         def __init__(self) -> None:
@@ -109,7 +102,7 @@ def _run_layout(model: str, kwargs: dict[str, Any], warmup: int) -> dict[str, An
     vocab = 256 if model == "gpt" else 512
     data = torch.randint(0, vocab, (BATCH * 4 * STEPS, SEQ + (1 if model == "gpt" else 0)))
     _release_memory()
-    baseline = _rss("VmRSS")
+    baseline = process_memory("VmRSS")
     clock = Clock()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -126,7 +119,7 @@ def _run_layout(model: str, kwargs: dict[str, Any], warmup: int) -> dict[str, An
     with trainer.init_module(empty_init=True):
         module = build(model)
     trainer.fit(module, DataLoader(list(data), batch_size=BATCH))
-    peak = _rss("VmHWM") - baseline
+    peak = process_memory("VmHWM") - baseline
     steps = [b - a for a, b in zip(clock.ends, clock.ends[1:])][max(warmup - 1, 0) :]
     del trainer, module
     return {"step_s": statistics.median(steps), "steps_s": steps, "peak_bytes": peak}

@@ -22,6 +22,7 @@ __all__ = [
     "has_parameters",
     "is_transformers_model",
     "is_under",
+    "process_memory",
     "show_names",
     "transformers_models",
 ]
@@ -88,3 +89,16 @@ def class_name(obj: object) -> str:
     """
     cls = obj if isinstance(obj, type) else type(obj)
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def process_memory(field: str) -> int:
+    """A memory figure of this process from `/proc/self/status`, in bytes (`"VmRSS"`: resident now, `"VmHWM"`: the
+    resident peak); 0 where the field or the file is missing (not Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0

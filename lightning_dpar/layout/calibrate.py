@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lightning_dpar.helpers import process_memory
 from lightning_dpar.layout.profiles import HardwareProfile, Link, get_profile, save_profile
 
 __all__ = ["fit_link", "main", "ring_volume"]
@@ -139,14 +140,6 @@ def _worker(out: Path) -> None:
     dist.destroy_process_group()
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _runtime(device: torch.device, world_size: int) -> dict[str, float]:
     """Peak memory growth and median step time of a near-empty model trained through a Trainer on this group."""
     import ctypes
@@ -183,7 +176,7 @@ def _runtime(device: torch.device, world_size: int) -> dict[str, float]:
             pass
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the high-water mark restarts from here
-    baseline = _rss("VmRSS")
+    baseline = process_memory("VmRSS")
     clock = Clock()
     trainer = L.Trainer(
         accelerator=device.type,
@@ -198,7 +191,7 @@ def _runtime(device: torch.device, world_size: int) -> dict[str, float]:
     )
     trainer.fit(Tiny(), DataLoader([torch.randn(64) for _ in range(8 * 8 * world_size)], batch_size=8))
     if device.type == "cpu":
-        memory = _rss("VmHWM") - baseline
+        memory = process_memory("VmHWM") - baseline
     else:
         free, total = torch.cuda.mem_get_info(device)
         memory = total - free - torch.cuda.memory_allocated(device)
