@@ -45,20 +45,15 @@ def build(model: str) -> Any:
 
     if model == "gpt":
         return GPT(vocab_size=256, block_size=SEQ, n_layer=4, n_head=4, n_embd=128)
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from tests.support.hf_configs import decoder_config
 
     class Llama(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            config = LlamaConfig(
-                vocab_size=512,
-                hidden_size=128,
-                intermediate_size=352,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=4,
-                max_position_embeddings=SEQ,
-            )
+            sizes = dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4)
+            config = decoder_config(num_key_value_heads=4, max_position_embeddings=SEQ, **sizes)
             self.net = LlamaForCausalLM(config)
 
         def training_step(self, batch, batch_idx):

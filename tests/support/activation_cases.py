@@ -56,18 +56,12 @@ class TinyLlama(L.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
 
-        config = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=TOKENS,
-        )
-        self.model = LlamaForCausalLM(config)
+        from tests.support.hf_configs import decoder_config
+
+        sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128)
+        self.model = LlamaForCausalLM(decoder_config(max_position_embeddings=TOKENS, **sizes))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.model(input_ids=batch, labels=batch).loss
