@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from typing import Any
 
 from lightning_dpar.dry_run.engine import plan
 
-__all__ = ["main"]
+__all__ = ["configured_run", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,15 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seq-len", type=int, help="token ids per sample (the batch training_step receives)")
     args, cli_args = parser.parse_known_args(argv)
-    from lightning_dpar.cli import cli_main
-
-    with warnings.catch_warnings():
-        # Expected: the CLI is given `plan`'s leftover arguments rather than sys.argv.
-        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
-        cli = cli_main(cli_args, run=False, model_on_meta=True)
+    cli, world_size, num_nodes = configured_run(cli_args, args.world_size, args.num_nodes)
     trainer = cli.trainer
-    num_nodes = args.num_nodes or trainer.num_nodes
-    world_size = args.world_size or trainer.num_devices * num_nodes
     try:
         batch = _batch_shape(args)
         source = "from --batch-size and --seq-len"
@@ -54,6 +48,19 @@ def main(argv: list[str] | None = None) -> int:
         report.activation_note += f" (the datamodule's batches: --batch-size {shape[0]} --seq-len {shape[1]})"
     print(report.render(all_params=args.all_params))
     return 0
+
+
+def configured_run(cli_args: list[str], world_size: int | None, num_nodes: int | None) -> tuple[Any, int, int]:
+    """What `python -m lightning_dpar fit` would build from `cli_args` (the LightningCLI, with the model on the meta
+    device), and the world to plan for: `world_size` ranks on `num_nodes` nodes, by default the Trainer's."""
+    from lightning_dpar.cli import cli_main
+
+    with warnings.catch_warnings():
+        # Expected: the CLI is given the dry run's leftover arguments rather than sys.argv.
+        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
+        cli = cli_main(cli_args, run=False, model_on_meta=True)
+    nodes = num_nodes or cli.trainer.num_nodes
+    return cli, world_size or cli.trainer.num_devices * nodes, nodes
 
 
 def _batch_shape(args: argparse.Namespace) -> tuple[int, int] | None:

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from lightning_dpar import memory, parallelize
 from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
 from lightning_dpar.activations import ActivationEstimate, estimate_activations
-from lightning_dpar.dry_run.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow, _group_modules
+from lightning_dpar.dry_run.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow, group_modules
 from lightning_dpar.expert_parallel import local_expert_range
 from lightning_dpar.helpers import is_under
 from lightning_dpar.mesh import (
@@ -246,7 +246,7 @@ def _describe_experts(
     assert coordinate is not None
     expert_rank = coordinate[list(expert_mesh.mesh_dim_names or ()).index(EXPERT)]
     lines = []
-    for fqn, _, count in _group_modules({fqn: [] for fqn in plan.experts}):
+    for fqn, _, count in group_modules({fqn: [] for fqn in plan.experts}):
         experts = module.get_submodule(fqn.replace("*", "0")).num_experts
         held = local_expert_range(experts, expert_rank, dims.expert)
         others = ", ".join(

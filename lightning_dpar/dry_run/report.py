@@ -13,7 +13,7 @@ from lightning_dpar.activations import ActivationEstimate
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.pipeline.schedule import schedule_spec
 
-__all__ = ["ROOT", "ParamRow", "PipelineReport", "PlanReport", "StageRow"]
+__all__ = ["ROOT", "ParamRow", "PipelineReport", "PlanReport", "StageRow", "group_modules"]
 
 
 @dataclass
@@ -144,7 +144,7 @@ class PlanReport:
         else:
             lines += ["", "Modules"]
         lines += _table(
-            [(name, ", ".join(what), f"x{n}" if n > 1 else "") for name, what, n in _group_modules(self.modules)],
+            [(name, ", ".join(what), f"x{n}" if n > 1 else "") for name, what, n in group_modules(self.modules)],
             ("module", "applied", ""),
         ) or ["  (nothing: every parameter stays whole on every rank)"]
         if self.experts:
@@ -220,7 +220,7 @@ def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source
             )
         )
     lines += _table(rows, ("", "kept for backward", "peak in the step", ""))
-    groups = _group_modules({fqn: [] for fqn in estimate.checkpointed})
+    groups = group_modules({fqn: [] for fqn in estimate.checkpointed})
     described = ", ".join(name + (f" x{n}" if n > 1 else "") for name, _, n in groups)
     lines.append(f"  checkpointing {described or 'nothing (no repeated blocks)'}")
     if estimate.tensor_parallel > 1:
@@ -277,7 +277,7 @@ ROOT = "(the LightningModule)"
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 
-def _group_modules(modules: dict[str, list[str]]) -> list[tuple[str, list[str], int]]:
+def group_modules(modules: dict[str, list[str]]) -> list[tuple[str, list[str], int]]:
     """Collapse `blocks.0.x`, `blocks.1.x`, ... that get the same treatment into `blocks.*.x  xN`."""
     groups: dict[tuple[str, tuple[str, ...]], int] = {}
     for fqn, what in modules.items():

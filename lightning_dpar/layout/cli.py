@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from typing import Any
 
+from lightning_dpar.dry_run.cli import configured_run
 from lightning_dpar.layout.probe import search_model
 from lightning_dpar.layout.profiles import GIB, get_profile
 from lightning_dpar.layout.report import render_search
@@ -60,14 +60,8 @@ def _settings(strategy: Any, data: Any, args: argparse.Namespace) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     args, cli_args = _parser().parse_known_args(argv)
-    from lightning_dpar.cli import cli_main
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
-        cli = cli_main(cli_args, run=False, model_on_meta=True)
+    cli, world_size, num_nodes = configured_run(cli_args, args.world_size, args.num_nodes)
     trainer = cli.trainer
-    num_nodes = args.num_nodes or trainer.num_nodes
-    world_size = args.world_size or trainer.num_devices * num_nodes
     precision = trainer.strategy.precision_plugin.precision
     try:
         s = _settings(trainer.strategy, cli.datamodule, args)
