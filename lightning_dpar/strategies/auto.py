@@ -57,7 +57,9 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
             or the data module's `batch_size` attribute).
         seq_len: tokens per sequence (default: the model's `block_size` or `config.max_position_embeddings`).
         activation_checkpointing: `None` lets the search decide; `True` / `False` fixes it.
-        tp_plan, shard_modules, expert_modules: as for `FSDPTensorParallelStrategy`; the search plans with them.
+        tp_plan: as for `FSDPTensorParallelStrategy`; the search plans with it.
+        shard_modules: as for `FullyShardStrategy`.
+        expert_modules: as for `FullyShardStrategy`.
         **kwargs: see `FullyShardStrategy` and `DparStrategy`, except the sizes and pipeline settings the search
             chooses (`tensor_parallel_size`, `replicate_size`, `pipeline_*`, `expert_parallel_size`, ...).
     """
