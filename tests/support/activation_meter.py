@@ -117,21 +117,7 @@ def _activations(prof: profile, grads: set[int]) -> Measured:
     for ptr in grads:
         if ptr in open_:
             open_[ptr]["skip"] = True
-    events = []
-    retained = 0
-    for life in lives:
-        if life["skip"]:
-            continue
-        events.append((life["start"], life["size"]))
-        if life["end"] is not None:
-            events.append((life["end"], -life["size"]))
-        if life["start"] <= forward_end and (life["end"] is None or life["end"] > forward_end):
-            retained += life["size"]
-    live = peak = 0
-    for _, change in sorted(events):
-        live += change
-        peak = max(peak, live)
-    return Measured(retained, peak)
+    return measured_from(lives, forward_end)
 
 
 class StorageMeter(L.Callback):
@@ -252,17 +238,24 @@ class _StorageLives(TorchDispatchMode):
     def result(self, grads: set[int]) -> Measured:
         for key in grads & set(self.live):
             self.live[key]["skip"] = True
-        events, retained = [], 0
-        for life in self.lives:
-            if life["skip"]:
-                continue
-            events.append((life["start"], life["size"]))
-            if life["end"] is not None:
-                events.append((life["end"], -life["size"]))
-            if life["start"] <= self.forward_end and (life["end"] is None or life["end"] > self.forward_end):
-                retained += life["size"]
-        live = peak = 0
-        for _, change in sorted(events):
-            live += change
-            peak = max(peak, live)
-        return Measured(retained, peak)
+        return measured_from(self.lives, self.forward_end)
+
+
+def measured_from(lives: list[dict], forward_end: int) -> Measured:
+    """Kept and peak bytes from storage lives (`size`, `start`, `end` or None, `skip`): what is alive across the
+    forward's end, and the most alive at once (each meter's clock: the profiler's, or the storage tracker's)."""
+    events = []
+    retained = 0
+    for life in lives:
+        if life["skip"]:
+            continue
+        events.append((life["start"], life["size"]))
+        if life["end"] is not None:
+            events.append((life["end"], -life["size"]))
+        if life["start"] <= forward_end and (life["end"] is None or life["end"] > forward_end):
+            retained += life["size"]
+    live = peak = 0
+    for _, change in sorted(events):
+        live += change
+        peak = max(peak, live)
+    return Measured(retained, peak)
