@@ -9,11 +9,20 @@ What is measured, per layout (one torchrun launch per model, the layouts in the 
   the steps after `--warmup`; compared per sample (step time over the global batch), the search's objective;
 - the launch first runs the first layout once, unrecorded: a process's first Trainer pays one-time costs (lazy
   initialisation, first page faults) that would otherwise count against whichever layout ran first;
-- peak memory: each rank's peak RSS growth (VmHWM after `clear_refs`) over its RSS before the Trainer built the
-  model (on the meta device, so only this rank's shards are allocated), freed memory returned first
-  (`malloc_trim`); the largest rank's.
+- peak tensor memory (what the cost model predicts, but for the profile's `runtime_memory`): in the last step,
+  which is not timed, the bytes of the tensors that live across steps (each rank's parameter shards, gradients and
+  optimizer state, counted off the objects at the step's start) plus the most bytes allocated during the step and not
+  yet freed (the CPU allocator's "Total Allocated" under `torch.profiler`'s memory profiling, from the step's start);
+  the largest rank's. The GPU counterpart is `torch.cuda.max_memory_allocated`. Gradients freed during the step (by
+  `zero_grad`) were allocated before the profiler started and cannot be subtracted: an over-count of at most one
+  set of gradient shards;
+- peak RSS: each rank's peak RSS growth (VmHWM after `clear_refs`) over its RSS before the Trainer built the model
+  (on the meta device, so only this rank's shards are allocated), freed memory returned first (`malloc_trim`); the
+  largest rank's. Besides tensors it holds what the allocator keeps of freed memory, Python objects and gloo's
+  buffers, which the profile's `runtime_memory` stands for.
 Compared: Spearman's rank correlation of predicted and measured time per sample; the chosen layout's measured time
-per sample against the measured best; memory error |predicted - measured| / measured per layout.
+per sample against the measured best; memory error |predicted - measured| / measured per layout, for tensor memory
+(the prediction without `runtime_memory`) and for RSS (with it).
 Writes `<out>/layout_search_cpu.json` (raw) and `<out>/layout_search_cpu.md` (tables).
 """
 
@@ -22,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -33,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 MODELS = ("gpt", "llama")
-SEQ, BATCH, STEPS = 128, 8, 6
+SEQ, BATCH, STEPS = 128, 8, 7  # the last step is profiled for memory, not timed
 
 
 def build(model: str) -> Any:
@@ -79,45 +89,97 @@ def _release_memory() -> None:
         f.write("5")  # reset VmHWM to the current RSS
 
 
+def _persistent_bytes(module: Any, optimizers: list[Any]) -> int:
+    """Bytes of this rank's parameters (local shards), their gradients and the optimizers' state tensors, each
+    storage once."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    tensors = [*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None)]
+    tensors += [v for opt in optimizers for state in opt.state.values() for v in state.values()]
+    storages = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _profiled_peak(trace: Path) -> int:
+    """The most bytes the CPU allocator had handed out and not taken back since the profiler started. Its "Total
+    Allocated" counter is process-wide and not decremented for frees while no profiler runs, so it is taken relative
+    to its value before the first event of this profile."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    memory = [e["args"] for e in sorted(events, key=lambda e: e.get("ts", 0)) if e.get("name") == "[memory]"]
+    if not memory:
+        return 0
+    start = memory[0]["Total Allocated"] - memory[0]["Bytes"]
+    return max(0, *(args["Total Allocated"] - start for args in memory))
+
+
 def _run_layout(model: str, kwargs: dict[str, Any], warmup: int) -> dict[str, Any]:
     import lightning as L
     import torch
+    from torch.profiler import ProfilerActivity, profile
     from torch.utils.data import DataLoader
 
     from lightning_dpar import FSDPTensorParallelStrategy
     from lightning_dpar.helpers import process_memory
 
-    class Clock(L.Callback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
+    class Meter(L.Callback):
+        """Times every step; profiles the last one's tensor memory."""
 
-        def on_train_batch_end(self, *args: Any) -> None:
+        def __init__(self, directory: str) -> None:
+            self.ends: list[float] = []
+            self.trace = Path(directory) / "trace.json"
+            self.profiler: Any = None
+            self.tensor_peak = 0
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == STEPS - 1:
+                self.tensor_peak = _persistent_bytes(pl_module, trainer.optimizers)
+                self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+                self.profiler.__enter__()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
             self.ends.append(time.perf_counter())
+            if self.profiler is not None:
+                self.profiler.__exit__(None, None, None)
+                self.profiler.export_chrome_trace(str(self.trace))
+                self.tensor_peak += _profiled_peak(self.trace)
+                self.profiler = None
 
     vocab = 256 if model == "gpt" else 512
     data = torch.randint(0, vocab, (BATCH * 4 * STEPS, SEQ + (1 if model == "gpt" else 0)))
     _release_memory()
     baseline = process_memory("VmRSS")
-    clock = Clock()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
-        strategy=FSDPTensorParallelStrategy(**{**strategy_kwargs(model), **kwargs}),
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[clock],
-    )
-    with trainer.init_module(empty_init=True):
-        module = build(model)
-    trainer.fit(module, DataLoader(list(data), batch_size=BATCH))
+    with tempfile.TemporaryDirectory(prefix="dpar-layout-trace-") as directory:
+        meter = Meter(directory)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=int(os.environ["WORLD_SIZE"]),
+            strategy=FSDPTensorParallelStrategy(**{**strategy_kwargs(model), **kwargs}),
+            max_steps=STEPS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=[meter],
+        )
+        with trainer.init_module(empty_init=True):
+            module = build(model)
+        trainer.fit(module, DataLoader(list(data), batch_size=BATCH))
     peak = process_memory("VmHWM") - baseline
-    steps = [b - a for a, b in zip(clock.ends, clock.ends[1:])][max(warmup - 1, 0) :]
+    timed = meter.ends[:-1]  # the profiled step is not timed
+    steps = [b - a for a, b in itertools.pairwise(timed)][max(warmup - 1, 0) :]
     del trainer, module
-    return {"step_s": statistics.median(steps), "steps_s": steps, "peak_bytes": peak}
+    return {
+        "step_s": statistics.median(steps),
+        "steps_s": steps,
+        "peak_bytes": peak,
+        "tensor_peak_bytes": meter.tensor_peak,
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -132,11 +194,12 @@ def worker(args: argparse.Namespace) -> None:
             result = _run_layout(args.model, entry["kwargs"], args.warmup)
         except Exception as err:  # a layout that fails is reported, not fatal
             result = {"error": f"{type(err).__name__}: {err}"[:500]}
-        peaks: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, result.get("peak_bytes"))
+        for key in ("peak_bytes", "tensor_peak_bytes"):
+            peaks: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(peaks, result.get(key))
+            if key in result:
+                result[key] = max(peaks)
         if dist.get_rank() == 0:
-            if "peak_bytes" in result:
-                result["peak_bytes"] = max(peaks)
             with open(args.out, "a") as f:
                 f.write(json.dumps({"index": index, **result}) + "\n")
 
@@ -187,6 +250,7 @@ def predictions(model: str, profile_path: str, world: int) -> tuple[list[dict[st
                 "pred_comm_s": estimate.time.exposed_communication,
                 "pred_bubble_s": estimate.time.bubble,
                 "pred_peak_bytes": estimate.memory.total,
+                "pred_runtime_bytes": estimate.memory.runtime,
             }
         )
     return rows, result
@@ -201,18 +265,45 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     measured = [r["step_s"] / r["samples"] for r in ran]
     chosen = next((r for r in ran if r["fits"]), ran[0])  # the search's best that ran
     best = min(ran, key=lambda r: r["step_s"] / r["samples"])
-    errors = [abs(r["pred_peak_bytes"] - r["peak_bytes"]) / r["peak_bytes"] for r in ran if r["peak_bytes"] > 0]
-    return {
+    rss = [_error(r["pred_peak_bytes"], r["peak_bytes"]) for r in ran if r["peak_bytes"] > 0]
+    tensors = [_error(_predicted_tensors(r), r["tensor_peak_bytes"]) for r in ran if r.get("tensor_peak_bytes")]
+    summary = {
         "layouts_run": len(ran),
         "layouts_failed": len(rows) - len(ran),
         "spearman_time_per_sample": spearman(predicted, measured),
         "chosen": chosen["layout"],
         "measured_best": best["layout"],
         "chosen_over_best": (chosen["step_s"] / chosen["samples"]) / (best["step_s"] / best["samples"]),
-        "memory_error_median": statistics.median(errors) if errors else None,
-        "memory_error_max": max(errors) if errors else None,
-        "memory_within_25pct": sum(e <= 0.25 for e in errors),
     }
+    for name, errors in (("memory", tensors), ("rss", rss)):
+        if errors:
+            summary[f"{name}_error_median"] = statistics.median(errors)
+            summary[f"{name}_error_max"] = max(errors)
+            summary[f"{name}_within_25pct"] = sum(e <= 0.25 for e in errors)
+    return summary
+
+
+def _error(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured
+
+
+def _predicted_tensors(row: dict[str, Any]) -> int:
+    """The predicted peak without the profile's runtime memory: what the tensors alone should take."""
+    return row["pred_peak_bytes"] - row.get("pred_runtime_bytes", 0)
+
+
+def _memory_line(summary: dict[str, Any], name: str, what: str) -> list[str]:
+    if f"{name}_error_median" not in summary:
+        return []
+    return [
+        f"- {what} error |pred - meas| / meas: median **{summary[f'{name}_error_median']:.0%}**, max"
+        f" **{summary[f'{name}_error_max']:.0%}**; within 25%: {summary[f'{name}_within_25pct']} of"
+        f" {summary['layouts_run']}"
+    ]
+
+
+def _mib(n: float | None) -> str:
+    return f"{n / 2**20:.1f}" if n is not None else ""
 
 
 def markdown(model: str, rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
@@ -224,23 +315,24 @@ def markdown(model: str, rows: list[dict[str, Any]], summary: dict[str, Any]) ->
             f" **{summary['spearman_time_per_sample']:.3f}** (target >= 0.8)",
             f"- chosen: {summary['chosen']}; measured best: {summary['measured_best']}; chosen / best time per"
             f" sample: **{summary['chosen_over_best']:.2f}** (target <= 1.10)",
-            f"- peak memory error |pred - meas| / meas: median **{summary['memory_error_median']:.0%}**, max"
-            f" {summary['memory_error_max']:.0%}; within 25%: {summary['memory_within_25pct']} of"
-            f" {summary['layouts_run']}",
+            *_memory_line(summary, "memory", "peak tensor memory (target: within 25%)"),
+            *_memory_line(summary, "rss", "peak RSS, with the profile's runtime memory,"),
             "",
         ]
     lines += [
-        "| # | layout | fits | pred step | meas step | pred ms/sample | meas ms/sample | pred peak MiB"
-        " | meas peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| # | layout | fits | pred step | meas step | pred ms/sample | meas ms/sample | pred tensors MiB"
+        " | meas tensors MiB | pred RSS MiB | meas RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rows, start=1):
+        pred_memory = (
+            f"{_mib(_predicted_tensors(r))} | {_mib(r.get('tensor_peak_bytes'))} | {_mib(r['pred_peak_bytes'])}"
+        )
         meas = (
             f"{r['step_s'] * 1e3:.0f} ms | {r['pred_step_s'] / r['samples'] * 1e3:.2f} |"
-            f" {r['step_s'] / r['samples'] * 1e3:.2f} | {r['pred_peak_bytes'] / 2**20:.1f} |"
-            f" {r['peak_bytes'] / 2**20:.1f}"
+            f" {r['step_s'] / r['samples'] * 1e3:.2f} | {pred_memory} | {_mib(r['peak_bytes'])}"
             if "step_s" in r
-            else f"{r.get('error', 'not run')[:80]} | | | {r['pred_peak_bytes'] / 2**20:.1f} |"
+            else f"{r.get('error', 'not run')[:80]} | | | {pred_memory} |"
         )
         lines.append(
             f"| {i} | {r['layout']} | {'yes' if r['fits'] else 'no'} | {r['pred_step_s'] * 1e3:.0f} ms | {meas} |"

@@ -24,12 +24,13 @@ Layouts:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar._private_api import tree_leaves, tree_map
 from lightning_dpar.activation_trace import StepTrace, trace_step, training_loss
@@ -42,10 +43,17 @@ __all__ = [
     "Footprint",
     "RankActivations",
     "StageActivations",
+    "TraceCache",
     "estimate_activations",
     "footprint",
     "microbatch_of",
 ]
+
+
+#: Traces kept across estimates (a layout search estimates many layouts of one model): a trace depends only on the
+#: model, the microbatch, the tensor-parallel styles (not the TP size: `footprint` divides split storages), the
+#: checkpointed modules, the pipeline units and the dtypes, which `_trace_key` names.
+TraceCache = dict[tuple[Any, ...], StepTrace]
 
 
 @dataclass(frozen=True)
@@ -179,6 +187,22 @@ def _describe(batch: Any) -> str:
     return ", ".join(shapes) if shapes else "no tensors"
 
 
+def _trace_key(
+    microbatch: Any,
+    tensor_parallel: Mapping[str, ParallelStyle],
+    checkpoint: Sequence[str],
+    units: Sequence[str],
+    compute_dtype: torch.dtype | None,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[Any, ...]:
+    """What a trace of one module depends on. A style is named by its type and settings (its layouts), which are
+    all the trace reads of it; plans build new style objects for each layout."""
+    styles = tuple(
+        (fqn, type(style).__name__, repr(sorted(vars(style).items()))) for fqn, style in tensor_parallel.items()
+    )
+    return (_describe(microbatch), styles, tuple(checkpoint), tuple(units), compute_dtype, autocast_dtype)
+
+
 def _merged(plans: ModulePlan | Sequence[ModulePlan]) -> ModulePlan:
     """One plan for the whole model from the pipeline ranks' local plans (each names only its stages' modules)."""
     if isinstance(plans, ModulePlan):
@@ -212,6 +236,7 @@ def estimate_activations(
     compute_dtype: torch.dtype | None = None,
     autocast_dtype: torch.dtype | None = None,
     loss: Callable[[nn.Module, Any], torch.Tensor] = training_loss,
+    traces: TraceCache | None = None,
 ) -> ActivationEstimate:
     """Activation memory per rank of `module` (unparallelised, on any device: meta is enough) under `plan` and `dims`.
 
@@ -224,6 +249,7 @@ def estimate_activations(
         compute_dtype: the dtype parameters compute in (bf16 under FSDP2's "bf16-mixed" policy).
         autocast_dtype: CPU autocast's dtype, for a wrapper that uses autocast (`replicate` under "bf16-mixed").
         loss: how to get the loss from the module and a batch (`module.training_step(batch, 0)` by default).
+        traces: where to keep and reuse traces when estimating several layouts of the same `module` and `loss`.
     """
     whole = _merged(plan)
     split = whole.pipeline
@@ -236,7 +262,10 @@ def estimate_activations(
     checkpointed = whole.activation_checkpointing or _what_true_checkpoints(module, whole, units)
 
     def trace(checkpoint: Sequence[str]) -> StepTrace:
-        return trace_step(
+        key = _trace_key(microbatch, tensor_parallel, checkpoint, units, compute_dtype, autocast_dtype)
+        if traces is not None and key in traces:
+            return traces[key]
+        traced = trace_step(
             module,
             microbatch,
             tensor_parallel=tensor_parallel,
@@ -246,6 +275,9 @@ def estimate_activations(
             autocast_dtype=autocast_dtype,
             loss=loss,
         )
+        if traces is not None:
+            traces[key] = traced
+        return traced
 
     without, with_ = trace(()), trace(checkpointed)
     notes = [f"tensor parallelism not traced for {name}: its activations count whole" for name in without.unmodelled]

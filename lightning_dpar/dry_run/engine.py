@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_dpar import memory, parallelize
 from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
-from lightning_dpar.activations import ActivationEstimate, estimate_activations
+from lightning_dpar.activations import ActivationEstimate, TraceCache, estimate_activations
 from lightning_dpar.dry_run.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow, group_modules
 from lightning_dpar.expert_parallel import local_expert_range
 from lightning_dpar.helpers import is_under
@@ -116,13 +116,14 @@ def plan(
     rank: int = 0,
     batch: Any = None,
     batch_source: str = "",
+    traces: TraceCache | None = None,
 ) -> PlanReport:
     """Apply `strategy` to `module` (built on the meta device) as rank `rank` of `world_size` would, and report.
 
     `batch` is what one data-parallel rank's `training_step` receives per step: a shape (token ids) or a pytree of
     meta tensors; with it the report estimates activation memory (`lightning_dpar.activations`), saying it came from
-    `batch_source`. Raises the same errors as training for sizes that do not tile the world or plans that do not fit
-    the model.
+    `batch_source` (`traces`: traces to reuse across dry runs of the same model). Raises the same errors as
+    training for sizes that do not tile the world or plans that do not fit the model.
     """
     if not isinstance(strategy, DparStrategy):
         raise TypeError(f"`plan` needs a lightning_dpar strategy, got {type(strategy).__name__}.")
@@ -141,7 +142,9 @@ def plan(
         with warnings.catch_warnings():
             # DTensor notes that CPU meshes lack its RNG; a dry run draws no random numbers.
             warnings.filterwarnings("ignore", message=".*DTensor random operators.*")
-            return _plan_on_fake_world(strategy, module, dims, num_nodes, rank, devices_per_node, batch, batch_source)
+            return _plan_on_fake_world(
+                strategy, module, dims, num_nodes, rank, devices_per_node, batch, batch_source, traces
+            )
     finally:
         dist.destroy_process_group()
 
@@ -155,6 +158,7 @@ def _plan_on_fake_world(
     devices_per_node: int,
     batch: Any,
     batch_source: str,
+    traces: TraceCache | None,
 ) -> PlanReport:
     mesh, data_parallel_mesh, expert_mesh = build_device_mesh(dims, "cpu")
     attach_device_mesh(module, mesh)  # what `LightningModule.device_mesh` returns inside `configure_model`
@@ -193,7 +197,7 @@ def _plan_on_fake_world(
     activations, activation_note = None, "not estimated: give the batch shape with --batch-size and --seq-len"
     if batch is not None:
         assert unsplit is not None
-        activations, activation_note = _activations(strategy, unsplit, plans, dims, batch, precision)
+        activations, activation_note = _activations(strategy, unsplit, plans, dims, batch, precision, traces)
     return PlanReport(
         strategy=type(strategy).__name__,
         dims=dims,
@@ -279,6 +283,7 @@ def _activations(
     dims: ParallelDims,
     batch: Any,
     precision: str,
+    traces: TraceCache | None,
 ) -> tuple[ActivationEstimate | None, str]:
     """The activation estimate of the plans on the unparallelised model, or why there is none (a training step that
     does not run on fake tensors, a batch the microbatches do not divide)."""
@@ -293,6 +298,7 @@ def _activations(
             pipeline=strategy.pipeline_config if dims.pipeline > 1 else None,
             compute_dtype=torch.bfloat16 if bf16_mixed and shards else None,
             autocast_dtype=torch.bfloat16 if bf16_mixed and not shards else None,
+            traces=traces,
         )
     except Exception as err:  # the dry run reports the rest; the error says why this part is missing
         return None, f"could not be estimated ({type(err).__name__}: {err})"

@@ -1,4 +1,5 @@
-"""Activation memory per rank: a formula, not a measurement, until the dry run reports activations itself.
+"""Activation memory per rank by a formula: what the layout search falls back on for a model whose training step
+cannot be traced on fake tensors (`lightning_dpar.activations` counts activations for every other model).
 
 Per transformer layer and microbatch of `b` sequences of `s` tokens, width `h`, `a` heads, tensor-parallel size `t`
 and activation element size `e` bytes, what backward keeps (Korthikanti et al., "Reducing Activation Recomputation in
@@ -15,13 +16,15 @@ and one layer is recomputed whole during its backward. On top, once per rank:
 - the logits of the last stage: `3 * s*b*V*4` (fp32 logits, their log-softmax in the loss, and their gradient),
   for every microbatch under GPipe (all forwards run before the first backward).
 
-A rank of pipeline stage 0 holds the activations of the microbatches in flight: every microbatch under GPipe,
-`min(m, p)` under 1F1B and Interleaved1F1B (a bound for the interleaved schedule's `p + (p - 1) / v`), each for its
-`layers / p` layers. The logits are counted on that same rank, which over-counts a little with pipelining (they live
-on the last stage), on the safe side.
+The first pipeline rank holds the activations of the microbatches its schedule keeps in flight on each of its stages
+(`ScheduleSpec.microbatches_in_flight`; every microbatch for a schedule it does not model), each for the stage's
+`layers / (p * v)` layers. The logits are counted on that same rank, which over-counts a little with pipelining
+(they live on the last stage), on the safe side.
 """
 
 from __future__ import annotations
+
+from lightning_dpar.pipeline.schedule import schedule_spec
 
 __all__ = ["activation_bytes"]
 
@@ -39,6 +42,7 @@ def activation_bytes(
     pipeline: int = 1,
     microbatches: int = 1,
     schedule: str | None = None,
+    stages_per_rank: int = 1,
     checkpointing: bool = False,
     flash_attention: bool = True,
 ) -> int:
@@ -47,13 +51,11 @@ def activation_bytes(
     full_layer = s * b * h * e * (5 + 12 / t)
     if not flash_attention and heads:
         full_layer += 5 * heads * s * s * b * e / (2 * t)
-    stage_layers = -(-layers // pipeline)
-    if schedule is None:
-        in_flight = 1
-    elif schedule == "GPipe":
-        in_flight = microbatches
-    else:
-        in_flight = min(microbatches, pipeline)
+    stage_layers = -(-layers // (pipeline * stages_per_rank))
+    in_flight: tuple[int, ...] | None = (1,)
+    if schedule is not None:
+        in_flight = schedule_spec(schedule).microbatches_in_flight(pipeline, microbatches, stages_per_rank, 0)
+    in_flight = in_flight or (microbatches,) * stages_per_rank
     if checkpointing:
         per_microbatch = stage_layers * s * b * h * e
         recompute = full_layer
@@ -62,4 +64,4 @@ def activation_bytes(
         recompute = 0
     embeddings = s * b * h * e
     logits = 3 * s * b * vocab * 4 * (microbatches if schedule == "GPipe" else 1)
-    return int(in_flight * (per_microbatch + embeddings) + recompute + logits)
+    return int(sum(in_flight) * per_microbatch + in_flight[0] * embeddings + recompute + logits)

@@ -51,6 +51,12 @@ class Layout:
         return (d.pipeline, d.replicate, d.shard, d.tensor_parallel, d.expert, self.stages_per_rank)
 
     @property
+    def probe_key(self) -> tuple[Any, ...]:
+        """What the dry run's numbers depend on, activations included: the mesh, the schedule and microbatches (the
+        dry run traces with and without activation checkpointing at once)."""
+        return (*self.mesh_key, self.schedule, self.microbatches)
+
+    @property
     def sort_key(self) -> tuple[Any, ...]:
         """A total order, for deterministic ties: the simplest layout first."""
         order = MODELLED_SCHEDULES.index(self.schedule) if self.schedule else -1

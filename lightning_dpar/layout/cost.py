@@ -21,10 +21,12 @@ Step time (seconds, one optimizer step of every data-parallel rank's batch) is s
   for all-reduce. A group crosses nodes when its ranks span more than one node (ranks are laid out row-major as
   pipeline, replicate, shard, tensor parallel; see `mesh.build_device_mesh`).
 
-Per-rank peak memory is split into parameters, gradients and optimizer state (the dry run's, for the rank that holds
-most), activations (`layout.activations`, a formula) and communication buffers: the FSDP unit being computed and the
-one prefetched, all-gathered (2 x the dry run's largest unit), plus a reduce-scatter buffer of one unit's gradients;
-and the profile's `runtime_memory`. The step time adds the profile's `step_overhead`.
+Per-rank peak memory, on the pipeline rank whose peak is highest, is split into parameters, gradients and optimizer
+state (the dry run's), activations (the dry run's traced estimate, `lightning_dpar.activations`: one training step
+run on fake tensors with the layout's tensor-parallel styles, pipeline stages, schedule and checkpointing; the formula
+of `layout.activations` only when the step cannot be traced) and communication buffers: the FSDP unit being computed
+and the one prefetched, all-gathered (2 x the dry run's largest unit), plus a reduce-scatter buffer of one unit's
+gradients; and the profile's `runtime_memory`. The step time adds the profile's `step_overhead`.
 """
 
 from __future__ import annotations
@@ -37,17 +39,31 @@ from lightning_dpar.layout.model_facts import ModelFacts
 from lightning_dpar.layout.profiles import HardwareProfile
 from lightning_dpar.pipeline.schedule import schedule_spec
 
-__all__ = ["Estimate", "MemorySplit", "MeshMemory", "TimeSplit", "estimate"]
+__all__ = ["Estimate", "MemorySplit", "MeshMemory", "RankMemory", "TimeSplit", "estimate"]
 
 
 @dataclass(frozen=True)
-class MeshMemory:
-    """The dry run's per-rank bytes for one mesh (the rank holding the most): what lives for the whole run, and the
-    largest FSDP unit all-gathered for compute."""
+class RankMemory:
+    """The dry run's bytes on one pipeline rank (on every rank, without pipelining): what lives for the whole run,
+    and the activation peak of a step without and with activation checkpointing (`None`: the training step could not
+    be traced on fake tensors, and the formula of `layout.activations` stands in)."""
 
     parameters: int
     gradients: int
     optimizer: int
+    activations: int | None = None
+    activations_checkpointed: int | None = None
+
+    def activation_peak(self, checkpointing: bool) -> int | None:
+        return self.activations_checkpointed if checkpointing else self.activations
+
+
+@dataclass(frozen=True)
+class MeshMemory:
+    """The dry run's numbers for one layout (but its activation checkpointing): each pipeline rank's memory, and the
+    largest FSDP unit all-gathered for compute."""
+
+    ranks: tuple[RankMemory, ...]
     gathered_unit: int
 
 
@@ -59,6 +75,7 @@ class MemorySplit:
     activations: int
     buffers: int
     runtime: int = 0  # the profile's `runtime_memory`
+    activations_traced: bool = True  # False: the formula of `layout.activations` stood in
 
     @property
     def total(self) -> int:
@@ -151,13 +168,14 @@ def _critical_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfil
     return tp, pp, ep
 
 
-def _activations(layout: Layout, facts: ModelFacts) -> int:
-    """Peak activation bytes of one rank: scaled from what one step saves, counted on meta tensors, when that ran;
-    else the formula (`layout.activations`)."""
+def _formula_activations(layout: Layout, facts: ModelFacts) -> int:
+    """Peak activation bytes of the first pipeline rank by the formula of `layout.activations`."""
     d = layout.dims
-    shape = dict(
+    return activation_bytes(
         layers=facts.layers,
         hidden=facts.hidden,
+        heads=facts.heads,
+        vocab=facts.vocab,
         seq_len=facts.seq_len,
         microbatch_size=facts.batch_size // layout.microbatches,
         element_size=facts.activation_bytes,
@@ -165,11 +183,24 @@ def _activations(layout: Layout, facts: ModelFacts) -> int:
         pipeline=d.pipeline,
         microbatches=layout.microbatches,
         schedule=layout.schedule,
+        stages_per_rank=layout.stages_per_rank,
         checkpointing=layout.activation_checkpointing,
     )
-    if facts.saved is not None:
-        return facts.saved.per_rank(**shape)
-    return activation_bytes(heads=facts.heads, vocab=facts.vocab, **shape)
+
+
+def _peak_rank(layout: Layout, facts: ModelFacts, mesh: MeshMemory) -> tuple[RankMemory, int | None]:
+    """The pipeline rank with the highest peak under `layout`, and its activation bytes: the traced peak of each
+    rank; without a trace, the rank holding the most parameters and `None` (the formula's first-stage peak goes on
+    it, an upper bound: the two need not be the same rank)."""
+    checkpointing = layout.activation_checkpointing
+    if all(rank.activation_peak(checkpointing) is not None for rank in mesh.ranks):
+
+        def total(rank: RankMemory) -> int:
+            return rank.parameters + rank.gradients + rank.optimizer + (rank.activation_peak(checkpointing) or 0)
+
+        rank = max(mesh.ranks, key=total)
+        return rank, rank.activation_peak(checkpointing)
+    return max(mesh.ranks, key=lambda r: r.parameters + r.gradients + r.optimizer), None
 
 
 def estimate(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: HardwareProfile) -> Estimate:
@@ -185,15 +216,16 @@ def estimate(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: Hardw
     fsdp = _fsdp_seconds(layout, facts, profile)
     tp, pp, ep = _critical_seconds(layout, facts, profile)
     exposed = fsdp - min(fsdp * profile.fsdp_overlap, compute) + tp + pp + ep
-    activations = _activations(layout, facts)
+    rank, traced = _peak_rank(layout, facts, mesh)
     reduce_buffer = mesh.gathered_unit * facts.param_bytes // max(facts.activation_bytes, 1)
     memory = MemorySplit(
-        parameters=mesh.parameters,
-        gradients=mesh.gradients,
-        optimizer=mesh.optimizer,
-        activations=activations,
+        parameters=rank.parameters,
+        gradients=rank.gradients,
+        optimizer=rank.optimizer,
+        activations=traced if traced is not None else _formula_activations(layout, facts),
         buffers=2 * mesh.gathered_unit + reduce_buffer,
         runtime=profile.runtime_memory,
+        activations_traced=traced is not None,
     )
     time = TimeSplit(compute, exposed, bubble, fsdp + tp + pp + ep, profile.step_overhead)
     return Estimate(layout, memory, time, facts.batch_size * d.data_parallel)

@@ -19,8 +19,6 @@ from typing import Any
 
 from torch import nn
 
-from lightning_dpar.layout.saved_activations import SavedActivations
-
 __all__ = ["ModelFacts", "facts_of"]
 
 _HEAD_NAMES = ("num_attention_heads", "n_head", "num_heads")
@@ -47,8 +45,6 @@ class ModelFacts:
     moe_layers: int = 0
     param_bytes: int = 4
     activation_bytes: int = 4
-    #: What one step saves for backward, counted on meta tensors (`layout.saved_activations`); `None`: the formula.
-    saved: SavedActivations | None = None
 
     @property
     def active_params(self) -> int:

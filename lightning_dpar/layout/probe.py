@@ -19,18 +19,18 @@ import lightning as L
 import torch
 from torch import nn
 
+from lightning_dpar.activations import TraceCache
 from lightning_dpar.dry_run.engine import plan
 from lightning_dpar.helpers import attached_trainer
 from lightning_dpar.layout.candidates import Layout
-from lightning_dpar.layout.cost import MeshMemory
+from lightning_dpar.layout.cost import MeshMemory, RankMemory
 from lightning_dpar.layout.model_facts import facts_of
 from lightning_dpar.layout.profiles import HardwareProfile
-from lightning_dpar.layout.saved_activations import measure_saved
 from lightning_dpar.layout.search import MeshProbe, SearchResult, search, what_would_fit
 from lightning_dpar.precision import DparPrecision
 from lightning_dpar.strategies.fully_shard import FSDPTensorParallelStrategy
 
-__all__ = ["default_seq_len", "dry_run_probe", "meta_copy", "probe_for_model", "search_model"]
+__all__ = ["default_seq_len", "dry_run_probe", "meta_copy", "probe_for_model", "search_model", "token_batch"]
 
 
 def meta_copy(module: L.LightningModule) -> L.LightningModule:
@@ -52,33 +52,50 @@ def dry_run_probe(
     num_nodes: int,
     precision: str = "32-true",
     strategy_kwargs: dict[str, Any] | None = None,
+    batch: tuple[int, int] | None = None,
+    traces: TraceCache | None = None,
 ) -> MeshProbe:
     """A probe that plans `make_module()` (a fresh meta-device model per call) with `FSDPTensorParallelStrategy` on
-    the layout's sizes and `strategy_kwargs` (e.g. `tp_plan`), and returns the largest per-rank memory: over the
-    pipeline ranks with pipelining (each rank's stages summed), else rank 0's (ranks hold equal shards but for
-    rounding, and rank 0 the larger part)."""
+    the layout's sizes, schedule and microbatches and `strategy_kwargs` (e.g. `tp_plan`), and returns each pipeline
+    rank's memory (the largest rank's of the mesh without pipelining: ranks hold equal shards but for rounding, and
+    rank 0 the larger part). With `batch`, the token-id shape one data-parallel rank's `training_step` receives, each
+    rank's activation peak is traced too (`lightning_dpar.activations`), reusing the traces in `traces`."""
     base = dict(strategy_kwargs or {})
+    traces = {} if traces is None else traces
 
     def probe(layout: Layout) -> MeshMemory:
         strategy = FSDPTensorParallelStrategy(**{**base, **layout.strategy_kwargs()})
         strategy.precision_plugin = DparPrecision(precision)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            report = plan(strategy, make_module(), world_size, num_nodes)
+            report = plan(strategy, make_module(), world_size, num_nodes, batch=batch, traces=traces)
         unit = report.largest_unit[1] if report.largest_unit is not None else 0
+        stored: dict[int, list[int]] = {}
         if report.pipeline is None:
             m = report.memory
-            return MeshMemory(m.parameters, m.gradients, m.optimizer or 0, unit)
-        per_rank: dict[int, list[int]] = {}
-        for row in report.pipeline.stages:
-            sums = per_rank.setdefault(row.pipeline_rank, [0, 0, 0])
-            sums[0] += row.memory.parameters
-            sums[1] += row.memory.gradients
-            sums[2] += row.memory.optimizer or 0
-        parameters, gradients, optimizer = max(per_rank.values(), key=sum)
-        return MeshMemory(parameters, gradients, optimizer, unit)
+            stored[0] = [m.parameters, m.gradients, m.optimizer or 0]
+        else:
+            for row in report.pipeline.stages:
+                sums = stored.setdefault(row.pipeline_rank, [0, 0, 0])
+                sums[0] += row.memory.parameters
+                sums[1] += row.memory.gradients
+                sums[2] += row.memory.optimizer or 0
+        activations = report.activations
+        ranks = []
+        for pipeline_rank, (parameters, gradients, optimizer) in sorted(stored.items()):
+            peaks = (None, None)
+            if activations is not None:
+                peaks = (activations.peak(pipeline_rank, False), activations.peak(pipeline_rank, True))
+            ranks.append(RankMemory(parameters, gradients, optimizer, *peaks))
+        return MeshMemory(tuple(ranks), unit)
 
     return probe
+
+
+def token_batch(batch_size: int, seq_len: int) -> tuple[int, int]:
+    """The token-id batch shape the search traces a training step on: `seq_len + 1` ids per sample, as a model that
+    predicts the next token receives them (it cuts one off); one token more than a model that does not."""
+    return (batch_size, seq_len + 1)
 
 
 def default_seq_len(module: nn.Module) -> int | None:
@@ -118,20 +135,27 @@ def search_model(
         )
     template = meta_copy(module)
     facts = facts_of(template, seq_len, batch_size, precision)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # e.g. `self.log` without a Trainer
-        saved = measure_saved(meta_copy(template), batch_size, seq_len, facts.vocab)
-    facts = replace(facts, saved=saved)
-    probe = dry_run_probe(lambda: meta_copy(template), world_size, num_nodes, precision, strategy_kwargs)
+    batch = token_batch(batch_size, seq_len)
+    traces: TraceCache = {}  # the same traces serve every world, the larger ones `what_would_fit` tries included
+    probe = dry_run_probe(lambda: meta_copy(template), world_size, num_nodes, precision, strategy_kwargs, batch, traces)
     result = search(facts, world_size, num_nodes, profile, probe, activation_checkpointing)
     if suggest and result.best is None:
-        return replace(result, suggestion=what_would_fit(result, probe_for_model(template, precision, strategy_kwargs)))
+        return replace(
+            result,
+            suggestion=what_would_fit(result, probe_for_model(template, precision, strategy_kwargs, batch, traces)),
+        )
     return result
 
 
 def probe_for_model(
-    module: L.LightningModule, precision: str = "32-true", strategy_kwargs: dict[str, Any] | None = None
+    module: L.LightningModule,
+    precision: str = "32-true",
+    strategy_kwargs: dict[str, Any] | None = None,
+    batch: tuple[int, int] | None = None,
+    traces: TraceCache | None = None,
 ) -> Callable[[int, int], MeshProbe]:
     """`what_would_fit`'s probe factory for `module`: the dry-run probe on another world."""
     template = meta_copy(module)
-    return lambda world, nodes: dry_run_probe(lambda: meta_copy(template), world, nodes, precision, strategy_kwargs)
+    return lambda world, nodes: dry_run_probe(
+        lambda: meta_copy(template), world, nodes, precision, strategy_kwargs, batch, traces
+    )

@@ -92,6 +92,20 @@ def render_choice(result: SearchResult) -> str:
     return "\n".join(lines)
 
 
+def _activations_note(estimates: list[Estimate]) -> str:
+    traced = sum(e.memory.activations_traced for e in estimates)
+    if traced == len(estimates):
+        return (
+            "  * activations: one training step traced on fake tensors per layout, its tensor-parallel styles,"
+            " stages, schedule and checkpointing applied (lightning_dpar.activations)"
+        )
+    return (
+        f"  * activations: a formula (lightning_dpar.layout.activations) for {len(estimates) - traced} of"
+        f" {len(estimates)} layouts, whose training step could not be traced on fake tensors (the dry run's"
+        " `--batch-size`/`--seq-len` report says why)"
+    )
+
+
 def render_search(result: SearchResult, top: int | None = None) -> str:
     """The whole search as text: choice, ranked table (the first `top` rows), what does not fit, what was rejected."""
     f, p = result.facts, result.profile
@@ -112,12 +126,7 @@ def render_search(result: SearchResult, top: int | None = None) -> str:
         lines += _table([_HEADER, *(_row(i, e) for i, e in enumerate(shown, start=1))])
         if len(shown) < len(result.ranked):
             lines.append(f"  ... {len(result.ranked) - len(shown)} more (--top to show them)")
-        lines.append(
-            "  * activations: what one step saves for backward, counted on meta tensors and scaled to the layout"
-            " (lightning_dpar.layout.saved_activations)"
-            if f.saved is not None
-            else "  * activations: a formula (lightning_dpar.layout.activations); the step did not run on meta tensors"
-        )
+        lines.append(_activations_note(result.ranked))
         lines.append("")
     if result.too_big:
         lines.append(f"Layouts that do not fit {format_bytes(p.device_memory)} per device ({len(result.too_big)}):")

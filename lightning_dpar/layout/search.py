@@ -2,26 +2,29 @@
 the rest ranked by step time per sample among those that fit the device memory.
 
 `search` is a pure function of the model's facts, the world, the hardware profile and a `probe` that returns the
-dry run's per-rank memory for a layout's mesh (or raises the planner's error: heads not divisible by the TP size,
-too few layers for the stages, ...). The probe is called once per distinct mesh (`Layout.mesh_key`), in the fixed
-candidate order, and ranking breaks ties by `Layout.sort_key`: the same model and world always give the same choice.
-`what_would_fit` answers the question a search with no fitting layout leaves: how much memory, or how many devices,
-would do.
+dry run's per-rank memory for a layout (or raises the planner's error: heads not divisible by the TP size, too few
+layers for the stages, ...). The probe is called once per distinct mesh, schedule and microbatches
+(`Layout.probe_key`), in the fixed candidate order, and ranking breaks ties by `Layout.sort_key`: the same model
+and world always give the same choice. `what_would_fit` answers the question a search with no fitting layout
+leaves: how much memory, or how many devices, would do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from lightning_dpar.layout.candidates import Layout, Rejected, enumerate_layouts
 from lightning_dpar.layout.cost import Estimate, MeshMemory, estimate
 from lightning_dpar.layout.model_facts import ModelFacts
 from lightning_dpar.layout.profiles import GIB, HardwareProfile
+from lightning_dpar.memory import format_bytes
 
 __all__ = ["MeshProbe", "SearchResult", "Suggestion", "search", "what_would_fit"]
 
-#: The dry run's memory for a layout's mesh; raises `ValueError` / `TypeError` with the planner's message.
+#: The dry run's memory for a layout (both activation checkpointing settings); raises `ValueError` / `TypeError`
+#: with the planner's message.
 MeshProbe = Callable[[Layout], MeshMemory]
 
 
@@ -73,16 +76,17 @@ def search(
     )
     if activation_checkpointing is not None:
         layouts = [layout for layout in layouts if layout.activation_checkpointing == activation_checkpointing]
-    probed: dict[tuple[int, ...], MeshMemory | str] = {}
+    probed: dict[tuple[Any, ...], MeshMemory | str] = {}
     estimates: list[Estimate] = []
     for layout in layouts:
-        if layout.mesh_key not in probed:
+        if layout.probe_key not in probed:
             try:
-                probed[layout.mesh_key] = probe(layout)
+                probed[layout.probe_key] = probe(layout)
             except (ValueError, TypeError) as err:
-                probed[layout.mesh_key] = str(err)
-                rejected.append(Rejected(layout.mesh(), str(err)))
-        mesh = probed[layout.mesh_key]
+                probed[layout.probe_key] = str(err)
+                if not any(r.what == layout.mesh() and r.reason == str(err) for r in rejected):
+                    rejected.append(Rejected(layout.mesh(), str(err)))
+        mesh = probed[layout.probe_key]
         if isinstance(mesh, MeshMemory):
             estimates.append(estimate(layout, facts, mesh, profile))
     fits = [e for e in estimates if e.memory.total <= profile.device_memory]
@@ -101,6 +105,8 @@ class Suggestion:
     memory_layout: Estimate | None
     devices_needed: int | None
     devices_layout: Estimate | None
+    #: Set when no device count can fit: the profile's runtime memory alone is at least the device memory.
+    runtime_exceeds: tuple[int, int] | None = None
 
     def describe(self) -> str:
         lines = []
@@ -109,6 +115,12 @@ class Suggestion:
             lines.append(f"with {self.memory_needed / GIB:.2f} GiB per device it would fit: {layout}")
         if self.devices_layout is not None:
             lines.append(f"on {self.devices_needed} devices it would fit: {self.devices_layout.layout.describe()}")
+        elif self.runtime_exceeds is not None:
+            runtime, device = (format_bytes(n) for n in self.runtime_exceeds)
+            lines.append(
+                f"no device count fits {device} per device: the profile's runtime memory alone (CUDA context,"
+                f" communication buffers) takes {runtime}"
+            )
         elif self.devices_needed is None:
             lines.append("no device count tried (up to 32 x this world) fits the device memory")
         return "; ".join(lines)
@@ -121,9 +133,14 @@ def what_would_fit(
 ) -> Suggestion:
     """The smallest memory per device that would fit on `result`'s world, and the smallest multiple of its world
     (x2, x4, ... up to `max_factor`, whole nodes kept) whose best layout fits; `probe_for_world(world, nodes)` gives
-    the dry-run probe of another world."""
+    the dry-run probe of another world. When the profile's runtime memory alone does not fit, no world can, and
+    none is tried."""
     candidates = result.ranked + result.too_big
     smallest = min(candidates, key=lambda e: (e.memory.total, e.layout.sort_key), default=None)
+    memory_needed = smallest.memory.total if smallest else None
+    profile = result.profile
+    if profile.runtime_memory >= profile.device_memory:
+        return Suggestion(memory_needed, smallest, None, None, (profile.runtime_memory, profile.device_memory))
     devices = devices_layout = None
     factor = 2
     while factor <= max_factor:
@@ -135,4 +152,4 @@ def what_would_fit(
             devices, devices_layout = world, bigger.best
             break
         factor *= 2
-    return Suggestion(smallest.memory.total if smallest else None, smallest, devices, devices_layout)
+    return Suggestion(memory_needed, smallest, devices, devices_layout)

@@ -4,12 +4,13 @@ checked against numbers worked out by hand."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from lightning_dpar.layout.activations import activation_bytes
 from lightning_dpar.layout.candidates import Layout
-from lightning_dpar.layout.cost import MeshMemory, estimate
+from lightning_dpar.layout.cost import MeshMemory, RankMemory, estimate
 from lightning_dpar.layout.model_facts import ModelFacts
 from lightning_dpar.layout.profiles import PRESETS, HardwareProfile, Link, get_profile, load_profile, save_profile
 from lightning_dpar.mesh import ParallelDims
@@ -17,7 +18,7 @@ from lightning_dpar.mesh import ParallelDims
 #: A profile with round numbers: 1 TFLOP/s, 1 GB/s within a node, no latency, nothing hidden.
 FLAT = HardwareProfile("flat", 4, 10**12, 1e12, Link(0.0, 1e9), Link(0.0, 1e8))
 FACTS = ModelFacts(params=1_000_000, layers=4, hidden=64, vocab=100, seq_len=10, batch_size=8)
-MESH = MeshMemory(parameters=1000, gradients=1000, optimizer=2000, gathered_unit=100)
+MESH = MeshMemory((RankMemory(parameters=1000, gradients=1000, optimizer=2000),), gathered_unit=100)  # untraced
 
 
 def dims(world=4, tp=1, pp=1, replicate=1, ep=1):
@@ -67,6 +68,9 @@ def test_activation_formula():
     assert piped == 2 * (2 * s_b_h_e * 17 + s_b_h_e) + logits
     gpipe = activation_bytes(**one, pipeline=2, microbatches=4, schedule="GPipe")
     assert gpipe == 4 * (2 * s_b_h_e * 17 + s_b_h_e) + 4 * logits
+    # Interleaved1F1B, 2 ranks x 2 stages, 4 microbatches: rank 0 keeps 3 + 2 microbatches of 1 layer in flight.
+    interleaved = activation_bytes(**one, pipeline=2, microbatches=4, schedule="Interleaved1F1B", stages_per_rank=2)
+    assert interleaved == 5 * s_b_h_e * 17 + 3 * s_b_h_e + logits
     scores = activation_bytes(**one, flash_attention=False) - activation_bytes(**one)
     assert scores == 4 * 5 * 2 * 5 * 5 * 2 * 4 // 2
 
@@ -133,6 +137,19 @@ def test_memory_split_adds_the_dry_run_numbers_activations_and_buffers():
         layers=4, hidden=64, heads=0, vocab=100, seq_len=10, microbatch_size=8, element_size=4
     )
     assert got.total == 1000 + 1000 + 2000 + got.activations + 300
+    assert not got.activations_traced
+
+
+def test_traced_activations_are_taken_per_checkpointing_setting_on_the_rank_with_the_highest_peak():
+    # Stage 0 holds the embeddings and most activations; the last stage the head's parameters.
+    first = RankMemory(1000, 1000, 2000, activations=9000, activations_checkpointed=1500)
+    last = RankMemory(3000, 3000, 6000, activations=500, activations_checkpointed=400)
+    mesh = MeshMemory((first, last), gathered_unit=0)
+    layout = Layout(dims(pp=2, world=2), schedule="1F1B", microbatches=2)
+    without = estimate(layout, FACTS, mesh, FLAT).memory
+    assert (without.parameters, without.activations, without.activations_traced) == (1000, 9000, True)
+    with_ = estimate(replace(layout, activation_checkpointing=True), FACTS, mesh, FLAT).memory
+    assert (with_.parameters, with_.activations) == (3000, 400)
 
 
 def test_groups_spanning_nodes_use_the_slower_link():
@@ -148,8 +165,6 @@ def test_groups_spanning_nodes_use_the_slower_link():
 
 
 def test_the_profiles_runtime_memory_and_step_overhead_are_added_once():
-    from dataclasses import replace
-
     plain = estimate(Layout(dims()), FACTS, MESH, FLAT)
     busy = estimate(Layout(dims()), FACTS, MESH, replace(FLAT, runtime_memory=123, step_overhead=0.5))
     assert busy.memory.total == plain.memory.total + 123 and busy.memory.runtime == 123

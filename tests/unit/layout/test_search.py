@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_dpar.layout.candidates import Layout, enumerate_layouts
-from lightning_dpar.layout.cost import MeshMemory
+from lightning_dpar.layout.cost import MeshMemory, RankMemory
 from lightning_dpar.layout.model_facts import ModelFacts
 from lightning_dpar.layout.profiles import GIB, PRESETS
 from lightning_dpar.layout.search import search, what_would_fit
@@ -23,7 +23,8 @@ def sharded_probe(layout: Layout) -> MeshMemory:
     if FACTS.heads % d.tensor_parallel:
         raise ValueError(f"heads {FACTS.heads} not divisible by tensor_parallel_size={d.tensor_parallel}")
     per_rank = FACTS.params // (d.shard * d.tensor_parallel * d.pipeline)
-    return MeshMemory(4 * per_rank, 4 * per_rank, 8 * per_rank, 2 * FACTS.params // FACTS.layers // d.tensor_parallel)
+    rank = RankMemory(4 * per_rank, 4 * per_rank, 8 * per_rank)  # activations: the formula
+    return MeshMemory((rank,), 2 * FACTS.params // FACTS.layers // d.tensor_parallel)
 
 
 def test_candidates_cover_every_mesh_and_refuse_with_reasons():
@@ -94,6 +95,19 @@ def test_too_little_memory_rejects_by_how_much_and_says_what_would_fit():
     assert suggestion.devices_layout is not None
     assert suggestion.devices_layout.memory.total <= small.device_memory
     assert "GiB per device" in suggestion.describe()
+
+
+def test_a_budget_below_the_runtime_memory_tries_no_other_world():
+    tiny = PRESETS["cpu-gloo"].with_memory(PRESETS["cpu-gloo"].runtime_memory // 2)
+    result = search(FACTS, 2, 1, tiny, sharded_probe)
+
+    def no_other_world(world, nodes):
+        raise AssertionError(f"a world of {world} was tried")
+
+    suggestion = what_would_fit(result, no_other_world)
+    assert suggestion.devices_needed is None and suggestion.memory_needed is not None
+    assert "no device count fits 16.00 MiB per device: the profile's runtime memory alone" in suggestion.describe()
+    assert "32.00 MiB" in suggestion.describe()
 
 
 def test_activation_checkpointing_can_be_fixed():
