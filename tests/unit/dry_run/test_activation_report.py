@@ -48,6 +48,25 @@ def test_activations_are_the_pure_estimates_and_go_on_top_of_the_peak():
     assert "not included: communication buffers, allocator overhead" in rendered
 
 
+def test_traces_are_reused_across_tensor_parallel_sizes_and_give_the_same_estimate():
+    """A trace depends on the TP styles, not the TP size: one shared cache serves TP 2 and TP 4 with what tracing
+    each afresh gives; another microbatch is traced anew."""
+    from lightning_dpar.activations import estimate_activations
+
+    traces = {}
+    for tp in (2, 4):
+        strategy = lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=tp)
+        dims = strategy.resolve_dims(4, 4, 1)
+        model = _small_gpt()
+        plan_ = strategy.module_plan(model, dims, 0)
+        assert estimate_activations(model, plan_, dims, (4, 65), traces=traces) == estimate_activations(
+            model, plan_, dims, (4, 65)
+        )
+        assert len(traces) == 2  # without and with activation checkpointing, traced for TP 2 only
+    estimate_activations(model, plan_, dims, (2, 65), traces=traces)
+    assert len(traces) == 4
+
+
 def test_pipeline_stages_hold_their_microbatches_in_flight(capsys):
     assert main(["--trainer.strategy=dpar_3d", "--batch-size", "4", "--seq-len", "33"]) == 0
     out = capsys.readouterr().out
