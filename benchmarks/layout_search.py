@@ -10,16 +10,17 @@ What is measured, per layout (one torchrun launch per model, the layouts in the 
 - the launch first runs the first layout once, unrecorded: a process's first Trainer pays one-time costs (lazy
   initialisation, first page faults) that would otherwise count against whichever layout ran first;
 - peak tensor memory (what the cost model predicts, but for the profile's `runtime_memory`): in the last step,
-  which is not timed, the bytes of the tensors that live across steps (each rank's parameter shards, gradients and
-  optimizer state, counted off the objects at the step's start) plus the most bytes allocated during the step and not
-  yet freed (the CPU allocator's "Total Allocated" under `torch.profiler`'s memory profiling, from the step's start);
-  the largest rank's. The GPU counterpart is `torch.cuda.max_memory_allocated`. Gradients freed during the step (by
-  `zero_grad`) were allocated before the profiler started and cannot be subtracted: an over-count of at most one
-  set of gradient shards;
+  which is not timed, the bytes of the tensors alive at the step's start (every tensor storage Python reaches that
+  the process did not hold before the Trainer: parameter shards, gradients, optimizer state, pipeline buffers) plus
+  the most bytes allocated during the step and not yet freed (the CPU allocator's "Total Allocated" under
+  `torch.profiler`'s memory profiling, from the step's start); the largest rank's. The GPU counterpart is
+  `torch.cuda.max_memory_allocated`. What the step frees of what it found (gradients, by `zero_grad`) was allocated
+  before the profiler started and cannot be subtracted: an over-count of at most those bytes;
 - peak RSS: each rank's peak RSS growth (VmHWM after `clear_refs`) over its RSS before the Trainer built the model
-  (on the meta device, so only this rank's shards are allocated), freed memory returned first (`malloc_trim`); the
-  largest rank's. Besides tensors it holds what the allocator keeps of freed memory, Python objects and gloo's
-  buffers, which the profile's `runtime_memory` stands for.
+  (on the meta device, so only this rank's shards are allocated), freed memory returned first (`malloc_trim`), read
+  before the profiled step (the profiler's own memory is not the model's); the largest rank's. Besides tensors it
+  holds what the allocator keeps of freed memory, Python objects and gloo's buffers, which the profile's
+  `runtime_memory` stands for.
 Compared: Spearman's rank correlation of predicted and measured time per sample; the chosen layout's measured time
 per sample against the measured best; memory error |predicted - measured| / measured per layout, for tensor memory
 (the prediction without `runtime_memory`) and for RSS (with it).
@@ -89,20 +90,18 @@ def _release_memory() -> None:
         f.write("5")  # reset VmHWM to the current RSS
 
 
-def _persistent_bytes(module: Any, optimizers: list[Any]) -> int:
-    """Bytes of this rank's parameters (local shards), their gradients and the optimizers' state tensors, each
-    storage once."""
+def _live_storages() -> dict[int, int]:
+    """Every CPU tensor storage Python can reach (parameters, gradients, optimizer state, pipeline buffers, data),
+    by address: its bytes. A DTensor is reached through its local tensor."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    tensors = [*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None)]
-    tensors += [v for opt in optimizers for state in opt.state.values() for v in state.values()]
     storages = {}
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor):
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-    return sum(storages.values())
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return storages
 
 
 def _profiled_peak(trace: Path) -> int:
@@ -129,15 +128,20 @@ def _run_layout(model: str, kwargs: dict[str, Any], warmup: int) -> dict[str, An
     class Meter(L.Callback):
         """Times every step; profiles the last one's tensor memory."""
 
-        def __init__(self, directory: str) -> None:
+        def __init__(self, directory: str, baseline: int) -> None:
+            self.baseline = baseline
+            self.rss_peak = 0
             self.ends: list[float] = []
             self.trace = Path(directory) / "trace.json"
             self.profiler: Any = None
+            self.before = _live_storages()  # what the process held before the Trainer: not this layout's
             self.tensor_peak = 0
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx == STEPS - 1:
-                self.tensor_peak = _persistent_bytes(pl_module, trainer.optimizers)
+                self.rss_peak = process_memory("VmHWM") - self.baseline  # the steps before, as none measured
+                live = _live_storages()  # before the profiler: its own allocations are not the model's
+                self.tensor_peak = sum(size for ptr, size in live.items() if ptr not in self.before)
                 self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
                 self.profiler.__enter__()
 
@@ -154,7 +158,7 @@ def _run_layout(model: str, kwargs: dict[str, Any], warmup: int) -> dict[str, An
     _release_memory()
     baseline = process_memory("VmRSS")
     with tempfile.TemporaryDirectory(prefix="dpar-layout-trace-") as directory:
-        meter = Meter(directory)
+        meter = Meter(directory, baseline)
         trainer = L.Trainer(
             accelerator="cpu",
             devices=int(os.environ["WORLD_SIZE"]),
@@ -170,14 +174,13 @@ def _run_layout(model: str, kwargs: dict[str, Any], warmup: int) -> dict[str, An
         with trainer.init_module(empty_init=True):
             module = build(model)
         trainer.fit(module, DataLoader(list(data), batch_size=BATCH))
-    peak = process_memory("VmHWM") - baseline
     timed = meter.ends[:-1]  # the profiled step is not timed
     steps = [b - a for a, b in itertools.pairwise(timed)][max(warmup - 1, 0) :]
     del trainer, module
     return {
         "step_s": statistics.median(steps),
         "steps_s": steps,
-        "peak_bytes": peak,
+        "peak_bytes": meter.rss_peak,
         "tensor_peak_bytes": meter.tensor_peak,
     }
 

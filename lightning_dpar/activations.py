@@ -17,9 +17,11 @@ Layouts:
 - tensor parallel: a storage is split over the TP ranks where the plan's styles make it a shard (the outputs of a
   column-wise Linear and what is computed from them, a sequence-parallel region's tokens), whole where a rank holds
   all of it (the input of a column-wise Linear, the all-reduced output of a row-wise one);
-- pipeline: each stage holds the activations of its own units (and the activation it received, per microbatch), and
-  the schedule decides how many microbatches are in flight at once (`ScheduleSpec.microbatches_in_flight`): a rank's
-  activation peak is `sum over its stages of in_flight x retained + the largest (peak - retained)`.
+- pipeline: each stage holds the activations of its own units, and the schedule decides how many microbatches are
+  in flight at once (`ScheduleSpec.microbatches_in_flight`); torch's `PipelineStage` also allocates, once for every
+  microbatch, a buffer for the activation a stage receives and one for the gradient it receives, and keeps them. A
+  rank's activation peak is `sum over its stages of (in_flight x retained + m x (received + sent)) + the largest
+  (peak - retained)` (`RankActivations.peak`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = [
     "estimate_activations",
     "footprint",
     "microbatch_of",
+    "unit_input_bytes",
 ]
 
 
@@ -73,26 +76,32 @@ class Footprint:
 @dataclass(frozen=True)
 class StageActivations:
     """One pipeline stage (the whole model without pipeline parallelism): one microbatch's activations on each of
-    its ranks, without and with activation checkpointing."""
+    its ranks, without and with activation checkpointing, and the bytes of one microbatch's activation it receives
+    from the stage before and sends to the stage after (0 for the first and the last stage)."""
 
     stage: int
     without_checkpointing: Footprint
     with_checkpointing: Footprint
+    received: int = 0
+    sent: int = 0
 
     def footprint(self, checkpointing: bool) -> Footprint:
-        return self.with_checkpointing if checkpointing else self.without_checkpointing
+        """One microbatch: the stage's own activations and the activation it received, which its backward needs."""
+        own = self.with_checkpointing if checkpointing else self.without_checkpointing
+        return Footprint(own.retained + self.received, own.peak + self.received)
 
 
 @dataclass(frozen=True)
 class RankActivations:
-    """What one pipeline rank (every rank, without pipeline parallelism) holds: its stages, and how many microbatches
+    """What one pipeline rank (every rank, without pipeline parallelism) holds: its stages, how many microbatches
     each has in flight at once at most (`in_flight_known` False: the schedule's count is not modelled, and every
-    microbatch is assumed in flight, an upper bound)."""
+    microbatch is assumed in flight, an upper bound), and the step's `microbatches`."""
 
     pipeline_rank: int
     stages: tuple[StageActivations, ...]
     in_flight: tuple[int, ...]
     in_flight_known: bool = True
+    microbatches: int = 1
 
     def per_microbatch(self, checkpointing: bool) -> Footprint:
         """One microbatch on each of the rank's stages."""
@@ -103,11 +112,22 @@ class RankActivations:
         return total
 
     def peak(self, checkpointing: bool) -> int:
-        """The rank's activation peak over a step: every microbatch in flight keeps its retained bytes, and one
-        stage's backward working set comes on top."""
-        each = [stage.footprint(checkpointing) for stage in self.stages]
-        retained = sum(n * f.retained for n, f in zip(self.in_flight, each))
-        return retained + max(f.peak - f.retained for f in each)
+        """The rank's activation peak over a step: every microbatch in flight keeps the stage's own retained bytes,
+        and one stage's backward working set comes on top. Pipelining adds what torch's `PipelineStage` allocates
+        once for every microbatch and keeps: a buffer for the activation received from the stage before (the input
+        its backward needs) and one for the gradient received from the stage after."""
+        total, work = self.receive_buffers, 0
+        for in_flight, stage in zip(self.in_flight, self.stages):
+            own = stage.with_checkpointing if checkpointing else stage.without_checkpointing
+            total += in_flight * own.retained
+            work = max(work, own.peak - own.retained)
+        return total + work
+
+    @property
+    def receive_buffers(self) -> int:
+        """Bytes of the pipeline's receive buffers on this rank: for each of its stages and every microbatch, the
+        activation from the stage before and the gradient from the stage after (0 without pipelining)."""
+        return sum(self.microbatches * (stage.received + stage.sent) for stage in self.stages)
 
 
 @dataclass(frozen=True)
@@ -138,8 +158,7 @@ class ActivationEstimate:
 
 def footprint(trace: StepTrace, units: Sequence[int] | None, tensor_parallel: int) -> Footprint:
     """The retained and peak bytes of one traced microbatch on one rank, counting the storages created by `units`
-    (indices into `trace.units`; `None`: all) with split storages divided over `tensor_parallel` ranks, plus, for a
-    pipeline stage after the first, the activation it received (the first unit's input)."""
+    (indices into `trace.units`; `None`: all) with split storages divided over `tensor_parallel` ranks."""
     chosen = None if units is None else set(units)
     delta: dict[int, int] = {}
     retained = 0
@@ -155,11 +174,16 @@ def footprint(trace: StepTrace, units: Sequence[int] | None, tensor_parallel: in
     for tick in sorted(delta):
         live += delta[tick]
         peak = max(peak, live)
-    received = 0
-    if units and min(units) > 0 and trace.unit_inputs[min(units)] is not None:
-        size, split = trace.unit_inputs[min(units)]
-        received = -(-size // tensor_parallel) if split else size
-    return Footprint(retained + received, peak + received)
+    return Footprint(retained, peak)
+
+
+def unit_input_bytes(trace: StepTrace, unit: int, tensor_parallel: int) -> int:
+    """One rank's bytes of the activation unit `unit` receives (a pipeline stage boundary's when `unit` starts a
+    stage): 0 for the first unit, or one whose input was not traced."""
+    if unit <= 0 or unit >= len(trace.unit_inputs) or trace.unit_inputs[unit] is None:
+        return 0
+    size, split = trace.unit_inputs[unit]
+    return -(-size // tensor_parallel) if split else size
 
 
 def microbatch_of(batch: Any, microbatches: int) -> Any:
@@ -289,11 +313,14 @@ def estimate_activations(
         for stage in split.stages:
             starts.append(starts[-1] + len(stage))
         stage_units = [list(range(starts[s], starts[s + 1])) for s in range(split.num_stages)]
+    tp = dims.tensor_parallel
     stages = [
         StageActivations(
             index,
-            footprint(without, indices, dims.tensor_parallel),
-            footprint(with_, indices, dims.tensor_parallel),
+            footprint(without, indices, tp),
+            footprint(with_, indices, tp),
+            received=unit_input_bytes(without, indices[0], tp) if indices else 0,
+            sent=unit_input_bytes(without, indices[-1] + 1, tp) if indices else 0,
         )
         for index, indices in enumerate(stage_units)
     ]
@@ -307,7 +334,8 @@ def estimate_activations(
             )
         known = counts is not None or pipeline is None
         in_flight = counts if counts is not None else (microbatches,) * len(held)
-        ranks.append(RankActivations(pipeline_rank, tuple(stages[s] for s in held), tuple(in_flight), known))
+        held_stages = tuple(stages[s] for s in held)
+        ranks.append(RankActivations(pipeline_rank, held_stages, tuple(in_flight), known, microbatches))
     if not all(rank.in_flight_known for rank in ranks):
         notes.append(
             f"{pipeline.schedule.name if pipeline else ''}: microbatches in flight not modelled; every microbatch"

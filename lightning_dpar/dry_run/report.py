@@ -230,7 +230,8 @@ def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source
         bound = "" if rank.in_flight_known else " (not modelled for this schedule: every microbatch, an upper bound)"
         lines.append(
             f"  {estimate.schedule} over {estimate.microbatches} microbatches keeps up to {per_stage} in flight on"
-            f" this rank{bound}: in flight x kept + (peak - kept) ="
+            f" this rank{bound}, and a receive buffer per microbatch for the activation in and the gradient back"
+            f" ({memory.format_bytes(rank.receive_buffers)}): in flight x kept + buffers + (peak - kept) ="
             f" {memory.format_bytes(rank.peak(estimate.checkpointing))}"
         )
     lines += [f"  note: {note}" for note in estimate.notes]

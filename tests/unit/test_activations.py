@@ -14,7 +14,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_dpar import FullyShardStrategy
 from lightning_dpar.activation_trace import StepTrace, StorageLife, trace_step
-from lightning_dpar.activations import Footprint, RankActivations, StageActivations, footprint, microbatch_of
+from lightning_dpar.activations import (
+    Footprint,
+    RankActivations,
+    StageActivations,
+    footprint,
+    microbatch_of,
+    unit_input_bytes,
+)
 from tests.support.activation_cases import estimate_and_measure
 from tests.support.activation_meter import ActivationMeter, StorageMeter
 
@@ -46,8 +53,12 @@ def test_a_stage_counts_its_units_storages_and_the_activation_it_receives():
         unit_inputs=[None, (64, True)],
     )
     assert footprint(trace, [0], 1) == Footprint(100, 100)
-    assert footprint(trace, [1], 1) == Footprint(60 + 40 + 64, 60 + 40 + 64)
-    assert footprint(trace, [1], 2) == Footprint(60 + 20 + 32, 60 + 20 + 32)
+    assert footprint(trace, [1], 1) == Footprint(60 + 40, 60 + 40)
+    assert footprint(trace, [1], 2) == Footprint(60 + 20, 60 + 20)
+    assert (unit_input_bytes(trace, 0, 1), unit_input_bytes(trace, 1, 1), unit_input_bytes(trace, 1, 2)) == (0, 64, 32)
+    assert unit_input_bytes(trace, 2, 1) == 0  # after the last unit: nothing is sent on
+    stage = StageActivations(1, footprint(trace, [1], 1), footprint(trace, [1], 1), received=64)
+    assert stage.footprint(checkpointing=False) == Footprint(60 + 40 + 64, 60 + 40 + 64)
 
 
 def test_a_rank_keeps_every_microbatch_in_flight_and_one_working_set_on_top():
@@ -57,6 +68,16 @@ def test_a_rank_keeps_every_microbatch_in_flight_and_one_working_set_on_top():
     assert rank.peak(checkpointing=False) == 3 * 10 + 2 * 20 + max(15 - 10, 22 - 20)
     assert rank.peak(checkpointing=True) == 3 * 1 + 2 * 2 + max(9 - 1, 3 - 2)
     assert rank.per_microbatch(checkpointing=False) == Footprint(30, 35)
+
+
+def test_a_pipeline_rank_keeps_a_receive_buffer_for_every_microbatch():
+    # A middle stage, 1F1B over 4 microbatches with 2 in flight: it receives 8 bytes per microbatch, sends 5.
+    own = Footprint(10, 15)
+    middle = StageActivations(1, own, own, received=8, sent=5)
+    rank = RankActivations(1, (middle,), in_flight=(2,), microbatches=4)
+    # 2 in flight x their own 10; 4 activation receive buffers of 8 and 4 gradient receive buffers of 5.
+    assert rank.peak(checkpointing=False) == 2 * 10 + 4 * (8 + 5) + (15 - 10)
+    assert rank.per_microbatch(checkpointing=False) == Footprint(10 + 8, 15 + 8)
 
 
 def test_a_batch_splits_into_microbatches_as_the_schedule_splits_it():
@@ -164,8 +185,8 @@ def test_units_split_the_storages_of_the_whole_model_and_a_stage_receives_its_in
     whole = footprint(trace, None, 1).retained
     first, second = footprint(trace, [0, 1, 2], 1), footprint(trace, [3, 4, 5], 1)
     received = 2 * 16 * 64 * 4  # block 1's input: (batch, tokens, width) float32
-    assert trace.unit_inputs[3] == (received, False)
-    assert first.retained + second.retained == whole + received
+    assert trace.unit_inputs[3] == (received, False) and unit_input_bytes(trace, 3, 1) == received
+    assert first.retained + second.retained == whole
 
 
 # ---------------------------------------------------------------------------------- against a real run

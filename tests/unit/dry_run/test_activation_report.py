@@ -78,7 +78,14 @@ def test_pipeline_stages_hold_their_microbatches_in_flight(capsys):
     first, last = estimate.rank(0), estimate.rank(1)
     assert (first.in_flight, last.in_flight) == ((2,), (1,))  # 1F1B: p - r on rank r
     footprint = first.per_microbatch(False)
-    assert estimate.peak(0) == 2 * footprint.retained + footprint.peak - footprint.retained
+    boundary = 2 * 32 * 64 * 4  # one microbatch's hidden states, float32, whole on each TP rank
+    assert (first.stages[0].received, first.stages[0].sent) == (0, boundary)
+    assert (last.stages[0].received, last.stages[0].sent) == (boundary, 0)
+    # Rank 0: 2 in flight, and a buffer for each microbatch's gradient from stage 1.
+    assert estimate.peak(0) == 2 * footprint.retained + footprint.peak - footprint.retained + 2 * boundary
+    # Rank 1: 1 in flight, and a buffer for each microbatch's activation from stage 0.
+    own = last.stages[0].without_checkpointing
+    assert estimate.peak(1) == own.retained + 2 * boundary + own.peak - own.retained
 
 
 def test_without_a_batch_shape_activations_are_not_estimated(capsys):
