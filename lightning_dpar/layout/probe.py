@@ -127,13 +127,15 @@ def search_model(
     """The layout search for `module` (any device; planned on meta copies) on `world_size` ranks: what `plan --auto`
     prints and `AutoParallelStrategy` chooses from. `seq_len` defaults to the model's context length; with `suggest`,
     a search where nothing fits also says what would (`what_would_fit`, more dry runs on larger worlds)."""
-    seq_len = seq_len if seq_len is not None else default_seq_len(module)
+    template = meta_copy(module)
+    with torch.device("meta"):  # the layers a model builds in `configure_model` (Lightning's hook is idempotent)
+        template.configure_model()
+    seq_len = seq_len if seq_len is not None else default_seq_len(template)
     if seq_len is None:
         raise ValueError(
             "The sequence length is unknown: the model has no `block_size` nor `config.max_position_embeddings`. Pass"
             " `seq_len` (`--seq-len` to `plan --auto`, `seq_len=` to `AutoParallelStrategy`)."
         )
-    template = meta_copy(module)
     facts = facts_of(template, seq_len, batch_size, precision)
     batch = token_batch(batch_size, seq_len)
     traces: TraceCache = {}  # the same traces serve every world, the larger ones `what_would_fit` tries included
