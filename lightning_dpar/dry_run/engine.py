@@ -46,7 +46,7 @@ from lightning_dpar.plan import ModulePlan
 from lightning_dpar.strategies.base import DparStrategy
 from lightning_dpar.ties import describe_layout
 
-__all__ = ["describe_style", "plan"]
+__all__ = ["describe_style", "plan", "strategy_activations"]
 
 
 def _placement(param: torch.Tensor) -> str:
@@ -197,7 +197,7 @@ def _plan_on_fake_world(
     activations, activation_note = None, "not estimated: give the batch shape with --batch-size and --seq-len"
     if batch is not None:
         assert unsplit is not None
-        activations, activation_note = _activations(strategy, unsplit, plans, dims, batch, precision, traces)
+        activations, activation_note = strategy_activations(strategy, unsplit, plans, dims, batch, traces)
     return PlanReport(
         strategy=type(strategy).__name__,
         dims=dims,
@@ -276,18 +276,18 @@ def _describe_experts(
     return lines
 
 
-def _activations(
+def strategy_activations(
     strategy: DparStrategy,
     unsplit: nn.Module,
     plans: list[ModulePlan],
     dims: ParallelDims,
     batch: Any,
-    precision: str,
-    traces: TraceCache | None,
+    traces: TraceCache | None = None,
 ) -> tuple[ActivationEstimate | None, str]:
-    """The activation estimate of the plans on the unparallelised model, or why there is none (a training step that
-    does not run on fake tensors, a batch the microbatches do not divide)."""
-    bf16_mixed = precision == "bf16-mixed"
+    """The activation estimate of `plans` (one per pipeline rank) on the unparallelised model, in the dtypes and
+    pipeline settings of `strategy`, or why there is none (a training step that does not run on fake tensors, a
+    batch the microbatches do not divide)."""
+    bf16_mixed = strategy.precision_plugin.precision == "bf16-mixed"
     shards = strategy.plan_options.shards  # FSDP2 casts parameters to bf16; the `replicate` wrapper autocasts
     try:
         estimate = estimate_activations(

@@ -19,8 +19,9 @@ import lightning as L
 import torch
 from torch import nn
 
-from lightning_dpar.activations import TraceCache
-from lightning_dpar.dry_run.engine import plan
+from lightning_dpar.activations import ActivationEstimate, TraceCache
+from lightning_dpar.dry_run.engine import plan, strategy_activations
+from lightning_dpar.dry_run.report import PlanReport
 from lightning_dpar.helpers import attached_trainer
 from lightning_dpar.layout.candidates import Layout
 from lightning_dpar.layout.cost import MeshMemory, RankMemory
@@ -56,40 +57,68 @@ def dry_run_probe(
     traces: TraceCache | None = None,
 ) -> MeshProbe:
     """A probe that plans `make_module()` (a fresh meta-device model per call) with `FSDPTensorParallelStrategy` on
-    the layout's sizes, schedule and microbatches and `strategy_kwargs` (e.g. `tp_plan`), and returns each pipeline
-    rank's memory (the largest rank's of the mesh without pipelining: ranks hold equal shards but for rounding, and
-    rank 0 the larger part). With `batch`, the token-id shape one data-parallel rank's `training_step` receives, each
-    rank's activation peak is traced too (`lightning_dpar.activations`), reusing the traces in `traces`."""
+    the layout's sizes and `strategy_kwargs` (e.g. `tp_plan`), and returns each pipeline rank's memory (the largest
+    rank's of the mesh without pipelining: ranks hold equal shards but for rounding, and rank 0 the larger part).
+
+    One dry run per mesh (`Layout.mesh_key`) gives the memory; with `batch`, the token-id shape one data-parallel
+    rank's `training_step` receives, each layout's schedule and microbatches add the activation peak of each
+    pipeline rank, estimated as the dry run estimates it (`strategy_activations`) on the same plans, reusing the
+    traces in `traces`."""
     base = dict(strategy_kwargs or {})
     traces = {} if traces is None else traces
+    meshes: dict[tuple[int, ...], tuple[list[tuple[int, int, int]], int]] = {}
 
     def probe(layout: Layout) -> MeshMemory:
         strategy = FSDPTensorParallelStrategy(**{**base, **layout.strategy_kwargs()})
         strategy.precision_plugin = DparPrecision(precision)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = plan(strategy, make_module(), world_size, num_nodes, batch=batch, traces=traces)
-        unit = report.largest_unit[1] if report.largest_unit is not None else 0
-        stored: dict[int, list[int]] = {}
-        if report.pipeline is None:
-            m = report.memory
-            stored[0] = [m.parameters, m.gradients, m.optimizer or 0]
-        else:
-            for row in report.pipeline.stages:
-                sums = stored.setdefault(row.pipeline_rank, [0, 0, 0])
-                sums[0] += row.memory.parameters
-                sums[1] += row.memory.gradients
-                sums[2] += row.memory.optimizer or 0
-        activations = report.activations
-        ranks = []
-        for pipeline_rank, (parameters, gradients, optimizer) in sorted(stored.items()):
-            peaks = (None, None)
-            if activations is not None:
-                peaks = (activations.peak(pipeline_rank, False), activations.peak(pipeline_rank, True))
-            ranks.append(RankMemory(parameters, gradients, optimizer, *peaks))
-        return MeshMemory(tuple(ranks), unit)
+        if layout.mesh_key not in meshes:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                meshes[layout.mesh_key] = _rank_memory(plan(strategy, make_module(), world_size, num_nodes))
+        stored, unit = meshes[layout.mesh_key]
+        peaks: list[tuple[int | None, int | None]] = [(None, None)] * len(stored)
+        if batch is not None:
+            estimate = _activations(strategy, make_module(), layout, batch, traces)
+            if estimate is not None:
+                peaks = [(estimate.peak(r, False), estimate.peak(r, True)) for r in range(len(stored))]
+        return MeshMemory(tuple(RankMemory(*memory, *peak) for memory, peak in zip(stored, peaks)), unit)
 
     return probe
+
+
+def _rank_memory(report: PlanReport) -> tuple[list[tuple[int, int, int]], int]:
+    """Each pipeline rank's (parameters, gradients, optimizer) bytes, its stages summed, and the largest unit."""
+    unit = report.largest_unit[1] if report.largest_unit is not None else 0
+    if report.pipeline is None:
+        m = report.memory
+        return [(m.parameters, m.gradients, m.optimizer or 0)], unit
+    stored: dict[int, tuple[int, int, int]] = {}
+    for row in report.pipeline.stages:
+        p, g, o = stored.get(row.pipeline_rank, (0, 0, 0))
+        stored[row.pipeline_rank] = (
+            p + row.memory.parameters,
+            g + row.memory.gradients,
+            o + (row.memory.optimizer or 0),
+        )
+    return [stored[r] for r in sorted(stored)], unit
+
+
+def _activations(
+    strategy: FSDPTensorParallelStrategy,
+    module: L.LightningModule,
+    layout: Layout,
+    batch: tuple[int, int],
+    traces: TraceCache,
+) -> ActivationEstimate | None:
+    """The dry run's activation estimate for `layout`, on `module` (meta) planned as each pipeline rank's first rank
+    plans it; `None` when the training step cannot be traced (the formula stands in)."""
+    module = strategy.precision_plugin.convert_module(module)
+    d = layout.dims
+    ranks_per_stage = d.world_size // d.pipeline
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plans = [strategy.module_plan(module, d, r * ranks_per_stage) for r in range(d.pipeline)]
+        return strategy_activations(strategy, module, plans, d, batch, traces)[0]
 
 
 def token_batch(batch_size: int, seq_len: int) -> tuple[int, int]:

@@ -47,3 +47,32 @@ def test_a_model_built_in_configure_model_is_searched_as_built():
     assert (result.facts.layers, result.facts.hidden, result.facts.seq_len) == (2, 32, CONTEXT)
     assert result.best is not None
     assert module.model is None  # the caller's module is left as it was: the search builds on its meta copy
+
+
+@pytest.mark.parametrize("pipeline", [1, 2])
+def test_each_layouts_activations_are_the_dry_runs_estimate_of_that_layout(pipeline):
+    """The search prices activations with the dry run's own estimate: for a layout, each pipeline rank's peak with
+    and without checkpointing is what `plan --batch-size --seq-len` reports for the same strategy."""
+    from lightning_dpar import FSDPTensorParallelStrategy
+    from lightning_dpar.dry_run import plan
+    from lightning_dpar.examples import GPT
+    from lightning_dpar.layout.candidates import Layout
+    from lightning_dpar.layout.probe import dry_run_probe, token_batch
+    from lightning_dpar.mesh import ParallelDims
+    from lightning_dpar.precision import DparPrecision
+
+    def gpt():
+        with torch.device("meta"):
+            return GPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=64)
+
+    dims = ParallelDims.resolve(4, 4, 2, pipeline_parallel_size=pipeline)
+    layout = Layout(dims, schedule="1F1B" if pipeline > 1 else None, microbatches=4 if pipeline > 1 else 1)
+    batch = token_batch(8, 32)
+    priced = dry_run_probe(gpt, 4, 1, batch=batch)(layout)
+    strategy = FSDPTensorParallelStrategy(**layout.strategy_kwargs())
+    strategy.precision_plugin = DparPrecision("32-true")
+    reported = plan(strategy, gpt(), 4, batch=batch).activations
+    assert len(priced.ranks) == pipeline
+    for rank, memory in enumerate(priced.ranks):
+        assert memory.activations == reported.peak(rank, checkpointing=False)
+        assert memory.activations_checkpointed == reported.peak(rank, checkpointing=True)
