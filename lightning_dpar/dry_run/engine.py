@@ -43,6 +43,7 @@ from lightning_dpar.mesh import (
 from lightning_dpar.optimizers import ParameterLayout, exactness_summary
 from lightning_dpar.pipeline.split import PipelineSplit
 from lightning_dpar.plan import ModulePlan
+from lightning_dpar.plan.selectors import fqn_matches
 from lightning_dpar.strategies.base import DparStrategy
 from lightning_dpar.ties import describe_layout
 
@@ -251,7 +252,9 @@ def _describe_experts(
     expert_rank = coordinate[list(expert_mesh.mesh_dim_names or ()).index(EXPERT)]
     lines = []
     for fqn, _, count in group_modules({fqn: [] for fqn in plan.experts}):
-        experts = module.get_submodule(fqn.replace("*", "0")).num_experts
+        # The group's first member, not index 0: DeepSeek-V3's first layers are dense, its experts start at layer 3.
+        first = next(name for name in plan.experts if fqn_matches(fqn, name))
+        experts = module.get_submodule(first).num_experts
         held = local_expert_range(experts, expert_rank, dims.expert)
         others = ", ".join(
             f"{r}: {local_expert_range(experts, r, dims.expert)[0]}-{local_expert_range(experts, r, dims.expert)[-1]}"

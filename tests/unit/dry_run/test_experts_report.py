@@ -37,3 +37,46 @@ def test_worked_example_qwen3_235b_on_256_ranks(capsys, monkeypatch):
     assert "parameters on rank 0: experts 3.30 GiB, other 59.96 MiB" in out
     assert "Parameters on rank 0 (235,093,634,560 in total)" in out
     assert "total       13.45 GiB" in out
+
+
+def test_experts_after_dense_layers_are_described_from_a_layer_that_has_them():
+    """DeepSeek-V3's first layers are dense (`first_k_dense_replace`): the report reads the experts' count off the
+    first layer that holds experts, not off layer 0 (which has no `mlp.experts`)."""
+    pytest.importorskip("transformers")
+    import lightning as L
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from lightning_dpar import FullyShardStrategy
+    from lightning_dpar.dry_run import plan
+
+    config = DeepseekV3Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=64,
+    )
+
+    class DenseFirst(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = DeepseekV3ForCausalLM(config)
+
+    with torch.device("meta"):
+        module = DenseFirst()
+    out = plan(FullyShardStrategy(expert_parallel_size=2), module, world_size=4).render()
+    assert "model.layers.*.mlp.experts x2: 4 experts; rank 0 (expert=0) holds experts 0-1" in out
