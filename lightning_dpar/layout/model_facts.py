@@ -8,7 +8,7 @@ the transformer's shape (layers, width, heads, vocabulary), experts, and the bat
 - width and vocabulary: the largest `nn.Embedding` (its `embedding_dim`, `num_embeddings`);
 - heads: the first of `num_attention_heads` / `n_head` / `num_heads` found on a `config`, on `hparams`, or on a
   submodule (0 when none is found: then the activation formula drops its attention-score term);
-- experts: modules with an integer `num_experts` (the experts contract of `lightning_dpar.plan.experts`), and the
+- experts: the modules that follow the experts contract of `lightning_dpar.plan.experts` (`find_experts`), and the
   experts each token chooses from `top_k` / `num_experts_per_tok` / `experts_per_token` on a submodule or config.
 """
 
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+from lightning_dpar.plan.experts import find_experts
 
 __all__ = ["ModelFacts", "facts_of"]
 
@@ -95,13 +97,9 @@ def facts_of(module: nn.Module, seq_len: int, batch_size: int, precision: str = 
     sources += [dict(getattr(module, "hparams", {}) or {})]
     sources += list(module.modules())
     sources = [s for s in sources if s is not None]
-    # The experts contract: an integer `num_experts` and the experts' parameters stacked on the module itself (a
-    # router may carry `num_experts` too, but holds its weights in a child).
-    experts_modules = [
-        m
-        for m in module.modules()
-        if isinstance(getattr(m, "num_experts", None), int) and list(m.parameters(recurse=False))
-    ]
+    # The experts contract, as the planner checks it (`find_experts`): a router may carry `num_experts` and its own
+    # `[num_experts, hidden]` weight too (DeepSeek-V3's), but not `forward(hidden_states, top_k_index, top_k_weights)`.
+    experts_modules = [module.get_submodule(fqn) for fqn in find_experts(module)]
     expert_params = sum(p.numel() for m in experts_modules for p in m.parameters(recurse=False))
     experts = experts_modules[0].num_experts if experts_modules else 0
     bf16 = precision in ("bf16-mixed", "bf16-true", "16-mixed")

@@ -38,6 +38,35 @@ def config(kind: str, **overrides):
     return decoder_config(config_class, **{**settings, **overrides})
 
 
+def deepseek_v3_config(**overrides):
+    """A tiny DeepSeek-V3 (multi-head latent attention; 3 layers, the first dense, the others with 4 routed experts of
+    width 16, top-2, and a shared expert): its router holds a `[num_experts, hidden]` weight and a `num_experts` of
+    its own, and its experts start after the dense layers, as in the 671B model."""
+    from transformers import DeepseekV3Config
+
+    settings = dict(
+        vocab_size=128,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        moe_intermediate_size=INTERMEDIATE,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=EXPERTS,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=64,
+    )
+    return DeepseekV3Config(**{**settings, **overrides})
+
+
 def source(kind: str, seed: int = 0):
     """The model whose weights every directory of `kind` holds (fp32)."""
     import transformers

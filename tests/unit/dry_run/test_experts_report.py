@@ -3,10 +3,14 @@ the worked example of docs/moe.md (Qwen3-235B-A22B on 256 ranks), in this one pr
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
+import torch
 
-from lightning_dpar.dry_run import main
+from lightning_dpar import FullyShardStrategy
+from lightning_dpar.dry_run import main, plan
 from tests.conftest import ROOT
+from tests.support import moe
 
 EXAMPLE_MOE = str(ROOT / "examples" / "configs" / "moe.yaml")
 QWEN3_235B = str(ROOT / "examples" / "plan" / "qwen3_235b_a22b.yaml")
@@ -43,38 +47,12 @@ def test_experts_after_dense_layers_are_described_from_a_layer_that_has_them():
     """DeepSeek-V3's first layers are dense (`first_k_dense_replace`): the report reads the experts' count off the
     first layer that holds experts, not off layer 0 (which has no `mlp.experts`)."""
     pytest.importorskip("transformers")
-    import lightning as L
-    import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    from lightning_dpar import FullyShardStrategy
-    from lightning_dpar.dry_run import plan
-
-    config = DeepseekV3Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=3,
-        first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        max_position_embeddings=64,
-    )
+    from transformers import DeepseekV3ForCausalLM
 
     class DenseFirst(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = DeepseekV3ForCausalLM(config)
+            self.model = DeepseekV3ForCausalLM(moe.deepseek_v3_config())
 
     with torch.device("meta"):
         module = DenseFirst()
