@@ -33,12 +33,15 @@ class LlamaFineTune(L.LightningModule):
                 self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.hparams.pretrained))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch, labels=batch).loss  # the model shifts the labels itself
+        # The model shifts the labels itself. `use_cache=False`: training needs no key/value cache, and under
+        # activation checkpointing the recomputed forward would append to the one the first forward filled (DeepSeek-V3
+        # then fails in backward: its recomputed keys are twice as long; others keep every layer's keys for the step).
+        loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.log("val_loss", self.model(input_ids=batch, labels=batch).loss, sync_dist=True)
+        self.log("val_loss", self.model(input_ids=batch, labels=batch, use_cache=False).loss, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)

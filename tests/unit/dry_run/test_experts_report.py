@@ -58,3 +58,18 @@ def test_experts_after_dense_layers_are_described_from_a_layer_that_has_them():
         module = DenseFirst()
     out = plan(FullyShardStrategy(expert_parallel_size=2), module, world_size=4).render()
     assert "model.layers.*.mlp.experts x2: 4 experts; rank 0 (expert=0) holds experts 0-1" in out
+
+
+def test_the_example_module_traces_deepseek_v3_under_activation_checkpointing(tmp_path, monkeypatch):
+    """`examples/finetune/llama_module.py` steps with `use_cache=False`: with the key/value cache, the checkpointed
+    blocks' recomputation appends to the cache the forward filled, and DeepSeek-V3's recomputed keys come out twice
+    as long (torch's CheckpointError in backward, and no activation estimate here)."""
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "finetune"))
+    from llama_module import LlamaFineTune
+
+    moe.deepseek_v3_config().save_pretrained(tmp_path)
+    module = LlamaFineTune(str(tmp_path))
+    strategy = FullyShardStrategy(expert_parallel_size=2, activation_checkpointing=True)
+    report = plan(strategy, module, world_size=4, batch=(2, 17), batch_source="test")
+    assert report.activations is not None, report.activation_note
