@@ -259,6 +259,18 @@ def test_pipeline_dry_run_through_the_cli(capsys, tmp_path):
 
 LLAMA_405B = str(ROOT / "examples" / "plan" / "llama3_405b.yaml")
 GPT_405B = str(ROOT / "examples" / "plan" / "gpt_405b.yaml")
+LLAMA_70B = str(ROOT / "examples" / "plan" / "llama3_70b.yaml")
+
+
+def test_llama3_70b_worked_example_on_64_ranks_is_torchtitans_layout(capsys, monkeypatch):
+    """The dense worked example of docs/auto-layout.md: Llama 3 70B's real shapes on TP 8 x FSDP 8."""
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "finetune"))
+    assert main(["--config", LLAMA_70B]) == 0
+    out = capsys.readouterr().out
+    assert "world=64 = replicate 1 x shard 8 x tensor_parallel 8" in out
+    assert "Parameters on rank 0 (70,553,706,496 in total)" in out  # Llama 3 70B's published count
+    assert "model.model.layers.*.mlp.gate_proj     TP ColwiseParallel" in out
 
 
 @pytest.mark.slow  # several seconds (a search in a child process, or a large model traced): full suite only
