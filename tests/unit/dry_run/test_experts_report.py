@@ -14,6 +14,7 @@ from tests.support import moe
 
 EXAMPLE_MOE = str(ROOT / "examples" / "configs" / "moe.yaml")
 QWEN3_235B = str(ROOT / "examples" / "plan" / "qwen3_235b_a22b.yaml")
+DEEPSEEK_V3 = str(ROOT / "examples" / "plan" / "deepseek_v3.yaml")
 
 pytestmark = pytest.mark.usefixtures("no_pytest_argv")
 
@@ -73,3 +74,14 @@ def test_the_example_module_traces_deepseek_v3_under_activation_checkpointing(tm
     strategy = FullyShardStrategy(expert_parallel_size=2, activation_checkpointing=True)
     report = plan(strategy, module, world_size=4, batch=(2, 17), batch_source="test")
     assert report.activations is not None, report.activation_note
+
+
+def test_worked_example_deepseek_v3_on_256_ranks(capsys, monkeypatch):
+    """The MoE worked example of docs/auto-layout.md: transformers' DeepSeek-V3 at its real size, EP 8 x FSDP."""
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "finetune"))
+    assert main(["--config", DEEPSEEK_V3]) == 0
+    out = capsys.readouterr().out
+    assert "world=256 = replicate 1 x shard 256 (expert_shard 32 x expert 8) x tensor_parallel 1" in out
+    assert "model.model.layers.*.mlp.experts x58: 256 experts; rank 0 (expert=0) holds experts 0-31" in out
+    assert "Parameters on rank 0 (671,026,404,352 in total)" in out  # without the multi-token-prediction module
