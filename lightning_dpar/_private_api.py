@@ -127,8 +127,12 @@ def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tu
     `DeviceMesh._unflatten` is the only way to get sub-dims of an existing dim whose meshes share the world mesh's
     root, which `fully_shard` needs to compose with a parameter already distributed on one of them (expert weights
     sharded over `expert`, FSDP over `expert_shard`); torchtitan builds its expert meshes the same way.
+
+    The dim is passed by index: torch 2.11's `_unflatten` inverts its check of a dim given by name and rejects every
+    existing name ("dim shard specified in _unflatten is not in ('replicate', 'shard', ...)"); an index takes the
+    same path in every version. Checked on torch 2.11.0, 2.13.0 and 2.15.0.
     """
-    return mesh._unflatten(dim, sizes, names)
+    return mesh._unflatten(list(mesh.mesh_dim_names or ()).index(dim), sizes, names)
 
 
 def swapped_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> AbstractContextManager[None]:

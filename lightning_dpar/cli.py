@@ -19,6 +19,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities import rank_zero_info
 
 import lightning_dpar  # registers the strategy names before any config is parsed
 
@@ -32,9 +33,10 @@ __all__ = [
 DEFAULT_CONFIG = Path(__file__).parent / "examples" / "default.yaml"
 TRAINER_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
-#: What `trainer.strategy: auto` (the default) means here: TP 2 x FSDP 2 on the default 4 processes. It is applied
-#: after parsing instead of being a `class_path` default because jsonargparse carries a default's init_args over to
-#: any other strategy class the user picks (a `ReplicateStrategy` would silently inherit `tensor_parallel_size: 2`).
+#: What `trainer.strategy: auto` (the default) means here: TP 2 x FSDP 2 on the default 4 processes, FSDP alone
+#: (`tensor_parallel_size=1`) on a device count TP 2 does not divide (one GPU, say). It is applied after parsing
+#: instead of being a `class_path` default because jsonargparse carries a default's init_args over to any other
+#: strategy class the user picks (a `ReplicateStrategy` would silently inherit `tensor_parallel_size: 2`).
 DEFAULT_STRATEGY = Namespace(
     class_path="lightning_dpar.FSDPTensorParallelStrategy",
     init_args=Namespace(tensor_parallel_size=2),  # data_parallel_size "auto": the rest of the world
@@ -71,11 +73,48 @@ class DparCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         strategy = config.get("trainer.strategy")
         if strategy == "auto":
-            config["trainer.strategy"] = DEFAULT_STRATEGY.clone()
+            config["trainer.strategy"] = default_strategy(configured_world_size(config))
         elif isinstance(strategy, str):
             class_path = strategy_class_path(strategy)
             if class_path is not None:
                 config["trainer.strategy"] = Namespace(class_path=class_path, init_args=Namespace())
+
+
+def default_strategy(world_size: int | None) -> Namespace:
+    """`DEFAULT_STRATEGY`, with tensor parallelism left out (said on rank 0) when TP 2 does not divide `world_size`,
+    so that the main job's first command trains on one device, or three, instead of failing in setup."""
+    strategy = DEFAULT_STRATEGY.clone()
+    tp = strategy.init_args.tensor_parallel_size
+    if world_size is not None and world_size % tp:
+        strategy.init_args.tensor_parallel_size = 1
+        rank_zero_info(
+            f"`trainer.strategy: auto` on {world_size} device{'s' if world_size > 1 else ''}: FSDP alone"
+            f" (FSDPTensorParallelStrategy(tensor_parallel_size=1)); tensor parallelism {tp} needs a device count it"
+            " divides. Choose any layout with `--trainer.strategy=...` (`python -m lightning_dpar plan --auto`"
+            " ranks them)."
+        )
+    return strategy
+
+
+def configured_world_size(config: Namespace) -> int | None:
+    """The number of processes a parsed config's Trainer will start (`devices` x `num_nodes`), as Lightning counts
+    them; None where it cannot be told before the Trainer exists (an accelerator other than the CPU or CUDA)."""
+    devices, accelerator = config.get("trainer.devices", "auto"), config.get("trainer.accelerator", "auto")
+    nodes = config.get("trainer.num_nodes", 1)
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, str) and "," in devices:
+        devices = [d for d in devices.split(",") if d.strip()]
+    if isinstance(devices, (list, tuple)):
+        count: int | None = len(devices)
+    elif isinstance(devices, int) and devices > 0:
+        count = devices
+    elif devices in ("auto", -1):  # every device of the accelerator
+        cuda = torch.cuda.device_count()
+        count = {"cpu": 1, "gpu": cuda, "cuda": cuda, "auto": cuda or 1}.get(str(accelerator)) or None
+    else:
+        count = None
+    return count * nodes if count is not None and isinstance(nodes, int) else None
 
 
 def _all_subclasses(cls: type) -> list[type]:

@@ -185,8 +185,10 @@ def build_device_mesh(dims: ParallelDims, device_type: str) -> tuple[DeviceMesh,
         sizes, names = (dims.pipeline, *sizes), (PIPELINE, *names)
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
     data_parallel = flatten_mesh(mesh[REPLICATE, SHARD], DATA_PARALLEL)
+    if dims.expert == 1:  # no expert view: it would only create process groups nothing uses
+        return mesh, data_parallel, None
     experts = unflatten_mesh(mesh, SHARD, (dims.expert_shard, dims.expert), (EXPERT_SHARD, EXPERT))
-    return mesh, data_parallel, experts if dims.expert > 1 else None
+    return mesh, data_parallel, experts
 
 
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:

@@ -1,6 +1,7 @@
 """Lightning's step hooks, as one mixin of `DparStrategy`: the training, validation, test and predict steps (with
-DDP's buffer broadcast around each forward), backward, the optimizer step (FSDP units resharded after it), the
-switch that skips gradient sync during accumulation, and building the optimizers. With pipeline parallelism the steps
+DDP's buffer broadcast around each forward, and the last step's gradients released before it), backward, the
+optimizer step (FSDP units resharded after it), the switch that skips gradient sync during accumulation, and building
+the optimizers. With pipeline parallelism the steps
 and backward go through `lightning_dpar.strategies.pipeline_steps` instead of Lightning's own."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
@@ -45,6 +47,9 @@ class StepHooks(ParallelStrategy):
     #: Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
     _grad_sync_modules: list[nn.Module]
     _backward_sync_blocked: bool
+    #: Whether each accumulation window's first forward starts with the last step's gradients released
+    #: (`_release_last_gradients`); decided on the first training step of each `setup`.
+    _releases_gradients: bool | None
 
     def _prepare_step_forward(self, module: nn.Module) -> None:
         """What runs around each step's forward (`_step_forward`), made once the model is parallelised: DDP's buffer
@@ -52,6 +57,29 @@ class StepHooks(ParallelStrategy):
         self._buffer_sync = BufferSync(module, self.data_parallel_group)
         router_loss = GlobalRouterLoss(module, self.data_parallel_group)
         self._router_loss = router_loss if router_loss.applies else None
+        self._releases_gradients = None
+
+    def _release_last_gradients(self) -> None:
+        """Free the last optimizer step's gradients before the forward of an accumulation window's first batch.
+
+        Lightning's automatic optimisation zeroes gradients between `training_step` and `backward`, so the previous
+        step's gradients (a whole fp32 copy of the trainable shards) stay alive through the forward, on top of its
+        activations: the peak of a step is higher than a hand-written loop's (`zero_grad` after `step`) by up to
+        the gradients' size. Lightning's own zeroing, moments later, calls the same `optimizer.zero_grad()` on
+        the same window, so releasing them before the forward changes no value; it is done only where nothing can
+        tell the difference: automatic optimisation, and neither `optimizer_zero_grad` nor `on_before_zero_grad`
+        overridden by the LightningModule or a callback (a hook of those names would see the gradients gone).
+        Hooks between the step and the next batch's forward (`on_train_batch_end`, checkpoints, validation,
+        `on_train_batch_start`) still see them."""
+        module = self.lightning_module
+        trainer = attached_trainer(module)
+        if trainer is None or module is None:
+            return
+        if self._releases_gradients is None:
+            self._releases_gradients = _zeroing_is_lightnings_own(module, trainer.callbacks)
+        if self._releases_gradients and trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
+            for optimizer in self.optimizers:
+                optimizer.zero_grad()
 
     @contextmanager
     def _step_forward(self, training: bool) -> Generator[None, None, None]:
@@ -74,6 +102,7 @@ class StepHooks(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """With pipeline parallelism: one schedule step over the batch's microbatches, forward and backward (see
         `lightning_dpar.pipeline.runtime`); returns the loss on every rank."""
+        self._release_last_gradients()
         with self._step_forward(training=True):
             if self._pipeline is None:
                 return super().training_step(*args, **kwargs)
@@ -152,3 +181,22 @@ class StepHooks(ParallelStrategy):
         problem = first_problem(problem)
         if problem is not None:
             raise ValueError(problem) from own_error
+
+
+def _zeroing_is_lightnings_own(module: LightningModule, callbacks: list[Callback]) -> bool:
+    """Whether Lightning zeroes this module's gradients itself with its default `optimizer.zero_grad()` and no hook
+    looks at them just before: automatic optimisation, no `optimizer_zero_grad` override, and no
+    `on_before_zero_grad` on the module or any callback."""
+    if not module.automatic_optimization:
+        return False
+    if _defines(module, "optimizer_zero_grad", LightningModule) or _defines(
+        module, "on_before_zero_grad", LightningModule
+    ):
+        return False
+    return not any(_defines(callback, "on_before_zero_grad", Callback) for callback in callbacks)
+
+
+def _defines(instance: object, hook: str, base: type) -> bool:
+    """Whether `instance` has its own `hook`, from its class or set on the instance (as `LambdaCallback` does with
+    the hooks it is given, any callable)."""
+    return hook in vars(instance) or getattr(type(instance), hook, None) is not getattr(base, hook)

@@ -39,6 +39,54 @@ def test_defaults_are_the_example_on_4_cpu_ranks_with_tp2_fsdp2():
     assert checkpoint.dirpath.endswith("checkpoints/gpt") and checkpoint.save_last == "link"
 
 
+@pytest.mark.parametrize(
+    ("args", "tensor_parallel"),
+    [
+        (["--trainer.devices=1"], 1),  # issue 31: a one-GPU user's first command failed in setup
+        (["--trainer.devices=3"], 1),
+        (["--trainer.devices=2"], 2),
+        (["--trainer.devices=3", "--trainer.num_nodes=2"], 2),
+        (["--trainer.devices=auto"], 1),  # one CPU device
+    ],
+)
+def test_the_default_strategy_fits_the_device_count(args, tensor_parallel, caplog):
+    with caplog.at_level("INFO"):
+        strategy = parse(*args).trainer.strategy
+    assert type(strategy) is lightning_dpar.FSDPTensorParallelStrategy
+    assert strategy.resolve_dims(2, 2, 1).tensor_parallel == tensor_parallel
+    assert ("FSDP alone" in caplog.text) is (tensor_parallel == 1)
+
+
+def test_the_world_size_is_counted_as_lightning_counts_devices(monkeypatch):
+    from jsonargparse import Namespace
+
+    from lightning_dpar.cli import configured_world_size
+
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
+
+    def world(**trainer):
+        return configured_world_size(Namespace(trainer=Namespace(**trainer)))
+
+    assert world(accelerator="gpu", devices=[0, 1, 2]) == 3
+    assert world(accelerator="gpu", devices="0,1,") == 2
+    assert world(accelerator="cuda", devices=-1, num_nodes=2) == 16
+    assert world(accelerator="auto", devices="auto") == 8
+    assert world(accelerator="cpu", devices="auto") == 1
+    assert world(accelerator="gpu", devices="4", num_nodes=3) == 12
+    assert world(accelerator="tpu", devices="auto") is None  # left to Lightning
+
+
+def test_the_main_job_trains_on_one_device(tmp_path, monkeypatch):
+    """`python -m lightning_dpar fit --trainer.devices=1`, in this process: two steps of the example."""
+    monkeypatch.chdir(tmp_path)
+    cli = cli_main(
+        ["fit", "--trainer.devices=1", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+         "--trainer.callbacks=[]", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+         "--trainer.enable_progress_bar=false"]
+    )  # fmt: skip
+    assert cli.trainer.global_step == 2 and cli.trainer.strategy.dims.tensor_parallel == 1
+
+
 def test_main_job_progress_bar_reads_epoch_0_and_the_integer_version(tmp_path):
     """With `rich`, Lightning's bar read `Epoch 0/-2` (`max_epochs - 1` of a `max_steps` run) and `v_num: 0.000`.
     The CLI's bar (checked through a real single-process fit, as the main job draws it) reads `Epoch 0`, `v_num: 0`."""
