@@ -20,6 +20,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.torch_version import TorchVersion
 
 from lightning_dpar.pipeline.split import StagePlacement, check_placement
 
@@ -40,6 +41,22 @@ class ScheduleSpec:
     #: each module: FSDP must keep them unsharded from forward to backward (`reshard_after_forward=False`).
     defers_weight_gradients: bool = False
     description: str = ""
+
+    def check_runs_on(self, device_type: str, torch_version: str = torch.__version__) -> None:
+        """Raise if this torch cannot run the schedule on `device_type`'s backend.
+
+        A V schedule places two adjacent stages on the last rank. Before its first step, torch 2.11's schedule sends
+        a message from each stage to its neighbour stages, the one on the same rank included, and gloo (the CPU
+        backend) cannot send to its own rank ("Pair is not connected"); torch 2.13 sends no such message. Checked:
+        2.11.0 fails, 2.13.0 and 2.15.0 run; 2.12 was not tried, so it is refused with 2.11.
+        """
+        if self.placement == "v" and device_type == "cpu" and TorchVersion(torch_version) < (2, 13):
+            others = [spec.name for spec in SCHEDULES.values() if spec.placement != "v"]
+            raise ValueError(
+                f"Schedule {self.name!r} on the CPU (gloo) needs torch 2.13 or newer; this is torch {torch_version},"
+                " whose pipeline sends a message between the two stages a V places on one rank, which gloo cannot"
+                f" do. Upgrade torch (`pip install 'torch>=2.13'`), or choose another schedule: {others}."
+            )
 
     def check(self, num_microbatches: int, stages_per_rank: int, num_ranks: int) -> None:
         """Raise if this schedule cannot run `num_microbatches` over `num_ranks * stages_per_rank` stages."""

@@ -223,6 +223,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         Trainer's settings and callbacks that this layout cannot run, and the plan of a model that exists already."""
         if dims.pipeline > 1:
             self._pipeline_config.check(dims.pipeline)
+            self._pipeline_config.schedule.check_runs_on(self.root_device.type)
             check_pipeline_optimization(self.lightning_module, dims.pipeline)
         trainer = attached_trainer(self.lightning_module)
         if self.lightning_module is not None:

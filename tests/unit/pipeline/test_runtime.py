@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
@@ -25,6 +26,13 @@ from tests.support.models import ParityModule, RegressionData
 #: `model.inp` and block 0 on stage 0, block 1 and the head on stage 1, both stages on this rank.
 SPLIT = PipelineSplit(stages=(("model.inp", "model.layers.0"), ("model.layers.1", "model.out")), stage_to_rank=(0, 0))
 CPU = torch.device("cpu")
+#: A training step with both stages on this rank: before its first step torch 2.11's schedule sends a message from
+#: each stage to its neighbour, here this very rank, which gloo cannot do (2.13 sends none). Users never place
+#: neighbours on one rank except in a V, which `ScheduleSpec.check_runs_on` refuses on 2.11 (tests/unit/pipeline/
+#: test_schedule.py); the looped schedules' steps on 2 ranks run on 2.11 in `tests/launched/test_pipeline.py`.
+neighbours_on_one_rank = pytest.mark.skipif(
+    TorchVersion(torch.__version__) < (2, 13), reason="torch < 2.13 cannot step two neighbour stages on one gloo rank"
+)
 
 
 class _Quiet(ParityModule):
@@ -51,6 +59,7 @@ def _grads(module) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in module.named_parameters()}
 
 
+@neighbours_on_one_rank
 @pytest.mark.parametrize("schedule", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"])
 def test_a_training_step_gives_the_unsplit_loss_and_gradients(gloo_world, schedule):
     reference = _Quiet()
@@ -67,6 +76,7 @@ def test_a_training_step_gives_the_unsplit_loss_and_gradients(gloo_world, schedu
         torch.testing.assert_close(_grads(module)[name], grad, rtol=0, atol=1e-6, msg=name)
 
 
+@neighbours_on_one_rank
 def test_accumulated_steps_add_up_to_the_whole_batch(gloo_world):
     reference = _Quiet()
     module = copy.deepcopy(reference)
@@ -80,6 +90,7 @@ def test_accumulated_steps_add_up_to_the_whole_batch(gloo_world):
         torch.testing.assert_close(_grads(module)[name], grad, rtol=0, atol=1e-6, msg=name)
 
 
+@neighbours_on_one_rank
 def test_a_new_batch_shape_gets_its_own_schedule(gloo_world):
     runtime = _runtime(_Quiet())
     data = RegressionData(n=12)
@@ -179,6 +190,7 @@ class _Counting(_Quiet):
         return loss
 
 
+@neighbours_on_one_rank
 def test_the_shape_probe_leaves_metrics_as_they_were(gloo_world):
     module = _Counting()
     runtime = _runtime(module, microbatches=2)

@@ -50,3 +50,18 @@ def test_gpipe_keeps_all_microbatches_1f1b_at_most_the_stages_after_it():
     assert [schedule_spec("1F1B").microbatches_in_flight(4, 8, 1, r) for r in range(4)] == [(4,), (3,), (2,), (1,)]
     assert schedule_spec("1F1B").microbatches_in_flight(4, 2, 1, 0) == (2,)
     assert schedule_spec("ZBVZeroBubble").microbatches_in_flight(4, 8, 2, 0) is None
+
+
+def test_a_v_schedule_on_the_cpu_is_refused_on_torch_older_than_2_13():
+    """Issue 31: on torch 2.11 `ZBVZeroBubble` over gloo failed in its first step ("Pair is not connected"), measured
+    on 2 ranks (`tests/launched/test_pipeline.py`); it is refused before any collective instead."""
+    spec = schedule_spec("ZBVZeroBubble")
+    with pytest.raises(
+        ValueError, match=r"'ZBVZeroBubble' on the CPU \(gloo\) needs torch 2.13 or newer; this is torch 2.11.0"
+    ):
+        spec.check_runs_on("cpu", "2.11.0+cu130")
+    with pytest.raises(ValueError, match="Interleaved1F1B"):  # the schedules that run there are named
+        spec.check_runs_on("cpu", "2.12.1")
+    spec.check_runs_on("cpu", "2.13.0+cpu")
+    spec.check_runs_on("cuda", "2.11.0")
+    schedule_spec("Interleaved1F1B").check_runs_on("cpu", "2.11.0")
