@@ -179,6 +179,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self._buffer_sync: BufferSync | None = None
         self._router_loss: GlobalRouterLoss | None = None  # around each step's forward, as `_buffer_sync`
         self._releases_gradients: bool | None = None  # decided on the first training step (`StepHooks`)
+        self._cache_configs: list[Any] = []  # transformers configs with `use_cache` (`StepHooks`)
         # Every FSDP unit: resharded between steps (`optimizer_step`).
         self._fsdp_modules: list[FSDPModule] = []
         self._parallelized_module: nn.Module | None = None

@@ -22,7 +22,7 @@ from lightning_dpar import parallelize
 from lightning_dpar.buffers import BufferSync
 from lightning_dpar.callback_checks import optimizer_problem
 from lightning_dpar.checkpoint.agreement import first_problem
-from lightning_dpar.helpers import attached_trainer
+from lightning_dpar.helpers import attached_trainer, is_transformers_model
 from lightning_dpar.router_loss import GlobalRouterLoss
 
 if TYPE_CHECKING:
@@ -47,6 +47,8 @@ class StepHooks(ParallelStrategy):
     #: Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
     _grad_sync_modules: list[nn.Module]
     _backward_sync_blocked: bool
+    #: The configs of transformers models that build a key/value cache in every forward (`use_cache`).
+    _cache_configs: list[Any]
     #: Whether each accumulation window's first forward starts with the last step's gradients released
     #: (`_release_last_gradients`); decided on the first training step of each `setup`.
     _releases_gradients: bool | None
@@ -58,6 +60,7 @@ class StepHooks(ParallelStrategy):
         router_loss = GlobalRouterLoss(module, self.data_parallel_group)
         self._router_loss = router_loss if router_loss.applies else None
         self._releases_gradients = None
+        self._cache_configs = key_value_cache_configs(module)
 
     def _release_last_gradients(self) -> None:
         """Free the last optimizer step's gradients before the forward of an accumulation window's first batch.
@@ -85,10 +88,14 @@ class StepHooks(ParallelStrategy):
     def _step_forward(self, training: bool) -> Generator[None, None, None]:
         """Around each step's forward, as DDP's wrapper does: rank 0's buffers are broadcast to the data-parallel
         peers first if a training forward ran since the last broadcast (`lightning_dpar.buffers`); a transformers
-        MoE model's load-balancing loss covers the global batch (`lightning_dpar.router_loss`)."""
+        MoE model's load-balancing loss covers the global batch (`lightning_dpar.router_loss`); a training forward
+        of a transformers model builds no key/value cache (`without_key_value_cache`)."""
         if self._buffer_sync is not None:
             self._buffer_sync.before_forward()
-        with self._router_loss.active() if self._router_loss is not None else nullcontext():
+        with (
+            self._router_loss.active() if self._router_loss is not None else nullcontext(),
+            without_key_value_cache(self._cache_configs) if training and self._cache_configs else nullcontext(),
+        ):
             yield
         if self._buffer_sync is not None:
             module = self.lightning_module
@@ -200,3 +207,32 @@ def _defines(instance: object, hook: str, base: type) -> bool:
     """Whether `instance` has its own `hook`, from its class or set on the instance (as `LambdaCallback` does with
     the hooks it is given, any callable)."""
     return hook in vars(instance) or getattr(type(instance), hook, None) is not getattr(base, hook)
+
+
+def key_value_cache_configs(module: nn.Module) -> list[Any]:
+    """The configs of the transformers models in `module` that build a key/value cache in each forward
+    (`config.use_cache`, true by default), each once (a causal-LM head and its base model share theirs)."""
+    configs: dict[int, Any] = {}
+    for submodule in module.modules():
+        config = getattr(submodule, "config", None)
+        if is_transformers_model(submodule) and getattr(config, "use_cache", False) is True:
+            configs[id(config)] = config
+    return list(configs.values())
+
+
+@contextmanager
+def without_key_value_cache(configs: list[Any]) -> Generator[None, None, None]:
+    """`use_cache=False` on these configs during a training forward, as transformers itself does under gradient
+    checkpointing and as hand-written training loops pass it.
+
+    The cache changes no output of a training forward; a step never reads it back. But a transformers decoder makes
+    a `DynamicCache` when `use_cache` is true and no cache is given, and each compiled decoder layer then guards on
+    the cache's per-layer state: every layer recompiled until dynamo's recompile limit (8), and the rest ran
+    eagerly (issue 31). Evaluation and generation keep the model's own setting."""
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs:
+            config.use_cache = True

@@ -76,8 +76,9 @@ def test_the_world_size_is_counted_as_lightning_counts_devices(monkeypatch):
     assert world(accelerator="tpu", devices="auto") is None  # left to Lightning
 
 
-def test_the_main_job_trains_on_one_device(tmp_path, monkeypatch):
-    """`python -m lightning_dpar fit --trainer.devices=1`, in this process: two steps of the example."""
+def test_the_main_job_trains_on_one_device(tmp_path, monkeypatch, gloo_world):
+    """`python -m lightning_dpar fit --trainer.devices=1`, in this process (on `gloo_world`'s group, which the
+    strategy adopts and the fixture tears down): two steps of the example."""
     monkeypatch.chdir(tmp_path)
     cli = cli_main(
         ["fit", "--trainer.devices=1", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
