@@ -55,6 +55,7 @@ from lightning_dpar._private_api import (
     tree_map,
 )
 from lightning_dpar.experts_stand_in import replace_experts_for_tracing
+from lightning_dpar.helpers import key_value_cache_configs, without_key_value_cache
 
 __all__ = ["StepTrace", "StorageLife", "trace_step", "training_loss"]
 
@@ -289,7 +290,8 @@ def training_loss(module: nn.Module, batch: Any) -> torch.Tensor:
     """The loss of `module.training_step(batch, 0)` (a tensor, or a dict's `"loss"`); for a plain module, its
     output's sum."""
     step = getattr(module, "training_step", None)
-    output = step(batch, 0) if step is not None else module(batch)
+    with without_key_value_cache(key_value_cache_configs(module)):  # as the strategies train (`StepHooks`)
+        output = step(batch, 0) if step is not None else module(batch)
     if isinstance(output, Mapping):
         output = output["loss"]
     if not isinstance(output, torch.Tensor):

@@ -1,14 +1,16 @@
 """Small helpers shared across the package, each defined once: module-name matching, divisors, showing a few names in
 an error message, naming a class, the Trainer a LightningModule is attached to, and facts about a module (does it
-hold parameters, is it a transformers model).
+hold parameters, is it a transformers model), and a transformers model's training forward without a key/value
+cache.
 
 A leaf: this module imports nothing from `lightning_dpar`, so any module may import it without an import cycle.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Generator, Iterable, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -22,9 +24,11 @@ __all__ = [
     "has_parameters",
     "is_transformers_model",
     "is_under",
+    "key_value_cache_configs",
     "process_memory",
     "show_names",
     "transformers_models",
+    "without_key_value_cache",
 ]
 
 
@@ -102,3 +106,32 @@ def process_memory(field: str) -> int:
     except OSError:
         return 0
     return 0
+
+
+def key_value_cache_configs(module: nn.Module) -> list[Any]:
+    """The configs of the transformers models in `module` that build a key/value cache in each forward
+    (`config.use_cache`, true by default), each once (a causal-LM head and its base model share theirs)."""
+    configs: dict[int, Any] = {}
+    for submodule in module.modules():
+        config = getattr(submodule, "config", None)
+        if is_transformers_model(submodule) and getattr(config, "use_cache", False) is True:
+            configs[id(config)] = config
+    return list(configs.values())
+
+
+@contextmanager
+def without_key_value_cache(configs: list[Any]) -> Generator[None, None, None]:
+    """`use_cache=False` on these configs during a training forward, as transformers itself does under gradient
+    checkpointing and as hand-written training loops pass it.
+
+    The cache changes no output of a training forward; a step never reads it back. But a transformers decoder makes
+    a `DynamicCache` when `use_cache` is true and no cache is given, and each compiled decoder layer then guards on
+    the cache's per-layer state: every layer recompiled until dynamo's recompile limit (8), and the rest ran
+    eagerly (issue 31). Evaluation and generation keep the model's own setting."""
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs:
+            config.use_cache = True

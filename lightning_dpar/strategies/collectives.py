@@ -25,10 +25,19 @@ class Collectives(ParallelStrategy):
     #: The flattened `data_parallel` dim of the device mesh: the ranks that see different batches.
     _data_parallel_mesh: DeviceMesh | None
 
+    #: `(mesh, its process group)`: `DeviceMesh.get_group` resolves the group by name on every call, and `reduce`
+    #: (each `self.log(..., sync_dist=True)`) asks for it every step.
+    _data_parallel_group_of: tuple[DeviceMesh, dist.ProcessGroup] | None = None
+
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         """Ranks that see different batches; metrics and logged values reduce over this group only."""
-        return self._data_parallel_mesh.get_group() if self._data_parallel_mesh is not None else None
+        mesh = self._data_parallel_mesh
+        if mesh is None:
+            return None
+        if self._data_parallel_group_of is None or self._data_parallel_group_of[0] is not mesh:
+            self._data_parallel_group_of = (mesh, mesh.get_group())
+        return self._data_parallel_group_of[1]
 
     def sync_metrics_over_data_parallel(self, module: torch.nn.Module) -> None:
         """torchmetrics `Metric`s sync over data-parallel peers only; TP peers hold the same values."""

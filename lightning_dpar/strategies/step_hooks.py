@@ -22,7 +22,7 @@ from lightning_dpar import parallelize
 from lightning_dpar.buffers import BufferSync
 from lightning_dpar.callback_checks import optimizer_problem
 from lightning_dpar.checkpoint.agreement import first_problem
-from lightning_dpar.helpers import attached_trainer, is_transformers_model
+from lightning_dpar.helpers import attached_trainer, key_value_cache_configs, without_key_value_cache
 from lightning_dpar.router_loss import GlobalRouterLoss
 
 if TYPE_CHECKING:
@@ -207,32 +207,3 @@ def _defines(instance: object, hook: str, base: type) -> bool:
     """Whether `instance` has its own `hook`, from its class or set on the instance (as `LambdaCallback` does with
     the hooks it is given, any callable)."""
     return hook in vars(instance) or getattr(type(instance), hook, None) is not getattr(base, hook)
-
-
-def key_value_cache_configs(module: nn.Module) -> list[Any]:
-    """The configs of the transformers models in `module` that build a key/value cache in each forward
-    (`config.use_cache`, true by default), each once (a causal-LM head and its base model share theirs)."""
-    configs: dict[int, Any] = {}
-    for submodule in module.modules():
-        config = getattr(submodule, "config", None)
-        if is_transformers_model(submodule) and getattr(config, "use_cache", False) is True:
-            configs[id(config)] = config
-    return list(configs.values())
-
-
-@contextmanager
-def without_key_value_cache(configs: list[Any]) -> Generator[None, None, None]:
-    """`use_cache=False` on these configs during a training forward, as transformers itself does under gradient
-    checkpointing and as hand-written training loops pass it.
-
-    The cache changes no output of a training forward; a step never reads it back. But a transformers decoder makes
-    a `DynamicCache` when `use_cache` is true and no cache is given, and each compiled decoder layer then guards on
-    the cache's per-layer state: every layer recompiled until dynamo's recompile limit (8), and the rest ran
-    eagerly (issue 31). Evaluation and generation keep the model's own setting."""
-    for config in configs:
-        config.use_cache = False
-    try:
-        yield
-    finally:
-        for config in configs:
-            config.use_cache = True
