@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dpar import distributed_muon, parallelize
+from lightning_dpar import distributed_muon, parallelize, shard_probe
 from lightning_dpar._private_api import (
     StrategyRegistryType,
     layer_sync_requested,
@@ -364,10 +364,11 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            # Before the first step, alike on every rank: an update that needs whole tensors is refused on shards.
+            # Before the first step, alike on every rank (the shard probe too): updates needing whole tensors refused.
             assert self.dims is not None
             layout = ParameterLayout.of(self.dims)
-            check_optimizers(self.optimizers, layout, type(self).__name__, self._computes_whole_updates)
+            on_shards = shard_probe.agreed(shard_probe.probe_on_shards)
+            check_optimizers(self.optimizers, layout, type(self).__name__, self._computes_whole_updates, on_shards)
             for optimizer in self.optimizers:
                 if layout.split_by and self._computes_whole_updates(optimizer):
                     distributed_muon.install(optimizer)
@@ -376,8 +377,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             optimizers_to_device(self.optimizers, self.root_device)
 
     def _computes_whole_updates(self, optimizer: Optimizer) -> bool:
-        """Whether this strategy computes `optimizer`'s per-tensor updates on whole tensors when parameters are
-        split across ranks (`lightning_dpar.distributed_muon`)."""
+        """Whether this strategy computes `optimizer`'s updates on whole tensors on split parameters (Muon)."""
         return distributed_muon.supports(optimizer)
 
     def _load_pretrained(self, module: nn.Module, trainer: pl.Trainer) -> None:

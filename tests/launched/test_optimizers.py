@@ -44,13 +44,27 @@ def test_adafactor_on_shards_is_refused_before_the_first_step(launch, case):
 
 
 @pytest.mark.slow
-def test_unknown_lars_like_optimizer_is_caught_by_the_probe(launch):
-    errors = launch["fsdp_lars"]
-    assert len({e["message"] for e in errors}) == 1, errors
+@pytest.mark.parametrize("case", ["fsdp_lars", "tp_lars"])
+def test_user_optimizer_exact_through_dtensor_trains_on_shards(launch, case):
+    """A LARS written with `p.norm()`: not elementwise, but DTensor takes its norms over the whole tensor."""
+    result = launch[case]
+    assert result["moved"] > 1e-3
+    assert result["max_abs_diff"] < ATOL, result
+
+
+def _assert_refused_for_reading_shards(errors):
+    assert len({e["message"] for e in errors}) == 1, errors  # every rank, the same message, nobody hung
     message = errors[0]["message"]
-    assert errors[0]["global_step"] == 0
-    for fragment in ("LARSLike", "not elementwise", "cut into rows", "declare_update_kind(LARSLike, 'elementwise')"):
+    assert errors[0]["type"] == "OptimizerLayoutError" and errors[0]["global_step"] == 0
+    for fragment in ("LocalLARS", "nor exact on DTensors", "placed as its parameters", "to_local()"):
         assert fragment in message, message
+    assert "declare_update_kind" not in message, message  # declaring it elementwise would be wrong
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fsdp_local_lars", "tp_local_lars"])
+def test_user_optimizer_reading_its_shards_is_refused_with_the_right_advice(launch, case):
+    _assert_refused_for_reading_shards(launch[case])
 
 
 @pytest.mark.slow
@@ -103,6 +117,19 @@ def test_muon_on_two_dim_meshes_trains_exactly(launch4, case):
     result = launch4[case]
     assert result["moved"] > 1e-2
     assert result["max_abs_diff"] < ATOL, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["hsdp_lars", "2d_lars"])
+def test_user_optimizer_exact_through_dtensor_on_two_dim_meshes(launch4, case):
+    result = launch4[case]
+    assert result["moved"] > 1e-3
+    assert result["max_abs_diff"] < ATOL, result
+
+
+@pytest.mark.slow
+def test_user_optimizer_reading_its_shards_is_refused_on_two_dim_meshes(launch4):
+    _assert_refused_for_reading_shards(launch4["2d_local_lars"])
 
 
 @pytest.mark.slow

@@ -74,10 +74,23 @@ class LARSLike(torch.optim.Optimizer):
         return loss
 
 
+class LocalLARS(LARSLike):
+    """`LARSLike` computing its norms on each rank's shard (`to_local()`): not exact on shards, and not elementwise."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    w, g = (p.to_local(), p.grad.to_local()) if isinstance(p, DTensor) else (p, p.grad)
+                    w.sub_(group["lr"] * group["trust"] * w.norm() / (g.norm() + 1e-9) * g)
+
+
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "muon": lambda params: torch.optim.Muon(params, lr=0.02),
     "adafactor": lambda params: torch.optim.Adafactor(params, lr=0.01),
     "lars": lambda params: LARSLike(params),
+    "local_lars": lambda params: LocalLARS(params),
     "adamw": lambda params: torch.optim.AdamW(params, lr=0.01),
 }
 
@@ -237,7 +250,11 @@ def group_optimizers() -> Iterator[Case]:
     yield Case("tp_muon_resume", lambda: resumes_exactly(tensor_parallel, "muon"))
     yield Case("fsdp_adafactor", lambda: gathered(refused(fsdp, "adafactor")))
     yield Case("tp_adafactor", lambda: gathered(refused(tensor_parallel, "adafactor")))
-    yield Case("fsdp_lars", lambda: gathered(refused(fsdp, "lars")))
+    # A LARS written with DTensor-propagated norms is exact on shards; one reading its shards as plain tensors is not.
+    yield Case("fsdp_lars", lambda: parity_with_ddp(fsdp, "lars"))
+    yield Case("tp_lars", lambda: parity_with_ddp(tensor_parallel, "lars", dp=world_size() // 2))
+    yield Case("fsdp_local_lars", lambda: gathered(refused(fsdp, "local_lars")))
+    yield Case("tp_local_lars", lambda: gathered(refused(tensor_parallel, "local_lars")))
     for shape in MUON_SHAPES:
         yield Case(f"fsdp_muon_{shape}", functools.partial(muon_on_same_gradients, fsdp, shape))
         yield Case(f"tp_muon_{shape}", functools.partial(muon_on_same_gradients, tensor_parallel, shape, 1))
@@ -253,6 +270,9 @@ def group_optimizers4() -> Iterator[Case]:
     """Meshes of two dims of size 2: the update travels along both (`distributed_muon._broadcast_from`)."""
     yield Case("hsdp_muon", lambda: parity_with_ddp(hsdp, "muon"))
     yield Case("2d_muon", lambda: parity_with_ddp(tensor_parallel, "muon", dp=world_size() // 2))
+    yield Case("hsdp_lars", lambda: parity_with_ddp(hsdp, "lars"))
+    yield Case("2d_lars", lambda: parity_with_ddp(tensor_parallel, "lars", dp=world_size() // 2))
+    yield Case("2d_local_lars", lambda: gathered(refused(tensor_parallel, "local_lars")))
     for shape in MUON_SHAPES:
         yield Case(f"hsdp_muon_{shape}", functools.partial(muon_on_same_gradients, hsdp, shape))
         yield Case(f"2d_muon_{shape}", functools.partial(muon_on_same_gradients, tensor_parallel, shape, 2))
