@@ -41,19 +41,19 @@ def probe_on_shards(optimizer: Optimizer) -> tuple[bool, str]:
     layouts = _split_layouts(optimizer)
     name = type(optimizer).__name__
     for hyper in group_hyperparameters(optimizer):
-        for mesh, placements in layouts.items():
+        for mesh, mesh_layouts in layouts.items():
             try:
-                difference, size = _compare(optimizer, hyper, mesh, placements)
+                difference, size = _compare(optimizer, hyper, mesh, mesh_layouts)
             except Exception as error:  # raised alike on every rank of the mesh (sharding propagation runs first)
                 return False, (
                     f"a copy of {name} could not step small DTensors placed as its parameters"
                     f" ({type(error).__name__}: {error})"
                 )
             if difference > PROBE_RTOL * size + 1e-300:
-                where = "; ".join(", ".join(map(repr, p)) for p in placements)
+                where = "; ".join(f"{', '.join(map(repr, p))} ({n}-D)" for p, n in mesh_layouts)
                 return False, (
                     f"a copy stepped on small DTensors placed as its parameters ({where} on a mesh of"
-                    f" {tuple(mesh.shape)}) ended up to {difference:.3g} away from the same matrices stepped whole"
+                    f" {tuple(mesh.shape)}) ended up to {difference:.3g} away from the same tensors stepped whole"
                     f" (whose largest update is {size:.3g})"
                 )
     return True, ""
@@ -74,9 +74,13 @@ def agreed(local: Callable[[Optimizer], tuple[bool, str]]) -> Callable[[Optimize
     return check
 
 
-def _split_layouts(optimizer: Optimizer) -> dict[DeviceMesh, list[tuple[Placement, ...]]]:
-    """The distinct placements of the optimizer's parameters split across ranks, by mesh, in parameter order."""
-    layouts: dict[DeviceMesh, list[tuple[Placement, ...]]] = {}
+#: A parameter's layout as the probe copies it: its placements and its number of dims.
+Layout = tuple[tuple[Placement, ...], int]
+
+
+def _split_layouts(optimizer: Optimizer) -> dict[DeviceMesh, list[Layout]]:
+    """The distinct layouts of the optimizer's parameters split across ranks, by mesh, in parameter order."""
+    layouts: dict[DeviceMesh, list[Layout]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             if not isinstance(param, DTensor) or param.ndim == 0:
@@ -84,34 +88,38 @@ def _split_layouts(optimizer: Optimizer) -> dict[DeviceMesh, list[tuple[Placemen
             mesh, placements = param.device_mesh, tuple(param.placements)
             if not any(isinstance(p, Shard) and mesh.size(d) > 1 for d, p in enumerate(placements)):
                 continue
-            if placements not in layouts.setdefault(mesh, []):
-                layouts[mesh].append(placements)
+            if (placements, param.ndim) not in layouts.setdefault(mesh, []):
+                layouts[mesh].append((placements, param.ndim))
     return layouts
 
 
-def _shape(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> tuple[int, int]:
-    """A small matrix each of whose split dims divides evenly (3 rows or columns per shard), the others 5 long."""
-    ways = [1, 1]
+def _shape(mesh: DeviceMesh, layout: Layout) -> list[int]:
+    """A small tensor of the parameter's dims, each split dim 3 per shard (even), the first two others 5 long and
+    any further ones 2."""
+    placements, ndim = layout
+    ways = [1] * ndim
     for d, p in enumerate(placements):
         if isinstance(p, Shard):
-            ways[p.dim % 2] *= mesh.size(d)
-    return tuple(3 * w if w > 1 else 5 for w in ways)  # type: ignore[return-value]
+            ways[p.dim] *= mesh.size(d)
+    return [3 * w if w > 1 else (5 if i < 2 else 2) for i, w in enumerate(ways)]
 
 
 def _compare(
-    optimizer: Optimizer, hyper: dict[str, Any], mesh: DeviceMesh, placements: list[tuple[Placement, ...]]
+    optimizer: Optimizer, hyper: dict[str, Any], mesh: DeviceMesh, layouts: list[Layout]
 ) -> tuple[float, float]:
-    """The largest difference between the DTensors stepped and the same matrices stepped whole, and the largest
+    """The largest difference between the DTensors stepped and the same tensors stepped whole, and the largest
     update of the whole ones."""
     generator = torch.Generator().manual_seed(0)
     cpu = {"dtype": torch.float64, "device": "cpu"}
     starts, grads = [], []
-    for placement in placements:
-        rows, columns = _shape(mesh, placement)
-        # Rows and columns of different scales, so that statistics of a shard differ from the whole's.
-        scale = torch.logspace(-1, 1, rows, **cpu)[:, None] * torch.linspace(0.5, 2, columns, **cpu)
-        starts.append(torch.randn(rows, columns, generator=generator, **cpu))
-        grads.append([torch.randn(rows, columns, generator=generator, **cpu) * scale for _ in range(PROBE_STEPS)])
+    for layout in layouts:
+        shape = _shape(mesh, layout)
+        # Rows (and columns) of different scales, so that statistics of a shard differ from the whole's.
+        scale = torch.logspace(-1, 1, shape[0], **cpu).reshape(-1, *[1] * (len(shape) - 1))
+        if len(shape) > 1:
+            scale = scale * torch.linspace(0.5, 2, shape[1], **cpu).reshape(1, -1, *[1] * (len(shape) - 2))
+        starts.append(torch.randn(shape, generator=generator, **cpu))
+        grads.append([torch.randn(shape, generator=generator, **cpu) * scale for _ in range(PROBE_STEPS)])
     whole = _step(optimizer, hyper, starts, grads)
     device = torch.device(mesh.device_type)
 
@@ -119,8 +127,8 @@ def _compare(
         replicated = DTensor.from_local(tensor.to(device), mesh, [Replicate()] * mesh.ndim, run_check=False)
         return replicated.redistribute(mesh, layout)  # each rank keeps its slice: no communication
 
-    placed = [place(s, p) for s, p in zip(starts, placements)]
-    placed_grads = [[place(g, p) for g in gs] for gs, p in zip(grads, placements)]
+    placed = [place(s, p) for s, (p, _) in zip(starts, layouts)]
+    placed_grads = [[place(g, p) for g in gs] for gs, (p, _) in zip(grads, layouts)]
     stepped = [s.full_tensor().cpu() for s in _step(optimizer, hyper, placed, placed_grads)]
     difference = max((a - b).abs().max().item() for a, b in zip(stepped, whole))
     size = max((w - s).abs().max().item() for w, s in zip(whole, starts))
