@@ -230,16 +230,16 @@ def _refusal(optimizer: Optimizer, found: Classification, layout: ParameterLayou
             " The strategy computes Muon's update on whole matrices under FSDP, HSDP and tensor parallelism, but not"
             " with `cpu_offload=True` or pipeline parallelism."
         )
-    if found.source == "shards":
+    if "could not step" in found.reason:  # nothing shows what it reads: the user may state it
+        message += (
+            " If its update reads only each element's own value, gradient and state, declare it with"
+            f" `lightning_dpar.declare_update_kind({name}, 'elementwise')`."
+        )
+    elif found.source == "shards":
         message += (
             " Its update reads the shards as plain tensors somewhere (e.g. `to_local()`, or statistics of local"
             " values): compute whole-tensor statistics on the DTensor parameters and gradients instead (`p.norm()`,"
             " sums and products of DTensors are taken over the whole tensor), and the check accepts it."
-        )
-    elif found.source == "probe" and "could not step" in found.reason:
-        message += (
-            " If its update reads only each element's own value, gradient and state, declare it with"
-            f" `lightning_dpar.declare_update_kind({name}, 'elementwise')`."
         )
     return message
 

@@ -163,6 +163,23 @@ def test_a_probed_optimizer_is_decided_on_shards_where_parameters_are_split():
     assert "declare_update_kind" not in message
 
 
+def test_a_class_neither_probe_can_step_is_advised_to_declare_its_kind():
+    class NeedsClosure(torch.optim.Optimizer):
+        def __init__(self, params, lr):
+            super().__init__(params, {"lr": lr})
+
+        def step(self, closure):
+            closure()
+
+    def cannot_step(optimizer):
+        return False, "a copy of NeedsClosure could not step small DTensors placed as its parameters (TypeError)"
+
+    with pytest.raises(OptimizerLayoutError) as refused:
+        check_optimizers([NeedsClosure(_params(), lr=0.1)], FSDP2, "S", probe_on_shards=cannot_step)
+    assert "declare_update_kind(NeedsClosure, 'elementwise')" in str(refused.value)
+    assert "to_local()" not in str(refused.value)
+
+
 def test_the_shard_probe_is_not_run_where_it_cannot_help():
     def never(optimizer):
         pytest.fail(f"stepped {type(optimizer).__name__} on shards")
