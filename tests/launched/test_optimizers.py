@@ -120,7 +120,7 @@ def test_muon_on_two_dim_meshes_trains_exactly(launch4, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["hsdp_lars", "2d_lars"])
+@pytest.mark.parametrize("case", ["hsdp_lars", "2d_lars", "pp_fsdp_lars"])
 def test_user_optimizer_exact_through_dtensor_on_two_dim_meshes(launch4, case):
     result = launch4[case]
     assert result["moved"] > 1e-3
@@ -128,8 +128,10 @@ def test_user_optimizer_exact_through_dtensor_on_two_dim_meshes(launch4, case):
 
 
 @pytest.mark.slow
-def test_user_optimizer_reading_its_shards_is_refused_on_two_dim_meshes(launch4):
-    _assert_refused_for_reading_shards(launch4["2d_local_lars"])
+@pytest.mark.parametrize("case", ["2d_local_lars", "pp_fsdp_local_lars"])
+def test_user_optimizer_reading_its_shards_is_refused_on_two_dim_meshes(launch4, case):
+    """Under PP 2 x FSDP 2 each stage probes its own mesh; the verdicts are shared, so all 4 ranks raise alike."""
+    _assert_refused_for_reading_shards(launch4[case])
 
 
 @pytest.mark.slow
