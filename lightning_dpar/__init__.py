@@ -13,7 +13,8 @@ How a step flows: `strategies` (Lightning's hooks) -> `plan` (what goes where, a
 - `checkpoint/`: checkpoints, behind `checkpoint.manager.CheckpointManager`;
 - `mesh`: mesh sizes and the device mesh; `parallelize`: applying a plan; `materialize`: meta tensors into shards;
 - `ties`: tied parameters; `precision`, `clipping`: precision and gradient clipping; `optimizers`,
-  `distributed_muon`: optimizers on shards; `buffers`, `batchnorm`, `sampling`: DDP semantics kept;
+  `optimizer_probe`, `shard_probe`, `distributed_muon`: optimizers on shards; `buffers`, `batchnorm`, `sampling`:
+  DDP semantics kept;
   `callback_checks`, `trainer_checks`: callbacks and Trainer settings a layout refuses before any collective;
 - `pretrained`, `key_matching`, `hf_keys`, `peft_keys`: Hugging Face and peft weights; `consolidate`: a checkpoint
   to one file (or a Hugging Face / peft directory);

@@ -108,7 +108,7 @@ def process_memory(field: str) -> int:
     return 0
 
 
-def key_value_cache_configs(module: nn.Module) -> list[Any]:
+def key_value_cache_configs(module: nn.Module) -> tuple[Any, ...]:
     """The configs of the transformers models in `module` that build a key/value cache in each forward
     (`config.use_cache`, true by default), each once (a causal-LM head and its base model share theirs)."""
     configs: dict[int, Any] = {}
@@ -116,11 +116,11 @@ def key_value_cache_configs(module: nn.Module) -> list[Any]:
         config = getattr(submodule, "config", None)
         if is_transformers_model(submodule) and getattr(config, "use_cache", False) is True:
             configs[id(config)] = config
-    return list(configs.values())
+    return tuple(configs.values())
 
 
 @contextmanager
-def without_key_value_cache(configs: list[Any]) -> Generator[None, None, None]:
+def without_key_value_cache(configs: Sequence[Any]) -> Generator[None, None, None]:
     """`use_cache=False` on these configs during a training forward, as transformers itself does under gradient
     checkpointing and as hand-written training loops pass it.
 

@@ -10,36 +10,34 @@ couples every parameter of the model. Which property a layout needs:
 
 - `dpar_replicate` without tensor parallelism: every rank holds every parameter whole, as under DDP: any optimizer.
 - FSDP, HSDP (a shard group of 2 or more), tensor parallelism (also `dpar_replicate` with `tensor_parallel_size > 1`):
-  parameters are split across ranks: elementwise optimizers only, and `torch.optim.Muon`, whose step the strategy
-  computes on whole matrices (`lightning_dpar.distributed_muon`).
+  parameters are split across ranks, as DTensors: elementwise optimizers; `torch.optim.Muon`, whose step the
+  strategy computes on whole matrices (`lightning_dpar.distributed_muon`); and optimizers whose whole-tensor
+  statistics are DTensor operations (a LARS written with `p.norm()`), which DTensor computes over the whole tensor.
 - Pipeline parallelism: each stage's ranks hold only their stage's parameters: optimizers that treat each tensor on
   its own (elementwise or per-tensor, e.g. Adafactor), not whole-model ones (LBFGS); with FSDP or TP inside the
   stages, the rule above as well.
 
-An optimizer class the package does not know is probed before training (`probe_update_kind`): a fresh instance of
-the same class with the same hyperparameters steps a small float64 matrix whole, then each piece of it on its own
-(as each rank would), split by rows and by columns, and then two tensors together and apart. The probe draws no
-random numbers from the global generators and uses no collectives, so every rank reaches the same verdict. What it
-proves is limited to what it tried: a few steps, on one shape, one dtype and the optimizer's current
-hyperparameters. An update that becomes non-elementwise only later (after a warm-up, above a threshold), only on
-other shapes or dtypes, or only for other hyperparameters passes it. `declare_update_kind` states the kind of a
-class instead, for such optimizers or for classes the probe cannot build.
+An optimizer class the package does not know is probed before training (`probe_update_kind`,
+`lightning_dpar.optimizer_probe`): a fresh instance of the same class with the same hyperparameters steps a small
+float64 matrix whole, then each piece of it on its own, without collectives. Elementwise: accepted at once. Not
+elementwise, on split parameters: the strategy steps it again on small DTensors placed as its parameters, on their
+mesh (`lightning_dpar.shard_probe`), and accepts it when they end as the whole matrices do. What the probes prove is
+limited to what they tried: a few steps, on small shapes, float64 and the optimizer's current hyperparameters. An
+update that changes only later (after a warm-up, above a threshold), on other shapes or dtypes, or for other
+hyperparameters passes them. `declare_update_kind` states the kind of a class instead, for such optimizers or for
+classes the probe cannot build.
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any
 
 import torch
-from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_dpar.mesh import ParallelDims
+from lightning_dpar.optimizer_probe import Classification, UpdateKind, probe_update_kind
 
 __all__ = [
     "OptimizerLayoutError",
@@ -52,17 +50,6 @@ __all__ = [
     "probe_update_kind",
     "refusal",
 ]
-
-
-class UpdateKind(Enum):
-    """How much of the model one parameter element's update depends on."""
-
-    #: Only that element (and scalars: hyperparameters, step count): exact on any shard.
-    ELEMENTWISE = "elementwise"
-    #: The whole tensor it belongs to (norms, matrix products): exact only where each tensor is whole on a rank.
-    PER_TENSOR = "per-tensor"
-    #: Every parameter the optimizer holds: exact only where one rank holds every parameter whole.
-    WHOLE_MODEL = "whole-model"
 
 
 #: `torch.optim` classes whose updates are elementwise, in every form (for-loop, foreach, fused). Exact classes only:
@@ -111,15 +98,6 @@ def declare_update_kind(optimizer_class: type[Optimizer], kind: UpdateKind | str
 
 
 @dataclass(frozen=True)
-class Classification:
-    """An optimizer's update kind, how it was found ("known", "declared", "probe"), and why."""
-
-    kind: UpdateKind
-    source: str
-    reason: str
-
-
-@dataclass(frozen=True)
 class ParameterLayout:
     """How a layout splits parameters: across ranks (`split_by`, e.g. FSDP shards), and across pipeline stages."""
 
@@ -165,19 +143,27 @@ def classify(optimizer: Optimizer) -> Classification:
     return probe_update_kind(optimizer)
 
 
+#: `probe_on_shards(optimizer)`: whether the optimizer steps DTensors placed as its parameters exactly as whole
+#: tensors, and why not (`lightning_dpar.shard_probe`); None where no real process group exists (the dry run).
+ShardProbe = Callable[[Optimizer], tuple[bool, str]]
+
+
 def check_optimizers(
     optimizers: Sequence[Optimizer],
     layout: ParameterLayout,
     strategy: str,
     supported_on_split: Callable[[Optimizer], bool] = lambda _: False,
+    probe_on_shards: ShardProbe | None = None,
 ) -> None:
     """Raise `OptimizerLayoutError` for the first optimizer that would not train exactly as under DDP on `layout`.
 
     Elementwise `torch.optim` classes return at once (known by class, no probe). `supported_on_split(optimizer)` says
-    whether the strategy computes a per-tensor optimizer's step on whole tensors itself (distributed Muon).
+    whether the strategy computes a per-tensor optimizer's step on whole tensors itself (distributed Muon). An
+    unknown optimizer that the plain probe finds not elementwise is, on split parameters, stepped on DTensors placed
+    as them (`probe_on_shards`, collectives: every rank must call this alike).
     """
     for optimizer in optimizers:
-        message = refusal(optimizer, layout, strategy, supported_on_split)
+        message = refusal(optimizer, layout, strategy, supported_on_split, probe_on_shards)
         if message is not None:
             raise OptimizerLayoutError(message)
 
@@ -187,6 +173,7 @@ def refusal(
     layout: ParameterLayout,
     strategy: str,
     supported_on_split: Callable[[Optimizer], bool] = lambda _: False,
+    probe_on_shards: ShardProbe | None = None,
 ) -> str | None:
     """Why `optimizer` cannot train exactly under `layout`, or None when it can."""
     if type(optimizer) in ELEMENTWISE_CLASSES and type(optimizer) not in _DECLARED:
@@ -196,7 +183,22 @@ def refusal(
         return None
     if found.kind is UpdateKind.PER_TENSOR and not layout.pipelined and supported_on_split(optimizer):
         return None
+    if probe_on_shards is not None and decided_on_shards(found, layout):
+        exact, why = probe_on_shards(optimizer)
+        if exact:  # DTensor computes its whole-tensor statistics over the whole tensor
+            return None
+        found = Classification(found.kind, "shards", f"{found.reason}; {why}")
     return _refusal(optimizer, found, layout, strategy)
+
+
+def decided_on_shards(found: Classification, layout: ParameterLayout) -> bool:
+    """Whether a probed optimizer is stepped on DTensors placed as its parameters before it is refused: where
+    parameters are split, and unless it couples tensors of different pipeline stages (which no DTensor spans)."""
+    return (
+        found.source == "probe"
+        and bool(layout.split_by)
+        and not (layout.pipelined and found.kind is UpdateKind.WHOLE_MODEL)
+    )
 
 
 def _refusal(optimizer: Optimizer, found: Classification, layout: ParameterLayout, strategy: str) -> str:
@@ -205,6 +207,7 @@ def _refusal(optimizer: Optimizer, found: Classification, layout: ParameterLayou
         "known": f"{name}'s update is {found.kind.value}: {found.reason}",
         "declared": f"{name} was declared {found.kind.value} with `lightning_dpar.declare_update_kind`",
         "probe": f"{name}'s update is not elementwise: {found.reason}",
+        "shards": f"{name}'s update is not elementwise, nor exact on DTensors: {found.reason}",
     }[found.source]
     if found.kind is UpdateKind.WHOLE_MODEL:
         where = "one process holding every parameter whole"
@@ -227,132 +230,18 @@ def _refusal(optimizer: Optimizer, found: Classification, layout: ParameterLayou
             " The strategy computes Muon's update on whole matrices under FSDP, HSDP and tensor parallelism, but not"
             " with `cpu_offload=True` or pipeline parallelism."
         )
-    if found.source == "probe":
+    if "could not step" in found.reason:  # nothing shows what it reads: the user may state it
         message += (
-            " If the probe is wrong about it (its update reads only each element's own value, gradient and state),"
-            f" declare it with `lightning_dpar.declare_update_kind({name}, 'elementwise')`."
+            " If its update reads only each element's own value, gradient and state, declare it with"
+            f" `lightning_dpar.declare_update_kind({name}, 'elementwise')`."
+        )
+    elif found.source == "shards":
+        message += (
+            " Its update reads the shards as plain tensors somewhere (e.g. `to_local()`, or statistics of local"
+            " values): compute whole-tensor statistics on the DTensor parameters and gradients instead (`p.norm()`,"
+            " sums and products of DTensors are taken over the whole tensor), and the check accepts it."
         )
     return message
-
-
-# ---------------------------------------------------------------------------------------------------- the probe
-#: Steps the probe takes; more than one, so that state (momentum, second moments) takes part.
-PROBE_STEPS = 3
-#: The probe's matrix: rows and columns both split unevenly, as FSDP (rows, padded) and TP (rows or columns) do.
-PROBE_SHAPE = (6, 5)
-#: Where the probe cuts rows and columns.
-ROW_CUT, COLUMN_CUT = 4, 2
-#: Relative to the largest update: float64 elementwise arithmetic agrees far below it, a whole-tensor norm or matrix
-#: product taken on a piece differs far above it.
-PROBE_RTOL = 1e-9
-
-
-def probe_update_kind(optimizer: Optimizer) -> Classification:
-    """Find the update kind of `optimizer`'s class by stepping fresh instances of it on small CPU tensors.
-
-    For each distinct set of hyperparameters among its param groups, a new instance (same class, same
-    hyperparameters, no state) steps a float64 matrix whole, and, in other instances, each of its pieces alone (cut
-    by rows, then by columns), `PROBE_STEPS` times with the same gradients; then two matrices in one instance and
-    in one each. Pieces that end unlike the whole: not elementwise; two tensors that end unlike apart: whole-model.
-    The real optimizer, its parameters and the global random generators are left untouched.
-    """
-    name = type(optimizer).__name__
-    seen: list[dict[str, Any]] = []
-    kind = UpdateKind.ELEMENTWISE
-    reasons: list[str] = []
-    for group in optimizer.param_groups:
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        if any(_same(hyper, other) for other in seen):
-            continue
-        seen.append(hyper)
-        try:
-            found, reason = _probe_group(optimizer, hyper)
-        except Exception as error:  # anything the class raises: not provable, so not assumed elementwise
-            return Classification(
-                UpdateKind.WHOLE_MODEL,
-                "probe",
-                f"the check before training could not step a copy of {name} on a small float64 CPU matrix"
-                f" ({type(error).__name__}: {error}), so nothing shows that it is",
-            )
-        if found is not UpdateKind.ELEMENTWISE:
-            reasons.append(reason)
-            if found is UpdateKind.WHOLE_MODEL or kind is UpdateKind.ELEMENTWISE:
-                kind = found
-    if kind is UpdateKind.ELEMENTWISE:
-        return Classification(kind, "probe", "a copy stepped on pieces of a matrix matched it stepped whole")
-    return Classification(kind, "probe", "; ".join(reasons))
-
-
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for key in a:
-        x, y = a[key], b[key]
-        if isinstance(x, Tensor) or isinstance(y, Tensor):
-            if not (isinstance(x, Tensor) and isinstance(y, Tensor) and torch.equal(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
-def _probe_group(optimizer: Optimizer, hyper: dict[str, Any]) -> tuple[UpdateKind, str]:
-    generator = torch.Generator().manual_seed(0)
-    shape = PROBE_SHAPE
-    cpu = {"dtype": torch.float64, "device": "cpu"}  # also inside the dry run's `torch.device("meta")`
-    start = torch.randn(shape, generator=generator, **cpu)
-    # Rows and columns of different scales, so that statistics of a piece differ from the whole's.
-    scale = torch.logspace(-1, 1, shape[0], **cpu)[:, None] * torch.linspace(0.5, 2, shape[1], **cpu)
-    grads = [torch.randn(shape, generator=generator, **cpu) * scale for _ in range(PROBE_STEPS)]
-    whole = _run(optimizer, hyper, [start], [[g] for g in grads])[0]
-    size = (whole - start).abs().max().item()
-    tolerance = PROBE_RTOL * size + 1e-300
-    for cut, dim, what in ((ROW_CUT, 0, "rows"), (COLUMN_CUT, 1, "columns")):
-        pieces = [
-            _run(optimizer, hyper, [piece], [[g.split([cut, shape[dim] - cut], dim)[i]] for g in grads])[0]
-            for i, piece in enumerate(start.split([cut, shape[dim] - cut], dim))
-        ]
-        difference = (torch.cat(pieces, dim) - whole).abs().max().item()
-        if difference > tolerance:
-            # Per-tensor or whole-model? Two tensors in one instance against one instance each.
-            other = start.flip(0) * 0.5
-            together = _run(optimizer, hyper, [start, other], [[g, g.flip(1)] for g in grads])
-            apart = _run(optimizer, hyper, [other], [[g.flip(1)] for g in grads])[0]
-            coupled = (together[0] - whole).abs().max().item() > tolerance or (
-                (together[1] - apart).abs().max().item() > tolerance
-            )
-            reason = (
-                f"a copy stepped on a {shape[0]}x{shape[1]} matrix cut into {what} moved the pieces up to"
-                f" {difference:.3g} away from the whole matrix's update (whose largest entry is {size:.3g})"
-            )
-            if coupled:
-                return UpdateKind.WHOLE_MODEL, reason + ", and two tensors stepped together unlike apart"
-            return UpdateKind.PER_TENSOR, reason
-    return UpdateKind.ELEMENTWISE, ""
-
-
-def _run(optimizer: Optimizer, hyper: dict[str, Any], starts: list[Tensor], grads: list[list[Tensor]]) -> list[Tensor]:
-    """Step a fresh instance of `optimizer`'s class on copies of `starts`; return the parameters after the steps."""
-    params = [torch.nn.Parameter(s.clone()) for s in starts]
-    probe = _fresh_instance(optimizer, hyper, params)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        for step_grads in grads:
-            for p, g in zip(params, step_grads):
-                p.grad = g.clone()
-            probe.step()
-    return [p.detach() for p in params]
-
-
-def _fresh_instance(optimizer: Optimizer, hyper: dict[str, Any], params: list[Tensor]) -> Optimizer:
-    """A new instance of `optimizer`'s class with the hyperparameters `hyper`, holding `params` and no state."""
-    cls = type(optimizer)
-    hyper = copy.deepcopy(hyper)  # e.g. a tensor learning rate, which a step may update in place
-    accepted = inspect.signature(cls).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    kwargs = {k: v for k, v in hyper.items() if takes_any or k in accepted}
-    # Constructors validate and default their arguments; the group then carries every hyperparameter as is.
-    return cls([{"params": params, **hyper}], **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------- reporting
@@ -367,10 +256,16 @@ def exactness_summary(
     for optimizer in optimizers:
         name = type(optimizer).__name__
         found = classify(optimizer)
-        if refusal(optimizer, layout, strategy, supported_on_split) is not None:
-            lines.append(f"{name}: refused under this layout, its update is {found.kind.value} ({found.reason})")
-        elif found.kind is not UpdateKind.ELEMENTWISE and layout.split_by:
-            lines.append(f"{name}: exact, each whole matrix's update computed by one rank and sent to the others")
+        if refusal(optimizer, layout, strategy, supported_on_split) is None:
+            if found.kind is not UpdateKind.ELEMENTWISE and layout.split_by:
+                lines.append(f"{name}: exact, each whole matrix's update computed by one rank and sent to the others")
+            else:
+                lines.append(f"{name}: exact ({found.kind.value} update)")
+        elif decided_on_shards(found, layout):  # the dry run's fake process group cannot step DTensors
+            lines.append(
+                f"{name}: decided when training starts, its update is not elementwise ({found.reason}): it is"
+                " stepped on DTensors placed as its parameters and refused unless they end as whole tensors do"
+            )
         else:
-            lines.append(f"{name}: exact ({found.kind.value} update)")
+            lines.append(f"{name}: refused under this layout, its update is {found.kind.value} ({found.reason})")
     return lines

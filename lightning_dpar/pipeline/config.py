@@ -51,6 +51,9 @@ class PipelineConfig:
         """The microbatches per batch; by default one per stage, which every schedule accepts."""
         return self.microbatches if self.microbatches is not None else num_ranks * self.stages_per_rank
 
-    def check(self, num_ranks: int) -> None:
-        """Raise if the schedule cannot run on `num_ranks` pipeline ranks (before any collective)."""
+    def check(self, num_ranks: int, device_type: str | None = None) -> None:
+        """Raise if the schedule cannot run on `num_ranks` pipeline ranks, or with this torch on `device_type`'s
+        backend when given (before any collective)."""
         self.schedule.check(self.num_microbatches(num_ranks), self.stages_per_rank, num_ranks)
+        if device_type is not None:
+            self.schedule.check_runs_on(device_type)

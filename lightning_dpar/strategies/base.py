@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dpar import distributed_muon, parallelize
+from lightning_dpar import distributed_muon, parallelize, shard_probe
 from lightning_dpar._private_api import (
     StrategyRegistryType,
     layer_sync_requested,
@@ -178,8 +178,6 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         #: DDP's buffer broadcast (`lightning_dpar.buffers`); made in `setup`, as DDP makes its own when wrapping.
         self._buffer_sync: BufferSync | None = None
         self._router_loss: GlobalRouterLoss | None = None  # around each step's forward, as `_buffer_sync`
-        self._releases_gradients: bool | None = None  # decided on the first training step (`StepHooks`)
-        self._cache_configs: list[Any] = []  # transformers configs with `use_cache` (`StepHooks`)
         # Every FSDP unit: resharded between steps (`optimizer_step`).
         self._fsdp_modules: list[FSDPModule] = []
         self._parallelized_module: nn.Module | None = None
@@ -223,8 +221,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         """What `setup_environment` refuses before the process group, alike on every rank: pipeline settings, the
         Trainer's settings and callbacks that this layout cannot run, and the plan of a model that exists already."""
         if dims.pipeline > 1:
-            self._pipeline_config.check(dims.pipeline)
-            self._pipeline_config.schedule.check_runs_on(self.root_device.type)
+            self._pipeline_config.check(dims.pipeline, self.root_device.type)
             check_pipeline_optimization(self.lightning_module, dims.pipeline)
         trainer = attached_trainer(self.lightning_module)
         if self.lightning_module is not None:
@@ -367,10 +364,11 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            # Before the first step, alike on every rank: an update that needs whole tensors is refused on shards.
+            # Before the first step, alike on every rank (the shard probe too): updates needing whole tensors refused.
             assert self.dims is not None
             layout = ParameterLayout.of(self.dims)
-            check_optimizers(self.optimizers, layout, type(self).__name__, self._computes_whole_updates)
+            on_shards = shard_probe.agreed(shard_probe.probe_on_shards)
+            check_optimizers(self.optimizers, layout, type(self).__name__, self._computes_whole_updates, on_shards)
             for optimizer in self.optimizers:
                 if layout.split_by and self._computes_whole_updates(optimizer):
                     distributed_muon.install(optimizer)
@@ -379,8 +377,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             optimizers_to_device(self.optimizers, self.root_device)
 
     def _computes_whole_updates(self, optimizer: Optimizer) -> bool:
-        """Whether this strategy computes `optimizer`'s per-tensor updates on whole tensors when parameters are
-        split across ranks (`lightning_dpar.distributed_muon`)."""
+        """Whether this strategy computes `optimizer`'s updates on whole tensors on split parameters (Muon)."""
         return distributed_muon.supports(optimizer)
 
     def _load_pretrained(self, module: nn.Module, trainer: pl.Trainer) -> None:

@@ -48,10 +48,10 @@ class StepHooks(ParallelStrategy):
     _grad_sync_modules: list[nn.Module]
     _backward_sync_blocked: bool
     #: The configs of transformers models that build a key/value cache in every forward (`use_cache`).
-    _cache_configs: list[Any]
+    _cache_configs: tuple[Any, ...] = ()
     #: Whether each accumulation window's first forward starts with the last step's gradients released
-    #: (`_release_last_gradients`); decided on the first training step of each `setup`.
-    _releases_gradients: bool | None
+    #: (`_release_last_gradients`); decided on the first training step after each `setup`.
+    _releases_gradients: bool | None = None
 
     def _prepare_step_forward(self, module: nn.Module) -> None:
         """What runs around each step's forward (`_step_forward`), made once the model is parallelised: DDP's buffer

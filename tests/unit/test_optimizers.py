@@ -144,6 +144,64 @@ def test_elementwise_classes_take_the_fast_path_without_a_probe(monkeypatch):
     check_optimizers([torch.optim.AdamW(_params(), fused=True), torch.optim.SGD(_params())], FSDP2, "S")
 
 
+def test_a_probed_optimizer_is_decided_on_shards_where_parameters_are_split():
+    """Not elementwise on plain pieces is not the verdict where parameters are DTensors: the shard probe decides,
+    and its refusal advises computing on DTensors, not declaring the class elementwise."""
+    asked = []
+
+    def exact_on_shards(optimizer):
+        asked.append(type(optimizer).__name__)
+        return True, ""
+
+    check_optimizers([LARSLike(_params())], FSDP2, "S", probe_on_shards=exact_on_shards)
+    check_optimizers([LARSLike(_params())], TP2, "S", probe_on_shards=exact_on_shards)
+    assert asked == ["LARSLike", "LARSLike"]
+    with pytest.raises(OptimizerLayoutError) as refused:
+        check_optimizers([LARSLike(_params())], FSDP2, "S", probe_on_shards=lambda o: (False, "ended 0.1 away"))
+    message = str(refused.value)
+    assert "nor exact on DTensors" in message and "ended 0.1 away" in message and "to_local()" in message
+    assert "declare_update_kind" not in message
+
+
+def test_a_class_neither_probe_can_step_is_advised_to_declare_its_kind():
+    class NeedsClosure(torch.optim.Optimizer):
+        def __init__(self, params, lr):
+            super().__init__(params, {"lr": lr})
+
+        def step(self, closure):
+            closure()
+
+    def cannot_step(optimizer):
+        return False, "a copy of NeedsClosure could not step small DTensors placed as its parameters (TypeError)"
+
+    with pytest.raises(OptimizerLayoutError) as refused:
+        check_optimizers([NeedsClosure(_params(), lr=0.1)], FSDP2, "S", probe_on_shards=cannot_step)
+    assert "declare_update_kind(NeedsClosure, 'elementwise')" in str(refused.value)
+    assert "to_local()" not in str(refused.value)
+
+
+def test_the_shard_probe_is_not_run_where_it_cannot_help():
+    def never(optimizer):
+        pytest.fail(f"stepped {type(optimizer).__name__} on shards")
+
+    check_optimizers([torch.optim.AdamW(_params()), LARSLike(_params())], DDP2, "S", probe_on_shards=never)
+    with pytest.raises(OptimizerLayoutError, match="Adafactor"):  # known: refused by name, as before
+        check_optimizers([torch.optim.Adafactor(_params())], FSDP2, "S", probe_on_shards=never)
+
+    class GlobalNormSGD(torch.optim.SGD):  # couples tensors, so pipeline stages cannot hold it exactly
+        @torch.no_grad()
+        def step(self, closure=None):
+            params = [p for g in self.param_groups for p in g["params"]]
+            norm = torch.sqrt(sum((p.grad**2).sum() for p in params))
+            for p in params:
+                p.sub_(0.1 * p.grad / norm)
+
+    pipelined_fsdp = ParameterLayout.of(ParallelDims(4, replicate=1, shard=2, tensor_parallel=1, pipeline=2))
+    optimizer = GlobalNormSGD([*_params(), *_params()], lr=0.1)
+    with pytest.raises(OptimizerLayoutError, match="GlobalNormSGD"):
+        check_optimizers([optimizer], pipelined_fsdp, "S", probe_on_shards=never)
+
+
 def test_exactness_summary_lines():
     lines = exactness_summary([torch.optim.AdamW(_params()), torch.optim.Adafactor(_params())], FSDP2, "S")
     assert lines[0] == "AdamW: exact (elementwise update)"
@@ -170,6 +228,7 @@ class BiasFree(L.LightningModule):
         ("offload", "muon", "Muon: refused under this layout"),
         ("replicate", "adafactor", "Adafactor: exact (per-tensor update)"),
         ("replicate", "lars", "LARSLike: exact (per-tensor update)"),
+        ("fsdp", "lars", "LARSLike: decided when training starts, its update is not elementwise"),
     ],
 )
 def test_plan_dry_run_lists_which_optimizers_are_exact(strategy, optimizer, line):
