@@ -9,6 +9,8 @@ the pipeline schedule, microbatches and stages per rank (when pipelining), and a
 - replicate sizes (HSDP): 1, and on a single node every divisor of the data-parallel size; across nodes the ones
   whose shard groups are whole nodes (HSDP's reason to exist: shard within, replicate across);
 - expert-parallel sizes, for an MoE model: every divisor of the shard dim;
+- the per-rank batch of each data-parallel size (a `BatchRule`: fixed per rank, or a global batch split over the
+  data-parallel ranks); a size that gets no batch (a global batch that does not split evenly) is refused;
 - with pipelining: `1F1B` and `GPipe` with 1 and 2 microbatches per stage, `Interleaved1F1B` with 2 stages per rank
   when the layers allow; the batch must divide by the microbatches and each schedule must accept them
   (`ScheduleSpec.check`); schedules without a closed-form bubble (LoopedBFS, zero-bubble) are not modelled;
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_dpar.helpers import divisors
+from lightning_dpar.layout.batch import BatchRule
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.pipeline.schedule import schedule_spec
 
@@ -144,22 +147,34 @@ def enumerate_layouts(
     devices_per_node: int,
     num_nodes: int,
     layers: int,
-    batch_size: int,
+    batch_size: int | BatchRule,
     moe: bool = False,
 ) -> tuple[list[Layout], list[Rejected]]:
-    """Every layout considered on `world_size` ranks (see the module docstring), and those refused up front."""
+    """Every layout considered on `world_size` ranks (see the module docstring), and those refused up front.
+    `batch_size`: samples per data-parallel rank, or the rule giving them for each data-parallel size."""
+    rule = batch_size if isinstance(batch_size, BatchRule) else BatchRule(per_rank=batch_size)
     layouts: list[Layout] = []
     rejected: list[Rejected] = []
+
+    def refuse(refusal: Rejected) -> None:
+        if refusal not in rejected:  # the same pipeline refusal comes back for each TP size of a batch
+            rejected.append(refusal)
+
     for pp in divisors(world_size):
         stage_ranks = world_size // pp
-        pipelines = list(_pipelines(pp, layers, batch_size)) if pp > 1 else [(None, 1, 1)]
-        rejected += [p for p in pipelines if isinstance(p, Rejected)]
-        pipelines = [p for p in pipelines if not isinstance(p, Rejected)]
         for tp in divisors(stage_ranks):
             if tp > devices_per_node:
-                rejected.append(Rejected(f"tp{tp}", f"spans nodes (a node has {devices_per_node} devices)"))
+                refuse(Rejected(f"tp{tp}", f"spans nodes (a node has {devices_per_node} devices)"))
                 continue
             dp = stage_ranks // tp
+            batch = rule.at(dp)
+            if isinstance(batch, str):
+                refuse(Rejected(f"pp{pp} tp{tp} ({dp} data-parallel ranks)", batch))
+                continue
+            pipelines = list(_pipelines(pp, layers, batch)) if pp > 1 else [(None, 1, 1)]
+            for refusal in (p for p in pipelines if isinstance(p, Rejected)):
+                refuse(refusal)
+            pipelines = [p for p in pipelines if not isinstance(p, Rejected)]
             for replicate in _replicate_sizes(dp, tp, devices_per_node, num_nodes):
                 for ep in divisors(dp // replicate) if moe else [1]:
                     try:
@@ -173,7 +188,7 @@ def enumerate_layouts(
                             expert_parallel_size=ep,
                         )
                     except ValueError as err:
-                        rejected.append(Rejected(f"pp{pp} rep{replicate} tp{tp} ep{ep}", str(err)))
+                        refuse(Rejected(f"pp{pp} rep{replicate} tp{tp} ep{ep}", str(err)))
                         continue
                     for schedule, microbatches, stages_per_rank in pipelines:  # type: ignore[misc]
                         for ac in (False, True):

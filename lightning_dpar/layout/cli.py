@@ -1,9 +1,11 @@
-"""`python -m lightning_dpar plan --auto [--profile P] [--device-memory GIB] [--batch-size B] [--seq-len S] [--top N]
-[--world-size N] [--num-nodes M] [CLI args]`: the layout search's ranked table, without launching anything.
+"""`python -m lightning_dpar plan --auto [--profile P] [--device-memory GIB] [--batch-size B | --global-batch-size G]
+[--seq-len S] [--top N] [--world-size N] [--num-nodes M] [CLI args]`: the layout search's ranked table, without
+launching anything.
 
 The other arguments (`--config FILE`, `--trainer.*`, `--model.*`, `--data.*`) build the Trainer, the model (on the
 meta device) and the data as `python -m lightning_dpar fit` would; the world is the Trainer's devices x nodes, the
-precision the Trainer's, the batch per data-parallel rank the data module's `batch_size`. With
+precision the Trainer's, the batch per data-parallel rank the data module's `batch_size` (with
+`--global-batch-size`, the global batch over each layout's data-parallel ranks). With
 `--trainer.strategy=dpar_auto` (or `AutoParallelStrategy` and its arguments) the strategy's own profile, memory and
 batch settings are used, so the table shows the choice training will make.
 """
@@ -15,6 +17,7 @@ import sys
 from typing import Any
 
 from lightning_dpar.dry_run.cli import configured_run
+from lightning_dpar.layout.batch import BatchRule
 from lightning_dpar.layout.probe import search_model
 from lightning_dpar.layout.profiles import GIB, get_profile
 from lightning_dpar.layout.report import render_search
@@ -36,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", help="hardware preset (cpu-gloo, h100-node) or a calibrated JSON profile")
     parser.add_argument("--device-memory", type=float, help="GiB one rank may use (default: the profile's)")
     parser.add_argument("--batch-size", type=int, help="sequences per data-parallel rank (default: the data's)")
+    parser.add_argument(
+        "--global-batch-size", type=int, help="sequences per step over all data-parallel ranks (not with --batch-size)"
+    )
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context length)")
     parser.add_argument("--top", type=int, default=20, help="rows of the ranked table to show (default 20)")
     return parser
@@ -53,7 +59,13 @@ def _settings(strategy: Any, data: Any, args: argparse.Namespace) -> dict[str, A
     settings["profile"] = args.profile or settings.get("profile") or "cpu-gloo"
     if args.device_memory is not None:
         settings["device_memory"] = int(args.device_memory * GIB)
-    settings["batch_size"] = args.batch_size or settings.get("batch_size") or data_batch or DEFAULT_BATCH_SIZE
+    global_batch = args.global_batch_size or (None if args.batch_size else settings.get("global_batch_size"))
+    if args.batch_size and args.global_batch_size:
+        raise ValueError("`--batch-size` and `--global-batch-size` both fix the batch: give one.")
+    if global_batch:
+        settings["batch_size"] = BatchRule(global_batch=global_batch)
+    else:
+        settings["batch_size"] = args.batch_size or settings.get("batch_size") or data_batch or DEFAULT_BATCH_SIZE
     settings["seq_len"] = args.seq_len or settings.get("seq_len")
     return settings
 

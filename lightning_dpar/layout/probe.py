@@ -23,6 +23,7 @@ from lightning_dpar.activations import ActivationEstimate, TraceCache
 from lightning_dpar.dry_run.engine import plan, strategy_activations
 from lightning_dpar.dry_run.report import PlanReport
 from lightning_dpar.helpers import attached_trainer
+from lightning_dpar.layout.batch import BatchRule
 from lightning_dpar.layout.candidates import Layout
 from lightning_dpar.layout.cost import MeshMemory, RankMemory
 from lightning_dpar.layout.model_facts import facts_of
@@ -32,6 +33,9 @@ from lightning_dpar.precision import DparPrecision
 from lightning_dpar.strategies.fully_shard import FSDPTensorParallelStrategy
 
 __all__ = ["default_seq_len", "dry_run_probe", "meta_copy", "probe_for_model", "search_model", "token_batch"]
+
+#: The token-id shape one data-parallel rank's `training_step` receives under a layout (`token_batch`).
+LayoutBatch = Callable[[Layout], tuple[int, int]]
 
 
 def meta_copy(module: L.LightningModule) -> L.LightningModule:
@@ -53,7 +57,7 @@ def dry_run_probe(
     num_nodes: int,
     precision: str = "32-true",
     strategy_kwargs: dict[str, Any] | None = None,
-    batch: tuple[int, int] | None = None,
+    batch: tuple[int, int] | LayoutBatch | None = None,
     traces: TraceCache | None = None,
 ) -> MeshProbe:
     """A probe that plans `make_module()` (a fresh meta-device model per call) with `FSDPTensorParallelStrategy` on
@@ -61,9 +65,9 @@ def dry_run_probe(
     rank's of the mesh without pipelining: ranks hold equal shards but for rounding, and rank 0 the larger part).
 
     One dry run per mesh (`Layout.mesh_key`) gives the memory; with `batch`, the token-id shape one data-parallel
-    rank's `training_step` receives, each layout's schedule and microbatches add the activation peak of each
-    pipeline rank, estimated as the dry run estimates it (`strategy_activations`) on the same plans, reusing the
-    traces in `traces`."""
+    rank's `training_step` receives (or a function of the layout giving it), each layout's schedule and
+    microbatches add the activation peak of each pipeline rank, estimated as the dry run estimates it
+    (`strategy_activations`) on the same plans, reusing the traces in `traces`."""
     base = dict(strategy_kwargs or {})
     traces = {} if traces is None else traces
     meshes: dict[tuple[int, ...], tuple[list[tuple[int, int, int]], int]] = {}
@@ -78,7 +82,8 @@ def dry_run_probe(
         stored, unit = meshes[layout.mesh_key]
         peaks: list[tuple[int | None, int | None]] = [(None, None)] * len(stored)
         if batch is not None:
-            estimate = _activations(strategy, make_module(), layout, batch, traces)
+            shape = batch(layout) if callable(batch) else batch
+            estimate = _activations(strategy, make_module(), layout, shape, traces)
             if estimate is not None:
                 peaks = [(estimate.peak(r, False), estimate.peak(r, True)) for r in range(len(stored))]
         return MeshMemory(tuple(RankMemory(*memory, *peak) for memory, peak in zip(stored, peaks)), unit)
@@ -146,7 +151,7 @@ def search_model(
     world_size: int,
     num_nodes: int,
     profile: HardwareProfile,
-    batch_size: int,
+    batch_size: int | BatchRule,
     seq_len: int | None = None,
     precision: str = "32-true",
     strategy_kwargs: dict[str, Any] | None = None,
@@ -154,8 +159,16 @@ def search_model(
     suggest: bool = False,
 ) -> SearchResult:
     """The layout search for `module` (any device; planned on meta copies) on `world_size` ranks: what `plan --auto`
-    prints and `AutoParallelStrategy` chooses from. `seq_len` defaults to the model's context length; with `suggest`,
-    a search where nothing fits also says what would (`what_would_fit`, more dry runs on larger worlds)."""
+    prints and `AutoParallelStrategy` chooses from. `batch_size`: samples per data-parallel rank, or the rule giving
+    them for each data-parallel size (a global batch); `seq_len` defaults to the model's context length; with
+    `suggest`, a search where nothing fits also says what would (`what_would_fit`, more dry runs on larger
+    worlds)."""
+    rule = batch_size if isinstance(batch_size, BatchRule) else BatchRule(per_rank=batch_size)
+    sizes = rule.sizes(world_size)
+    batches = [b for b in sizes.values() if isinstance(b, int)]
+    if not batches:
+        reasons = "; ".join(f"{d}: {why}" for d, why in sizes.items())
+        raise ValueError(f"No data-parallel size of {world_size} ranks gets a batch ({reasons}).")
     template = meta_copy(module)
     with torch.device("meta"):  # the layers a model builds in `configure_model` (Lightning's hook is idempotent)
         template.configure_model()
@@ -165,11 +178,18 @@ def search_model(
             "The sequence length is unknown: the model has no `block_size` nor `config.max_position_embeddings`. Pass"
             " `seq_len` (`--seq-len` to `plan --auto`, `seq_len=` to `AutoParallelStrategy`)."
         )
-    facts = facts_of(template, seq_len, batch_size, precision)
-    batch = token_batch(batch_size, seq_len)
+    facts = facts_of(template, seq_len, batches[-1], precision)  # the batch of the largest data-parallel size
+    length = seq_len
+
+    def batch(layout: Layout) -> tuple[int, int]:
+        per_rank = rule.at(layout.dims.data_parallel)
+        assert isinstance(per_rank, int), "the search refuses the sizes without a batch"
+        return token_batch(per_rank, length)
+
     traces: TraceCache = {}  # the same traces serve every world, the larger ones `what_would_fit` tries included
     probe = dry_run_probe(lambda: meta_copy(template), world_size, num_nodes, precision, strategy_kwargs, batch, traces)
-    result = search(facts, world_size, num_nodes, profile, probe, activation_checkpointing)
+    varying = None if rule.per_rank is not None else rule
+    result = search(facts, world_size, num_nodes, profile, probe, activation_checkpointing, varying)
     if suggest and result.best is None:
         return replace(
             result,
@@ -182,7 +202,7 @@ def probe_for_model(
     module: L.LightningModule,
     precision: str = "32-true",
     strategy_kwargs: dict[str, Any] | None = None,
-    batch: tuple[int, int] | None = None,
+    batch: tuple[int, int] | LayoutBatch | None = None,
     traces: TraceCache | None = None,
 ) -> Callable[[int, int], MeshProbe]:
     """`what_would_fit`'s probe factory for `module`: the dry-run probe on another world."""

@@ -106,13 +106,20 @@ def _activations_note(estimates: list[Estimate]) -> str:
     )
 
 
+def _batch(result: SearchResult) -> str:
+    f = result.facts
+    if result.batch is None:
+        return f"{f.batch_size} sequences of {f.seq_len} tokens per data-parallel rank"
+    return f"{result.batch.describe()}, of {f.seq_len} tokens each"
+
+
 def render_search(result: SearchResult, top: int | None = None) -> str:
     """The whole search as text: choice, ranked table (the first `top` rows), what does not fit, what was rejected."""
     f, p = result.facts, result.profile
     moe = f", {f.experts} experts (top {f.experts_per_token})" if f.experts else ""
     lines = [
         f"Layout search: {f.params:,} parameters ({f.active_params:,} active per token){moe}, {f.layers} layers,"
-        f" width {f.hidden}; {f.batch_size} sequences of {f.seq_len} tokens per data-parallel rank",
+        f" width {f.hidden}; {_batch(result)}",
         f"World: {result.world_size} ranks on {result.num_nodes} node(s); profile {p.name}:"
         f" {p.matmul_flops / 1e12:.3g} TFLOP/s sustained, {format_bytes(p.device_memory)} per device,"
         f" {p.intra_node.bandwidth / 1e9:.3g} GB/s within a node, {p.inter_node.bandwidth / 1e9:.3g} GB/s across",

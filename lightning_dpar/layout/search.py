@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lightning_dpar.layout.batch import BatchRule
 from lightning_dpar.layout.candidates import Layout, Rejected, enumerate_layouts
 from lightning_dpar.layout.cost import Estimate, MeshMemory, estimate
 from lightning_dpar.layout.model_facts import ModelFacts
@@ -42,6 +43,8 @@ class SearchResult:
     rejected: list[Rejected]
     #: When nothing fits and it was asked for (`what_would_fit`): how much memory, or how many devices, would do.
     suggestion: Suggestion | None = None
+    #: The per-rank batch of each data-parallel size, when it is not `facts.batch_size` at every size.
+    batch: BatchRule | None = None
 
     @property
     def best(self) -> Estimate | None:
@@ -59,10 +62,12 @@ def search(
     profile: HardwareProfile,
     probe: MeshProbe,
     activation_checkpointing: bool | None = None,
+    batch: BatchRule | None = None,
 ) -> SearchResult:
     """Price every layout of `world_size` ranks on `num_nodes` nodes (see the module docstring).
 
-    `activation_checkpointing`: `None` considers both; `True` / `False` only that setting.
+    `activation_checkpointing`: `None` considers both; `True` / `False` only that setting. `batch`: the per-rank
+    batch of each data-parallel size (default: `facts.batch_size` at every size); each layout is priced at its own.
     """
     if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
         raise ValueError(
@@ -71,8 +76,9 @@ def search(
         )
     devices_per_node = world_size // num_nodes
     profile = replace(profile, devices_per_node=devices_per_node)
+    rule = batch if batch is not None else BatchRule(per_rank=facts.batch_size)
     layouts, rejected = enumerate_layouts(
-        world_size, devices_per_node, num_nodes, facts.layers, facts.batch_size, moe=bool(facts.experts)
+        world_size, devices_per_node, num_nodes, facts.layers, rule, moe=bool(facts.experts)
     )
     if activation_checkpointing is not None:
         layouts = [layout for layout in layouts if layout.activation_checkpointing == activation_checkpointing]
@@ -88,12 +94,14 @@ def search(
                     rejected.append(Rejected(layout.mesh(), str(err)))
         mesh = probed[layout.probe_key]
         if isinstance(mesh, MeshMemory):
-            estimates.append(estimate(layout, facts, mesh, profile))
+            per_rank = rule.at(layout.dims.data_parallel)
+            assert isinstance(per_rank, int), "enumerate_layouts refuses the sizes without a batch"
+            estimates.append(estimate(layout, replace(facts, batch_size=per_rank), mesh, profile))
     fits = [e for e in estimates if e.memory.total <= profile.device_memory]
     too_big = [e for e in estimates if e.memory.total > profile.device_memory]
     fits.sort(key=lambda e: (e.seconds_per_sample, e.layout.sort_key))
     too_big.sort(key=lambda e: (e.memory.total, e.layout.sort_key))
-    return SearchResult(world_size, num_nodes, profile, facts, fits, too_big, rejected)
+    return SearchResult(world_size, num_nodes, profile, facts, fits, too_big, rejected, batch=batch)
 
 
 @dataclass(frozen=True)
@@ -147,7 +155,7 @@ def what_would_fit(
         world, nodes = result.world_size * factor, result.num_nodes * factor if result.num_nodes > 1 else 1
         if nodes == 1 and world > result.profile.devices_per_node:
             nodes = world // result.profile.devices_per_node if world % result.profile.devices_per_node == 0 else 1
-        bigger = search(result.facts, world, nodes, result.profile, probe_for_world(world, nodes))
+        bigger = search(result.facts, world, nodes, result.profile, probe_for_world(world, nodes), batch=result.batch)
         if bigger.best is not None:
             devices, devices_layout = world, bigger.best
             break

@@ -7,20 +7,28 @@ the same model, so all ranks choose the
 same layout without a collective. The chosen sizes, pipeline schedule, microbatches and activation checkpointing are
 then set on this strategy, and everything after (plan, wrappers, steps, checkpoints) is `FSDPTensorParallelStrategy`'s.
 
+The batch each layout is priced at is read where Lightning reads the training data (`strategies.auto_batch`): a
+module's `train_dataloader()` is called once per data-parallel size considered, with `distributed_sampler_kwargs`
+answering that size, since its loader may size the per-rank batch from it; once the layout is chosen the sampler
+kwargs are the chosen mesh's, and the loader Lightning builds must yield the batch the layout was chosen for.
+
 Not imported by `lightning_dpar.strategies` (the search imports the dry run, which imports the strategies); the
 package registers it.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dpar._private_api import StrategyRegistryType, training_data_source
 from lightning_dpar.helpers import attached_trainer
+from lightning_dpar.layout.batch import BatchRule
 from lightning_dpar.layout.candidates import Layout
 from lightning_dpar.layout.isolated import search_anywhere
 from lightning_dpar.layout.profiles import GIB, HardwareProfile, get_profile
@@ -29,6 +37,13 @@ from lightning_dpar.layout.search import SearchResult
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.plan import ModuleSelector, TPPlanSpec
+from lightning_dpar.strategies.auto_batch import (
+    check_count,
+    check_loader,
+    check_no_size_fits,
+    read_batch_sizes,
+    resolve_batch_rule,
+)
 from lightning_dpar.strategies.fully_shard import FSDPTensorParallelStrategy
 
 __all__ = ["AutoParallelStrategy"]
@@ -46,6 +61,18 @@ _CHOSEN = (
 )
 
 
+def _base_defaults() -> dict[str, Any]:
+    """The default of each argument of `FSDPTensorParallelStrategy` and the classes it passes `**kwargs` on to."""
+    defaults: dict[str, Any] = {}
+    for cls in reversed(FSDPTensorParallelStrategy.__mro__):
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            for name, parameter in inspect.signature(init).parameters.items():
+                if parameter.default is not inspect.Parameter.empty:
+                    defaults[name] = parameter.default
+    return defaults
+
+
 class AutoParallelStrategy(FSDPTensorParallelStrategy):
     """Choose the fastest layout that fits the device memory, print it with two runners-up and why, and train it.
 
@@ -53,8 +80,19 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
         profile: a hardware preset (`"cpu-gloo"`, `"h100-node"`) or the path of a JSON profile written by
             `python -m lightning_dpar calibrate`.
         device_memory: GiB one rank may use (default: the profile's).
-        batch_size: sequences per data-parallel rank per step (default: the training `DataLoader`'s `batch_size`,
-            or the data module's `batch_size` attribute).
+        batch_size: sequences per data-parallel rank per step, whatever the layout (default: read from the training
+            data, see `global_batch_size`).
+        global_batch_size: sequences per optimizer step over all data-parallel ranks, whatever the layout: each
+            data-parallel rank trains `global_batch_size / data-parallel size` (torchtitan's and Megatron's
+            `global_batch_size`), so a layout with fewer data-parallel ranks gives each a larger share, and sizes that
+            do not divide it are not considered. The training loader must yield that share: a loader sized from
+            `trainer.distributed_sampler_kwargs["num_replicas"]` does; a `DataLoader` of fixed `batch_size` `b`
+            leaves only the data-parallel size `global_batch_size / b`. Not with `batch_size`. Without either, the
+            batch is read where Lightning reads the training data: the `DataLoader` given to `fit`, the data
+            module's `batch_size` attribute, else the `train_dataloader()` of the data module or the
+            LightningModule, called once per data-parallel size considered (with `distributed_sampler_kwargs`
+            answering that size) before `setup()`; a hook that cannot run before `setup()` is refused, asking for
+            one of the two.
         seq_len: tokens per sequence (default: the model's `block_size` or `config.max_position_embeddings`).
         activation_checkpointing: `None` lets the search decide; `True` / `False` fixes it.
         tp_plan: as for `FSDPTensorParallelStrategy`; the search plans with it.
@@ -71,6 +109,7 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
         profile: str = "cpu-gloo",
         device_memory: float | None = None,
         batch_size: int | None = None,
+        global_batch_size: int | None = None,
         seq_len: int | None = None,
         activation_checkpointing: bool | None = None,
         tp_plan: TPPlanSpec | None = None,
@@ -78,12 +117,24 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
         expert_modules: Sequence[ModuleSelector] | None = None,
         **kwargs: Any,
     ) -> None:
-        given = sorted(name for name in _CHOSEN if name in kwargs)
+        # LightningCLI (jsonargparse) fills the base classes' arguments it finds behind `**kwargs` with their defaults:
+        # those say nothing (and `_apply` sets the chosen ones), only a value the user set contradicts the search.
+        # `kwargs` goes on to the base class unchanged: jsonargparse reads that call to know which arguments to fill.
+        defaults = _base_defaults()
+        given = sorted(name for name in _CHOSEN if name in kwargs and kwargs[name] != defaults.get(name))
         if given:
             raise ValueError(
                 f"AutoParallelStrategy chooses {given} itself. Remove them, or use FSDPTensorParallelStrategy with"
                 " the sizes you want."
             )
+        if batch_size is not None and global_batch_size is not None:
+            raise ValueError(
+                f"`batch_size={batch_size}` and `global_batch_size={global_batch_size}` both fix the batch: give"
+                " `global_batch_size` (per optimizer step, split over the chosen data-parallel size) or `batch_size`"
+                " (per data-parallel rank), not both."
+            )
+        check_count("batch_size", batch_size)
+        check_count("global_batch_size", global_batch_size)
         if device_memory is not None and not device_memory > 0:
             raise ValueError(f"`device_memory={device_memory!r}` is invalid: give the GiB one rank may use (> 0).")
         super().__init__(
@@ -97,6 +148,11 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
         if device_memory is not None:
             self._profile = self._profile.with_memory(int(device_memory * GIB))
         self._batch_size = batch_size
+        self._global_batch_size = global_batch_size
+        #: The per-rank batch of each data-parallel size the layout was chosen with (set in `resolve_dims`).
+        self.batch_rule: BatchRule | None = None
+        #: What `distributed_sampler_kwargs` answers while a `train_dataloader()` is read before the mesh exists.
+        self._reading_sampler: dict[str, int] | None = None
         self._seq_len = seq_len
         self._fixed_checkpointing = activation_checkpointing
         self._planning_kwargs = {
@@ -118,6 +174,7 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
             "profile": self._profile,
             "device_memory": self._profile.device_memory,
             "batch_size": self._batch_size,
+            "global_batch_size": self._global_batch_size,
             "seq_len": self._seq_len,
             "strategy_kwargs": dict(self._planning_kwargs),
         }
@@ -127,17 +184,43 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
         """The layout chosen, once the sizes are resolved."""
         return self.search_result.best.layout if self.search_result and self.search_result.best else None
 
-    def _training_batch_size(self) -> int:
-        if self._batch_size is not None:
-            return self._batch_size
-        source = training_data_source(attached_trainer(self.lightning_module))
-        size = getattr(source, "batch_size", None)
-        if isinstance(size, int) and size > 0:
-            return size
-        raise ValueError(
-            "AutoParallelStrategy cannot see the per-rank batch size (the training data is not a DataLoader or data"
-            " module with a `batch_size`). Pass `batch_size=` (sequences per data-parallel rank per step)."
-        )
+    def _batch_rule(self, world_size: int) -> BatchRule:
+        """The per-rank batch of each data-parallel size of `world_size` ranks (`strategies.auto_batch`)."""
+        read = None
+        if self._batch_size is None:
+            trainer = attached_trainer(self.lightning_module)
+            source = training_data_source(trainer) if trainer is not None else None
+            source = source if source is not None else self.lightning_module  # Lightning's default source
+            read = read_batch_sizes(source, world_size, self._loader_at)
+        rule = resolve_batch_rule(self._batch_size, self._global_batch_size, read)
+        check_no_size_fits(rule, world_size)
+        return rule
+
+    def _loader_at(self, source: Any, data_parallel: int) -> Any:
+        """`source.train_dataloader()` as it would be built on `data_parallel` data-parallel ranks."""
+        self._reading_sampler = {"num_replicas": data_parallel, "rank": 0}
+        try:
+            return source.train_dataloader()
+        finally:
+            self._reading_sampler = None
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The chosen mesh's data-parallel size and rank; while the layout is being chosen, the size being read."""
+        if self._reading_sampler is not None:
+            return dict(self._reading_sampler)
+        return super().distributed_sampler_kwargs
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Refuse a training loader whose batch is not the one the layout was chosen for."""
+        trainer = attached_trainer(self.lightning_module)
+        rule, dims = self.batch_rule, self.dims
+        training = trainer is not None and trainer.state.stage == RunningStage.TRAINING
+        if training and rule is not None and dims is not None:
+            check_loader(dataloader, rule.at(dims.data_parallel), dims.data_parallel, rule)
+        return super().process_dataloader(dataloader)
 
     @override
     def resolve_dims(self, world_size: int, devices_per_node: int, num_nodes: int) -> ParallelDims:
@@ -154,12 +237,13 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
                 " use `python -m lightning_dpar plan --auto ...`."
             )
         precision = self.precision_plugin.precision
+        rule = self._batch_rule(world_size)
         result = search_anywhere(
             module,
             world_size,
             num_nodes,
             self._profile,
-            self._training_batch_size(),
+            rule if rule.per_rank is None else rule.per_rank,
             self._seq_len,
             precision,
             self._planning_kwargs,
@@ -175,7 +259,7 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
                 f" (profile {self._profile.name}; the smallest, {smallest}). {would_fit}. Add devices,"
                 " raise `device_memory`, or lower the batch size."
             )
-        self.search_result = result
+        self.search_result, self.batch_rule = result, rule
         self._apply(result.best.layout)
         rank_zero_info(render_choice(result))
 

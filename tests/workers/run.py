@@ -56,6 +56,7 @@ MODULES = [
         "moe",
         "activations",
         "auto_layout",
+        "auto_data",
     )
 ]
 

@@ -45,3 +45,16 @@ def test_when_nothing_fits_it_says_what_would(capsys):
 def test_an_unknown_profile_is_refused_naming_the_presets(capsys):
     assert main(["plan", "--auto", "--profile", "tpu", *SMALL_GPT]) == 1
     assert "`profile='tpu'` is not a known hardware profile" in capsys.readouterr().err
+
+
+def test_plan_auto_with_a_global_batch_prices_each_layout_at_its_share(capsys):
+    assert main(["plan", "--auto", "--global-batch-size", "6", "--top", "100", *SMALL_GPT]) == 0
+    out = capsys.readouterr().out
+    assert "a global batch of 6 sequences, split over the data-parallel ranks, of 128 tokens each" in out
+    assert "(4 data-parallel ranks): a global batch of 6 does not split evenly over 4 data-parallel ranks" in out
+    assert "samples/s" in out
+
+
+def test_plan_auto_refuses_both_batch_sizes(capsys):
+    assert main(["plan", "--auto", "--batch-size", "2", "--global-batch-size", "8", *SMALL_GPT]) == 1
+    assert "`--batch-size` and `--global-batch-size` both fix the batch" in capsys.readouterr().err
