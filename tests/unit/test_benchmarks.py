@@ -284,3 +284,32 @@ def test_gpu_check_counts_the_gpu_tests(tmp_path):
     assert counts["failed"] == ["test_b: assert 1 < 0", "test_c: RuntimeError: nccl"]
     line = gpu_tests_line({"command": "pytest -m gpu", "wall_s": 28.0, **counts})
     assert "1 passed, 1 failed, 1 errors, 1 skipped in 28 s" in line and "- failed: `test_b: assert 1 < 0`" in line
+
+
+def test_gpu_check_repetitions_rotate_stop_at_the_budget_and_survive_a_failed_launch(monkeypatch):
+    import subprocess
+
+    from benchmarks import gpu_check
+
+    calls = []
+
+    def fake_launch(args, world, presets, extra, timeout):
+        offset = int(extra[extra.index("--repeat-offset") + 1])
+        calls.append((args.repeats, presets, offset, timeout))
+        if offset == 1:
+            raise subprocess.CalledProcessError(1, "torchrun")
+        return [_check_raw(1000, 1000, 100.0)]
+
+    monkeypatch.setattr(gpu_check, "launch_worker", fake_launch)
+    args = gpu_check.parse_args(["--smoke", "--repeats", "3", "--device", "cpu"])
+    (merged,), notes = gpu_check.run_benchmark(args, float("inf"))
+    assert [c[2] for c in calls] == [0, 1, 2] and {c[0] for c in calls} == {1}  # one repetition per process
+    assert calls[0][1] == ["gpu-smoke", "gpu-llama-smoke"] and calls[0][3] is None
+    assert merged["repeats"] == 2 and len(notes) == 1 and notes[0].startswith("Repetition 1 failed")
+    calls.clear()
+    (merged,), notes = gpu_check.run_benchmark(args, 0.0)  # a deadline long past: the first repetition only
+    assert (
+        len(calls) == 1
+        and merged["repeats"] == 1
+        and notes == ["Stopped after 1 of 3 repetitions: the next would pass --budget-s."]
+    )
