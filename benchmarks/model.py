@@ -20,21 +20,30 @@ from lightning_dpar.examples.gpt import Decoder
 class Size:
     """Model and batch shape. `kind="mlp"`: residual MLP blocks over float inputs (embeddings already applied);
     `kind="gpt"`: the package's example decoder (`lightning_dpar.examples.gpt.Decoder`: attention, LayerNorm,
-    embeddings and LM head) on random token ids."""
+    embeddings and LM head) on random token ids; `kind="llama"`: a transformers `LlamaForCausalLM` built from its
+    config (`hidden` is its MLP width, `kv_heads` its grouped-query key/value heads, no key/value cache), as a
+    user of transformers would train one."""
 
     dim: int
-    hidden: int  # mlp only; the GPT's MLP is 4 * dim
+    hidden: int  # mlp and llama (intermediate size); the GPT's MLP is 4 * dim
     depth: int
     seq: int
     batch: int  # per data-parallel rank
     kind: str = "mlp"
     heads: int = 0  # gpt only
-    vocab: int = 0  # gpt only
+    vocab: int = 0  # gpt and llama
+    kv_heads: int = 0  # llama only
 
     def as_dict(self) -> dict[str, int | str]:
         return asdict(self)
 
     def describe(self) -> str:
+        if self.kind == "llama":
+            return (
+                f"transformers LlamaForCausalLM, {self.depth} layers, hidden {self.dim}, MLP {self.hidden},"
+                f" {self.heads} heads / {self.kv_heads} key-value heads, vocab {self.vocab}"
+                f" ({parameter_count(self) / 1e6:,.1f} M parameters)"
+            )
         if self.kind == "gpt":
             return (
                 f"GPT decoder, {self.depth} layers, dim {self.dim}, {self.heads} heads, vocab {self.vocab}"
@@ -45,8 +54,9 @@ class Size:
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 x (parameters that multiply activations; not the embedding lookups), plus,
         for the GPT, attention's 12 x layers x dim x seq (the PaLM paper's count, which ignores causal masking)."""
-        if self.kind == "gpt":
-            matmul_params = parameter_count(self) - (self.vocab + self.seq) * self.dim
+        if self.kind in ("gpt", "llama"):
+            embeddings = self.vocab + (self.seq if self.kind == "gpt" else 0)  # llama: rotary, no position table
+            matmul_params = parameter_count(self) - embeddings * self.dim
             return 6.0 * matmul_params + 12.0 * self.depth * self.dim * self.seq
         return 6.0 * parameter_count(self)
 
@@ -105,6 +115,26 @@ PRESETS: dict[str, Preset] = {
         drivers=("plain", "dpar"),
         checkpoints=False,
     ),
+    # `benchmarks.gpu_check`'s second model: a transformers Llama of ~1.1 B parameters (TinyLlama's width, 16
+    # layers, GQA 16/8, MLP 4 x dim), FSDP only, package against the hand loop; and the same at smoke size.
+    "gpu-llama": Preset(
+        Size(dim=2048, hidden=8192, depth=16, seq=2048, batch=4, kind="llama", heads=16, kv_heads=8, vocab=32000),
+        "bf16-mixed",
+        (1,),
+        families=("fsdp",),
+        drivers=("plain", "dpar"),
+        checkpoints=False,
+        warmup=3,
+        steps=8,
+    ),
+    "gpu-llama-smoke": Preset(
+        Size(dim=64, hidden=128, depth=2, seq=32, batch=2, kind="llama", heads=4, kv_heads=2, vocab=128),
+        "bf16-mixed",
+        (1,),
+        families=("fsdp",),
+        drivers=("plain", "dpar"),
+        checkpoints=False,
+    ),
 }
 DEFAULT_PRESET = {"cpu": "cpu", "cuda": "gpu"}
 
@@ -133,12 +163,18 @@ def block_tp_plan(size: Size) -> dict[str, ParallelStyle]:
 
 
 def block_class(size: Size) -> type[nn.Module]:
+    if size.kind == "llama":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        return LlamaDecoderLayer
     return GPTBlock if size.kind == "gpt" else Block
 
 
 def blocks(net: nn.Module) -> nn.ModuleList:
     """The repeated blocks: FSDP units, compile units and tensor-parallel targets."""
-    return net.blocks if isinstance(net, Decoder) else net.layers
+    if isinstance(net, Decoder):
+        return net.blocks
+    return net.model.layers if hasattr(net, "model") else net.layers  # `LlamaForCausalLM.model.layers`
 
 
 def parameter_count(size: Size) -> int:
@@ -168,7 +204,25 @@ class Net(nn.Module):
         return self.out(x)
 
 
+def _new_llama(size: Size) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=size.vocab,
+        hidden_size=size.dim,
+        intermediate_size=size.hidden,
+        num_hidden_layers=size.depth,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        max_position_embeddings=size.seq,
+        use_cache=False,  # training: no key/value cache (as the hand loop to beat is written)
+    )
+    return LlamaForCausalLM(config)
+
+
 def _new_net(size: Size) -> nn.Module:
+    if size.kind == "llama":
+        return _new_llama(size)
     if size.kind == "gpt":
         return Decoder(size.vocab, size.seq, size.depth, size.heads, size.dim)
     return Net(size)
@@ -187,15 +241,15 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 
 
 class SyntheticTokens(Dataset):
-    """`n` samples: for the MLP, random `[seq, dim]` inputs and targets (embeddings already applied); for the GPT,
-    random token ids `[seq + 1]` (inputs and next-token targets). Only `pool` distinct samples are stored and
+    """`n` samples: for the MLP, random `[seq, dim]` inputs and targets (embeddings already applied); for the GPT and
+    the Llama, random token ids `[seq + 1]` (inputs and next-token targets). Only `pool` distinct samples are stored and
     repeated, so GPU-sized runs do not hold gigabytes of data in every process."""
 
     def __init__(self, size: Size, n: int, pool: int = 32, seed: int = 1234) -> None:
         g = torch.Generator().manual_seed(seed)
         self.n = n
         rows = min(n, pool)
-        if size.kind == "gpt":
+        if size.kind in ("gpt", "llama"):
             tokens = torch.randint(0, size.vocab, (rows, size.seq + 1), generator=g)
             self.x, self.y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         else:
@@ -212,6 +266,7 @@ class SyntheticTokens(Dataset):
 def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     out = model(x)
+    out = getattr(out, "logits", out)  # transformers: a `CausalLMOutput`
     if y.dtype == torch.int64:  # token ids: next-token cross-entropy, in fp32 as under mixed precision
         return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
     return F.mse_loss(out, y)

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_world(args: argparse.Namespace, world: int) -> dict:
+    return launch_worker(args, world, [args.preset])
+
+
+def launch_worker(
+    args: argparse.Namespace,
+    world: int,
+    presets: list[str],
+    extra: Sequence[str] = (),
+    timeout: float | None = None,
+) -> Any:
+    """One torchrun launch of `benchmarks.worker` on `world` ranks: the raw report of one preset, or a list (one per
+    preset, their variants interleaved) for several; `extra` are further worker arguments."""
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = Path(tmp) / "raw.json"
         cmd = [
@@ -64,11 +77,13 @@ def run_world(args: argparse.Namespace, world: int) -> dict:
             "-m",
             "benchmarks.worker",
             f"--device={args.device}",
-            f"--preset={args.preset}",
+            "--preset",
+            *presets,
             f"--warmup={args.warmup}",
             f"--steps={args.steps}",
             f"--repeats={args.repeats}",
             f"--out={raw_path}",
+            *extra,
         ]
         if args.only:
             cmd += ["--only", *args.only]
@@ -77,7 +92,7 @@ def run_world(args: argparse.Namespace, world: int) -> dict:
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         if args.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", "1")  # one core per rank, as torchrun sets it by default
-        subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+        subprocess.run(cmd, check=True, cwd=ROOT, env=env, timeout=timeout)
         return json.loads(raw_path.read_text())
 
 

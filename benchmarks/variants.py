@@ -1,7 +1,8 @@
 """Every benchmarked variant and how one repetition of it is measured.
 
-All variants train `benchmarks.model.Net` on the same data with the same per-rank batch, optimizer and mesh, and
-are timed by the same `StepClock` (wall time between the ends of consecutive steps, data loading included), so the
+All variants train the preset's model (`benchmarks.model`: MLP blocks, the example GPT or a transformers Llama),
+built on the device it trains on, with the same data, per-rank batch, optimizer and mesh, and are timed by the same
+`StepClock` of `benchmarks.clock` (wall time between the ends of consecutive steps, data loading included), so the
 only difference left is the training driver: a plain loop, Lightning's strategies, or this package's.
 """
 
@@ -19,7 +20,6 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.profilers import Profiler
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
+from benchmarks.clock import ClockCallback, RecordFunctionProfiler, StepClock
 from benchmarks.model import (
     BenchModule,
     HandParallelModule,
@@ -60,6 +61,8 @@ class Context:
     checkpoint_root: str
     #: Record the timed steps with `torch.profiler` (ops, and Lightning's hooks as ranges); see `benchmarks.profile`.
     profile: bool = False
+    #: `torch.compile` options of the compiled variants, hand loop and package alike (`{}`: the default, Inductor).
+    compile_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def size(self) -> Size:
@@ -88,96 +91,10 @@ class Measurement:
     peak_memory_bytes: int
     state_bytes: dict[str, int]
     checkpoint: dict[str, float] = field(default_factory=dict)
+    #: Bytes still allocated when the variant started (`StepClock.memory_at_reset`): ~0 unless a variant leaked.
+    memory_at_reset_bytes: int = 0
     #: With `Context.profile`: per profiled event, `[name, calls, self CPU us, total CPU us]` over the timed steps.
     profile: list[list] = field(default_factory=list)
-
-
-class StepClock:
-    """Step times and peak memory, measured identically for plain loops and Lightning (via `ClockCallback`)."""
-
-    def __init__(self, device: torch.device, profile_window: tuple[int, int] | None = None) -> None:
-        self.device = device
-        #: `(after, until)`: run `torch.profiler` from the end of step `after` (the warm-up) to the end of `until`.
-        self.profile_window = profile_window
-        self._profiler: torch.profiler.profile | None = None
-        self.profile: list[list] = []
-        self.times: list[float] = []
-        self.cpu_times: list[float] = []
-        self.peak_rss = 0
-        #: CPU: memory is reported as growth over the RSS before the variant built anything.
-        self.baseline_rss = current_rss_bytes()
-        self._last: float | None = None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def start(self) -> None:
-        self._sync()
-        self._last = time.perf_counter()
-        self._last_cpu = time.process_time()
-
-    def tick(self) -> None:
-        self._sync()
-        now, now_cpu = time.perf_counter(), time.process_time()
-        assert self._last is not None
-        self.times.append(now - self._last)
-        self.cpu_times.append(now_cpu - self._last_cpu)
-        self._last, self._last_cpu = now, now_cpu
-        self.sample_memory()
-        if self.profile_window is None:
-            return
-        if len(self.times) == self.profile_window[0]:
-            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            self._profiler.__enter__()
-            self._last, self._last_cpu = time.perf_counter(), time.process_time()  # start-up not counted
-        elif len(self.times) == self.profile_window[1] and self._profiler is not None:
-            self._stop_profiler()
-
-    def _stop_profiler(self) -> None:
-        assert self._profiler is not None
-        self._profiler.__exit__(None, None, None)
-        self.profile = [
-            [e.key, e.count, e.self_cpu_time_total, e.cpu_time_total] for e in self._profiler.key_averages()
-        ]
-        self._profiler = None
-
-    def sample_memory(self) -> None:
-        """CPU has no allocator statistics: sample the RSS (after forward, when activations are alive, and at the
-        end of each step, when gradients and optimizer state are)."""
-        if self.device.type != "cuda":
-            self.peak_rss = max(self.peak_rss, current_rss_bytes())
-
-    def peak_memory(self) -> int:
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return max(self.peak_rss - self.baseline_rss, 0)
-
-
-class ClockCallback(L.Callback):
-    def __init__(self, clock: StepClock) -> None:
-        self.clock = clock
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == 0:
-            self.clock.start()
-
-    def on_before_backward(self, trainer, pl_module, loss):
-        self.clock.sample_memory()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.clock.tick()
-
-
-def current_rss_bytes() -> int:
-    """Resident set size now (Linux `/proc/self/statm`); 0 where unavailable."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -199,9 +116,9 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 # ------------------------------------------------------------------------------------------ plain PyTorch loops
 
 
-def _compile_blocks(net: nn.Module) -> None:
+def _compile_blocks(net: nn.Module, options: dict[str, Any]) -> None:
     for block in blocks(net):
-        block.compile()
+        block.compile(**options)
 
 
 def _mixed_precision(ctx: Context, root: bool) -> MixedPrecisionPolicy:
@@ -222,10 +139,11 @@ def _forward_context(family: str, ctx: Context) -> Any:
 
 def _plain_model(family: str, compiled: bool, ctx: Context) -> tuple[nn.Module, int, int]:
     """The network parallelised by hand exactly as the package does it; returns (model, dp size, dp rank)."""
-    net = build_net(ctx.size).to(ctx.device)
+    with ctx.device:  # built where it trains (a 1 B model's CPU init would take longer than its steps)
+        net = build_net(ctx.size)
     if family == "replicate":
         if compiled:
-            _compile_blocks(net)
+            _compile_blocks(net, ctx.compile_options)
         device_ids = [ctx.device] if ctx.device.type == "cuda" else None
         return DistributedDataParallel(net, device_ids=device_ids), ctx.world, dist.get_rank()
     if family == "fsdp":
@@ -236,7 +154,7 @@ def _plain_model(family: str, compiled: bool, ctx: Context) -> tuple[nn.Module, 
             for block in blocks(net):
                 parallelize_module(block, tp_mesh, block_tp_plan(ctx.size))
     if compiled:
-        _compile_blocks(net)
+        _compile_blocks(net, ctx.compile_options)
     for block in blocks(net):
         fully_shard(block, mesh=mesh, mp_policy=_mixed_precision(ctx, root=False))
     fully_shard(net, mesh=mesh, mp_policy=_mixed_precision(ctx, root=True))
@@ -247,26 +165,6 @@ def _plain_model(family: str, compiled: bool, ctx: Context) -> tuple[nn.Module, 
 
 def _clock(ctx: Context) -> StepClock:
     return StepClock(ctx.device, (ctx.warmup, ctx.total_steps) if ctx.profile else None)
-
-
-class RecordFunctionProfiler(Profiler):
-    """Lightning profiler that only marks each hook and loop phase as a `torch.profiler` range, so a profile of the
-    timed steps shows, next to the ops, the CPU time of every hook by its Lightning name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._open: dict[str, list[Any]] = {}
-
-    def start(self, action_name: str) -> None:
-        handle = torch.profiler.record_function(action_name)
-        handle.__enter__()
-        self._open.setdefault(action_name, []).append(handle)
-
-    def stop(self, action_name: str) -> None:
-        self._open[action_name].pop().__exit__(None, None, None)
-
-    def summary(self) -> str:
-        return ""
 
 
 def run_plain(family: str, compiled: bool, ctx: Context) -> Measurement:
@@ -290,7 +188,12 @@ def run_plain(family: str, compiled: bool, ctx: Context) -> Measurement:
         if step + 1 == ctx.total_steps:
             break
     return Measurement(
-        clock.times, clock.cpu_times, clock.peak_memory(), state_bytes(model, optimizer), profile=clock.profile
+        clock.times,
+        clock.cpu_times,
+        clock.peak_memory(),
+        state_bytes(model, optimizer),
+        profile=clock.profile,
+        memory_at_reset_bytes=clock.memory_at_reset,
     )
 
 
@@ -316,11 +219,17 @@ def run_lightning(
         num_sanity_val_steps=0,
         profiler=RecordFunctionProfiler() if ctx.profile else None,
     )
-    module = module_cls(ctx.size)
+    with ctx.device:  # as the plain loops build theirs
+        module = module_cls(ctx.size)
     trainer.fit(module, DataLoader(ctx.data, batch_size=ctx.size.batch, shuffle=False))
     optimizer = trainer.optimizers[0]
     measurement = Measurement(
-        clock.times, clock.cpu_times, clock.peak_memory(), state_bytes(module, optimizer), profile=clock.profile
+        clock.times,
+        clock.cpu_times,
+        clock.peak_memory(),
+        state_bytes(module, optimizer),
+        profile=clock.profile,
+        memory_at_reset_bytes=clock.memory_at_reset,
     )
     if checkpoint and ctx.preset.checkpoints:
         measurement.checkpoint = _time_checkpoints(trainer, ctx.checkpoint_root, with_async=checkpoint == "async")
@@ -370,9 +279,11 @@ def _time_checkpoints(trainer: L.Trainer, checkpoint_root: str, with_async: bool
     return times
 
 
-def _dpar(name: str, **kwargs: Any) -> Callable[[Context], Any]:
+def _dpar(name: str, compiled: bool) -> Callable[[Context], Any]:
     def make(ctx: Context) -> Any:
         import lightning_dpar
+
+        kwargs = {"compile": (ctx.compile_options or True) if compiled else False}
 
         if name == "2d":
             return lightning_dpar.FSDPTensorParallelStrategy(
@@ -446,7 +357,7 @@ def all_variants() -> list[Variant]:
                     "dpar",
                     compiled,
                     lambda ctx, f=family, c=compiled: run_lightning(
-                        _dpar(f, compile=c), BenchModule, ctx, "" if c else "async"
+                        _dpar(f, c), BenchModule, ctx, "" if c else "async"
                     ),
                 )
             )
@@ -454,7 +365,13 @@ def all_variants() -> list[Variant]:
 
 
 def build_context(
-    preset: Preset, device: torch.device, warmup: int, steps: int, checkpoint_root: str, profile: bool = False
+    preset: Preset,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    checkpoint_root: str,
+    profile: bool = False,
+    compile_options: dict[str, Any] | None = None,
 ) -> Context:
     world = dist.get_world_size()
     if world % TENSOR_PARALLEL_SIZE and world > 1:
@@ -462,7 +379,7 @@ def build_context(
     tp = min(TENSOR_PARALLEL_SIZE, world)
     mesh_2d = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
     data = SyntheticTokens(preset.size, n=world * preset.size.batch * (warmup + steps))
-    return Context(preset, device, warmup, steps, data, mesh_2d, checkpoint_root, profile)
+    return Context(preset, device, warmup, steps, data, mesh_2d, checkpoint_root, profile, dict(compile_options or {}))
 
 
 def preset_variants(preset: Preset, device_type: str, only: list[str] | None = None) -> list[Variant]:

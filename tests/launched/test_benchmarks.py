@@ -79,3 +79,30 @@ def test_pipeline_benchmark_end_to_end(tmp_path):
     assert math.isfinite(summary["dpar_1f1b_m4"]["step_time_vs_plain"])
     table = (tmp_path / "pipeline_tiny.md").read_text()
     assert "| GPipe | 4 |" in table and "| 1F1B | 4 |" in table and "| dpar_gpipe_m4 |" in table
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_end_to_end(tmp_path):
+    """`python -m benchmarks.gpu_check --smoke`: the lent GPU's one command at smoke size (GPT and transformers Llama,
+    hand loop against the package, eager and compiled; the GPU tests run to their skip on the CPU), two repetitions
+    in two processes, merged: every variant of both models has numbers in the table and the JSON. Slow: three
+    launches (the GPU tests and two repetitions), ~1 min on an idle 2-core machine."""
+    from benchmarks.gpu_check import VARIANTS
+
+    proc = run_script(["-m", "benchmarks.gpu_check", "--smoke", "--repeats", "2", "--out", str(tmp_path)], ROOT, 600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (md,) = tmp_path.glob("gpu_check_smoke_*.md")
+    result = json.loads(md.with_suffix(".json").read_text())
+    assert result["tests"]["tests"] == 25 and not result["tests"]["failed"], result["tests"]
+    assert [m["raw"]["preset"] for m in result["models"]] == ["gpu-smoke", "gpu-llama-smoke"]
+    table = md.read_text()
+    assert "transformers" in table and ("25 skipped" in table or "25 passed" in table)
+    for model in result["models"]:
+        assert model["raw"]["repeats"] == 2 and not model["raw"]["errors"], model["raw"].get("errors")
+        assert set(model["summary"]) == set(VARIANTS)
+        for name, s in model["summary"].items():
+            assert len(s["rep_median_ms"]) == 2 and s["step_time_ms"] > 0 and s["tokens_per_s"] > 0, name
+            row = next(line for line in table.splitlines() if line.startswith(f"| {name} | "))
+            assert math.isfinite(float(row.split("|")[2])), row
+        for name in ("dpar_fsdp", "dpar_fsdp_compiled"):
+            assert "overhead_vs_plain" in model["summary"][name] and f"| {name} | " in table

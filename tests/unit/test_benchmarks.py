@@ -1,15 +1,16 @@
 """The benchmark suite's arithmetic (`benchmarks/`) on known numbers, in process: summaries, ratios and targets,
-presets, MFU, overhead tables, the pipeline summary and timer. The tiny end-to-end runs that keep the commands working
-are in `tests/launched/test_benchmarks.py`."""
+presets, MFU, overhead tables, the pipeline summary and timer, the GPU check's merge, table and test counts. The tiny
+end-to-end runs that keep the commands working are in `tests/launched/test_benchmarks.py`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from benchmarks.gpu_check import device_slug, gpu_tests_line, junit_counts, merge
 from benchmarks.model import PRESETS, Size, parameter_count
 from benchmarks.overhead import overhead_markdown, per_step_events
-from benchmarks.report import markdown, summarize
+from benchmarks.report import check_markdown, markdown, summarize
 
 
 def _rank(step_ms: float, state_mib: float, checkpoint: dict | None = None) -> dict:
@@ -214,3 +215,101 @@ def test_pipeline_timer_restores_torch_classes():
         assert PipelineStage.perform_reduce_grad is not before[1]
     assert (PipelineStage.forward_one_chunk, PipelineStage.perform_reduce_grad, ScheduleGPipe.step) == before
     assert "step" not in vars(ScheduleGPipe) and "forward_one_chunk" not in vars(PipelineStage)  # inherited again
+
+
+def test_llama_preset_is_the_issue_s_1b_llama():
+    pytest.importorskip("transformers")
+    llama = PRESETS["gpu-llama"].size
+    assert (llama.dim, llama.depth, llama.heads, llama.kv_heads, llama.vocab) == (2048, 16, 16, 8, 32000)
+    assert (llama.batch, llama.seq) == (4, 2048) and PRESETS["gpu-llama"].precision == "bf16-mixed"
+    assert 1.0e9 < parameter_count(llama) < 1.2e9
+    tiny = PRESETS["gpu-llama-smoke"].size
+    matmul_params = parameter_count(tiny) - tiny.vocab * tiny.dim  # rotary: no position table
+    assert tiny.flops_per_token() == 6 * matmul_params + 12 * tiny.depth * tiny.dim * tiny.seq
+
+
+def _check_raw(plain_peak: int, dpar_peak: int, dpar_ms: float) -> dict:
+    def variant(driver, compiled, ms, peak):
+        v = _variant("fsdp", driver, compiled, ms, 12.0)
+        run = [{**v["runs"][0][0], "peak_memory_bytes": peak * 1024**2, "memory_at_reset_bytes": 1024**2}]
+        return {**v, "runs": [run]}
+
+    return {
+        **RAW,
+        "world_size": 1,
+        "device": "cuda",
+        "device_name": "NVIDIA H100 80GB HBM3",
+        "precision": "bf16-mixed",
+        "preset": "gpu",
+        "repeats": 1,
+        "wall_s": 10.0,
+        "size_description": "GPT decoder",
+        "variants": {
+            "plain_fsdp": variant("plain", False, 100.0, plain_peak),
+            "dpar_fsdp": variant("dpar", False, dpar_ms, dpar_peak),
+        },
+    }
+
+
+def test_gpu_check_merges_repetitions_and_tables_ratios_against_the_hand_loop():
+    first, second = _check_raw(1000, 1020, 100.5), _check_raw(1000, 1100, 103.0)
+    second["errors"] = {"dpar_fsdp": ["RuntimeError: boom"]}
+    (merged,) = merge([[first], [second]])
+    assert merged["repeats"] == 2 and len(merged["variants"]["dpar_fsdp"]["runs"]) == 2
+    assert merged["errors"] == {"dpar_fsdp": ["RuntimeError: boom"]} and "errors" not in first  # inputs untouched
+    summary = summarize(merged)
+    dpar = summary["dpar_fsdp"]
+    assert dpar["memory_vs_plain"] == pytest.approx(1.1)  # the highest peak of the repetitions
+    assert dpar["memory_at_reset_mib"] == pytest.approx(1.0)
+    assert dpar["rep_median_ms"] == pytest.approx([100.5, 103.0])
+    table = check_markdown(merged, summary)
+    assert "| plain_fsdp | 100.0 | 100.0-100.0 |" in table and "hand loop" in table
+    assert "1.018 (+1.8%) ❌" in table and "1.100 (+10.0%) ❌" in table  # targets: 1% time, 3% memory
+    within = summarize(_check_raw(1000, 1020, 100.5))["dpar_fsdp"]
+    assert within["memory_vs_plain"] == pytest.approx(1.02)
+    assert "1.005 (+0.5%) ✅" in check_markdown(_check_raw(1000, 1020, 100.5), {"dpar_fsdp": within})
+    assert device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+def test_gpu_check_counts_the_gpu_tests(tmp_path):
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<testsuites><testsuite tests="4" failures="1" errors="1" skipped="1">'
+        '<testcase name="test_a"/><testcase name="test_b"><failure message="assert 1 &lt; 0&#10;more"/></testcase>'
+        '<testcase name="test_c"><error message="RuntimeError: nccl"/></testcase>'
+        '<testcase name="test_d"><skipped/></testcase></testsuite></testsuites>'
+    )
+    counts = junit_counts(xml)
+    assert (counts["passed"], counts["failures"], counts["errors"], counts["skipped"]) == (1, 1, 1, 1)
+    assert counts["failed"] == ["test_b: assert 1 < 0", "test_c: RuntimeError: nccl"]
+    line = gpu_tests_line({"command": "pytest -m gpu", "wall_s": 28.0, **counts})
+    assert "1 passed, 1 failed, 1 errors, 1 skipped in 28 s" in line and "- failed: `test_b: assert 1 < 0`" in line
+
+
+def test_gpu_check_repetitions_rotate_stop_at_the_budget_and_survive_a_failed_launch(monkeypatch):
+    import subprocess
+
+    from benchmarks import gpu_check
+
+    calls = []
+
+    def fake_launch(args, world, presets, extra, timeout):
+        offset = int(extra[extra.index("--repeat-offset") + 1])
+        calls.append((args.repeats, presets, offset, timeout))
+        if offset == 1:
+            raise subprocess.CalledProcessError(1, "torchrun")
+        return [_check_raw(1000, 1000, 100.0)]
+
+    monkeypatch.setattr(gpu_check, "launch_worker", fake_launch)
+    args = gpu_check.parse_args(["--smoke", "--repeats", "3", "--device", "cpu"])
+    (merged,), notes = gpu_check.run_benchmark(args, float("inf"))
+    assert [c[2] for c in calls] == [0, 1, 2] and {c[0] for c in calls} == {1}  # one repetition per process
+    assert calls[0][1] == ["gpu-smoke", "gpu-llama-smoke"] and calls[0][3] is None
+    assert merged["repeats"] == 2 and len(notes) == 1 and notes[0].startswith("Repetition 1 failed")
+    calls.clear()
+    (merged,), notes = gpu_check.run_benchmark(args, 0.0)  # a deadline long past: the first repetition only
+    assert (
+        len(calls) == 1
+        and merged["repeats"] == 1
+        and notes == ["Stopped after 1 of 3 repetitions: the next would pass --budget-s."]
+    )
