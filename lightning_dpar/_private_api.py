@@ -99,6 +99,7 @@ __all__ = [
     "unfetched_training_iterator",
     "unflatten_mesh",
     "view_base",
+    "waited",
 ]
 
 
@@ -376,3 +377,24 @@ def trainer_and_mesh(module: nn.Module) -> tuple[Any, Any]:
     """The Trainer and device mesh a LightningModule holds, or None, without raising when none is attached (the
     public `trainer` property raises): what a copy of the module must share rather than copy."""
     return getattr(module, "_trainer", None), getattr(module, "_device_mesh", None)
+
+
+# `DTensor.to_local()` after an asynchronous redistribution (torch's `ColwiseParallel` / `RowwiseParallel` redistribute
+# their output with `async_op=True`) returns an `AsyncCollectiveTensor`, which waits for the collective on first use.
+# Fed as an input to a compiled block, torch 2.13's AOTAutograd replaces it by its inner tensor, which has no autograd
+# history: the compiled graph is built as if the input needed no gradient, and the gradient to the module that
+# produced it is dropped without an error (pytorch/pytorch#191113). Waiting with the functional `wait_tensor` op, whose
+# backward is the identity, gives a plain tensor that keeps the history, without a copy. There is no public way to
+# tell such a tensor or to wait on it. Checked on torch 2.11.0 (not affected, and unchanged by the wait) and 2.13.0.
+from torch.distributed._functional_collectives import AsyncCollectiveTensor  # noqa: E402
+from torch.distributed._functional_collectives import wait_tensor as _wait_tensor  # noqa: E402
+
+
+def waited(output: Any) -> Any:
+    """`output` with every `AsyncCollectiveTensor` in it (a tensor, or one level of tuple / list) waited on and
+    replaced by a plain tensor carrying the same autograd history; anything else is returned as it is."""
+    if isinstance(output, AsyncCollectiveTensor):
+        return _wait_tensor(output)
+    if type(output) in (tuple, list) and any(isinstance(item, AsyncCollectiveTensor) for item in output):
+        return type(output)(waited(item) for item in output)
+    return output

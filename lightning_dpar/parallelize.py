@@ -12,7 +12,7 @@ LightningModule itself get a `fully_shard` unit on it whose forward methods are 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,7 +30,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from lightning_dpar._private_api import checkpoint_activations, ddp_replicate
+from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, waited
 from lightning_dpar.expert_parallel import apply_expert_parallel
 from lightning_dpar.materialize import materialize_meta_tensors
 from lightning_dpar.pipeline.stage import PipelinedModel, split_into_stages
@@ -51,6 +51,7 @@ __all__ = [
     "apply_tensor_parallel",
     "ignored_parameters",
     "materialize_meta_tensors",
+    "wait_before_compiled_units",
 ]
 
 #: Applies the data-parallel wrapper for a plan, given the pipeline stages' root modules (none without pipelining);
@@ -97,6 +98,8 @@ def apply_plan(
     apply_activation_checkpointing(root, plan.activation_checkpointing)
     if compile_options is not None:
         apply_compile(root, plan.compile_units, compile_options)
+        if plan.tensor_parallel and tensor_parallel_mesh is not None and tensor_parallel_mesh.size() > 1:
+            wait_before_compiled_units(root, plan.tensor_parallel, plan.compile_units)
     stage_roots = list(pipelined.stages.values()) if pipelined is not None else []
     wrapped = wrap_data_parallel(root, plan, stage_roots)
     if pipelined is not None:
@@ -129,6 +132,23 @@ def apply_compile(root: nn.Module, fqns: Sequence[str], options: Mapping[str, An
     """Compile each listed block in place (`nn.Module.compile`): names and state-dict keys stay unchanged."""
     for fqn in fqns:
         root.get_submodule(fqn).compile(**options)
+
+
+def wait_before_compiled_units(root: nn.Module, tensor_parallel: Iterable[str], compiled: Sequence[str]) -> None:
+    """Make each tensor-parallel module that runs eagerly (outside every compiled unit) return plain tensors.
+
+    torch's column- and row-wise styles end with an asynchronous collective (the all-gather or all-reduce of the
+    module's output) and hand on its result as an `AsyncCollectiveTensor`. Where that is the input of a compiled unit
+    (a transformers model's row-wise token embedding feeding the first decoder layer), torch 2.13 compiles the unit as
+    if its input needed no gradient, so the embedding never gets one: measured on a tiny Llama under TP 2, its
+    gradient was exactly zero and the run ended 0.19 away from one process. A forward hook after the style's waits for
+    the collective there instead, keeping the autograd history (`_private_api.waited`; no copy). Inside a compiled
+    unit the styles' hooks are traced with the unit and need nothing."""
+    inside = tuple(f"{fqn}." for fqn in compiled if fqn)
+    for fqn in tensor_parallel:
+        if fqn in compiled or fqn.startswith(inside) or "" in compiled:
+            continue
+        root.get_submodule(fqn).register_forward_hook(lambda module, args, output: waited(output))
 
 
 def reshard(modules: Sequence[FSDPModule]) -> None:

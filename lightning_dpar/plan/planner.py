@@ -29,7 +29,7 @@ from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import resolve_split
 from lightning_dpar.plan.adapters import adapter_tp_plan
-from lightning_dpar.plan.compile import check_compile_with_tensor_parallel, compile_units
+from lightning_dpar.plan.compile import compile_units
 from lightning_dpar.plan.experts import pattern_reaches, plan_experts
 from lightning_dpar.plan.module_plan import ModulePlan, local_plan
 from lightning_dpar.plan.selectors import (
@@ -111,7 +111,6 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
     experts = plan_experts(module, dims.expert, dims.shard, _expert_selectors(module, options))
     tensor_parallel = _tensor_parallel(module, dims, options, experts)
     check_tied_layouts(module, tied, tensor_parallel)
-    check_compile_with_tensor_parallel(module, tensor_parallel, options.compile)
     shard_units = _shard_units(module, options, blocks)
     roots = data_parallel_roots(module)  # refuses containers holding parameters of their own
     if options.ddp_units and dims.tensor_parallel == 1:  # with TP the replicas are FSDP units, which can share
@@ -150,7 +149,6 @@ def _pipeline_plan(
     experts = plan_experts(module, dims.expert, dims.shard, _expert_selectors(module, options))
     tensor_parallel = _tensor_parallel(module, dims, options, experts)
     check_tied_layouts(module, tied, tensor_parallel)
-    check_compile_with_tensor_parallel(module, tensor_parallel, options.compile)
     whole = _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, experts)
     return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
 

@@ -15,10 +15,12 @@ from collections.abc import Iterator
 import lightning as L
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 from torch._dynamo.utils import counters
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
-from tests.support.models import TP_PLAN, ParityModule, RegressionData, loader
+from tests.support.models import TP_PLAN, Net, ParityModule, RegressionData, loader
 from tests.workers.cases import Case, one_case
 from tests.workers.common import BATCH, full_params, trainer_for
 
@@ -39,9 +41,33 @@ class StepRecorder(L.Callback):
         self.backward_captures.append(counters["compiled_autograd"]["captures"])
 
 
-def _train(strategy, steps: int = COMPILE_STEPS, **trainer_kwargs):
+class DirectInputNet(Net):
+    """`Net` with a linear layer `mix` before the blocks that feeds the first block directly, no eager operation in
+    between. Split row-wise, `mix` ends with an asynchronous all-reduce of its output, handed on as an
+    `AsyncCollectiveTensor`: what a transformers model's row-wise token embedding hands to the first decoder layer.
+    Width 16, which the row-wise split needs to divide by 2."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__(dim=dim)
+        self.mix = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.mix(F.relu(self.inp(x)))
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+class DirectInputModule(ParityModule):
+    def __init__(self, optimizer: str = "adam") -> None:
+        super().__init__(optimizer=optimizer)
+        torch.manual_seed(0)
+        self.model = DirectInputNet()
+
+
+def _train(strategy, steps: int = COMPILE_STEPS, module_class=ParityModule, **trainer_kwargs):
     recorder = StepRecorder()
-    module = ParityModule(optimizer="adam")
+    module = module_class(optimizer="adam")
     trainer = trainer_for(strategy, max_steps=steps, callbacks=[recorder], **trainer_kwargs)
     trainer.fit(module, loader(RegressionData(), BATCH))
     return trainer, module, recorder
@@ -56,10 +82,16 @@ COMPILE_CASES = {
     "fsdp": lambda **kw: FullyShardStrategy(**kw),
     "fsdp_activation_checkpointing": lambda **kw: FullyShardStrategy(activation_checkpointing=True, **kw),
     "2d": lambda **kw: FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN, **kw),
+    # A row-wise layer outside the compiled blocks whose all-reduced output is the first compiled block's input.
+    "2d_tensor_parallel_input_layer": lambda **kw: FSDPTensorParallelStrategy(
+        tensor_parallel_size=2, tp_plan={**TP_PLAN, "model.mix": "rowwise_split_input"}, **kw
+    ),
     "replicate": lambda **kw: ReplicateStrategy(**kw),
     "replicate_bf16_hook": lambda **kw: ReplicateStrategy(comm_hook="bf16_compress", **kw),
     "replicate_fp16_hook": lambda **kw: ReplicateStrategy(comm_hook="fp16_compress", **kw),
 }
+#: Cases trained on another module than `ParityModule`.
+CASE_MODULES = {"2d_tensor_parallel_input_layer": DirectInputModule}
 #: Compiled-autograd variants, compared against the eager run of the case named second.
 COMPILED_AUTOGRAD_CASES = {
     "replicate_compiled_autograd": "replicate",
@@ -70,7 +102,7 @@ COMPILED_AUTOGRAD_CASES = {
 @functools.cache
 def eager_run(name: str) -> dict:
     """The eager run of `COMPILE_CASES[name]`, kept for every compiled case compared against it."""
-    trainer, module, recorder = _train(COMPILE_CASES[name]())
+    trainer, module, recorder = _train(COMPILE_CASES[name](), module_class=CASE_MODULES.get(name, ParityModule))
     return {
         "losses": recorder.losses,
         "params": full_params(trainer),
@@ -79,7 +111,7 @@ def eager_run(name: str) -> dict:
     }
 
 
-def compiled_case(reference: str, make_strategy) -> dict | None:
+def compiled_case(reference: str, make_strategy, module_class=ParityModule) -> dict | None:
     """Train compiled and compare with the eager run named `reference`, with dynamo's counters per step."""
     want = eager_run(reference)
     # Forget earlier cases' compiled code, so each case must compile its own graphs in step 1: a compile that dynamo
@@ -88,7 +120,7 @@ def compiled_case(reference: str, make_strategy) -> dict | None:
     graphs_before = counters["stats"]["unique_graphs"]
     captures_before = counters["compiled_autograd"]["captures"]
     buckets_before = counters["inductor"]["ddp_buckets"]
-    trainer, module, recorder = _train(make_strategy())
+    trainer, module, recorder = _train(make_strategy(), module_class=module_class)
     params = full_params(trainer)
     compiled_units = sorted(
         fqn for fqn, m in module.named_modules() if getattr(m, "_compiled_call_impl", None) is not None
@@ -111,7 +143,13 @@ def compiled_case(reference: str, make_strategy) -> dict | None:
 
 def group_compile() -> Iterator[Case]:
     for name, make in COMPILE_CASES.items():
-        yield Case(f"compile_{name}", lambda name=name, make=make: compiled_case(name, lambda: make(compile=True)))
+        module_class = CASE_MODULES.get(name, ParityModule)
+        yield Case(
+            f"compile_{name}",
+            lambda name=name, make=make, module_class=module_class: compiled_case(
+                name, lambda: make(compile=True), module_class
+            ),
+        )
     for name, reference in COMPILED_AUTOGRAD_CASES.items():
         make = COMPILE_CASES[reference]
         yield Case(

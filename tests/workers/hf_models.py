@@ -218,4 +218,19 @@ def group_hf_llama() -> Iterator[Case]:
     )
 
 
-GROUPS = {"hf_llama": group_hf_llama}
+def group_hf_compile_tp() -> Iterator[Case]:
+    """`compile=True` under TP 2 with transformers' own plan: the row-wise token embedding runs eagerly and feeds the
+    first compiled decoder layer (`lightning_dpar.parallelize.wait_before_compiled_units`)."""
+    world = world_size()
+
+    def compiled_2d(**kwargs):
+        return FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan="auto", compile=True, **kwargs)
+
+    yield Case("llama_2d_auto_plan_compiled", lambda: parity_case(compiled_2d(), world // 2))
+    yield Case("qwen3_2d_auto_plan_compiled", lambda: parity_case(compiled_2d(), world // 2, model=Qwen3Module))
+    yield Case(
+        "tied_llama_2d_auto_plan_compiled", lambda: parity_case(compiled_2d(), world // 2, model=TiedLlamaModule)
+    )
+
+
+GROUPS = {"hf_llama": group_hf_llama, "hf_compile_tp": group_hf_compile_tp}

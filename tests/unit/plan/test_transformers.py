@@ -85,20 +85,18 @@ def test_tied_modules_with_layouts_that_cannot_share_one_tensor_are_refused(tp_p
 
 
 @pytest.mark.parametrize("pipeline", [1, 2])
-def test_compile_with_tensor_parallelism_on_a_transformers_model_is_refused(pipeline):
-    """Measured: compiled HF Llama decoder layers under TP 2 train 0.19 away from one process (eager TP and compiled
-    FSDP are exact). Refused in `module_plan`, before any collective, with the fix."""
+def test_compile_with_tensor_parallelism_on_a_transformers_model_is_planned(pipeline):
+    """Once refused (compiled decoder layers under TP trained 0.19 away from one process; the cause, the embedding's
+    lost gradient, is fixed in `lightning_dpar.parallelize.wait_before_compiled_units`): the plan has both the
+    tensor-parallel modules and the compiled decoder layers."""
     with torch.device("meta"):
         module = LlamaModule(build_seed=None)
     strategy = lightning_dpar.FSDPTensorParallelStrategy(
         tensor_parallel_size=2, tp_plan="auto", compile=True, pipeline_parallel_size=pipeline
     )
-    with pytest.raises(ValueError, match=r"not supported for transformers models \(net\).*`compile=False`"):
-        strategy.module_plan(module, strategy.resolve_dims(4, 4, 1), rank=0)
-    eager = lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan="auto")
-    assert eager.module_plan(module, eager.resolve_dims(4, 4, 1), rank=0).tensor_parallel
-    compiled_fsdp = lightning_dpar.FullyShardStrategy(compile=True)
-    assert compiled_fsdp.module_plan(module, compiled_fsdp.resolve_dims(4, 4, 1), rank=0).compile_units
+    module_plan = strategy.module_plan(module, strategy.resolve_dims(4, 4, 1), rank=0)
+    assert "net.model.embed_tokens" in module_plan.tensor_parallel
+    assert "net.model.layers.0" in module_plan.compile_units
 
 
 def test_strategy_argument_and_module_attribute_win_over_the_models_plan():
