@@ -12,7 +12,7 @@ LightningModule itself get a `fully_shard` unit on it whose forward methods are 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -98,8 +98,8 @@ def apply_plan(
     apply_activation_checkpointing(root, plan.activation_checkpointing)
     if compile_options is not None:
         apply_compile(root, plan.compile_units, compile_options)
-        if plan.tensor_parallel and tensor_parallel_mesh is not None and tensor_parallel_mesh.size() > 1:
-            wait_before_compiled_units(root, plan.tensor_parallel, plan.compile_units)
+        if tensor_parallel_mesh is not None and tensor_parallel_mesh.size() > 1:
+            wait_before_compiled_units(root, plan.compile_units)
     stage_roots = list(pipelined.stages.values()) if pipelined is not None else []
     wrapped = wrap_data_parallel(root, plan, stage_roots)
     if pipelined is not None:
@@ -134,21 +134,27 @@ def apply_compile(root: nn.Module, fqns: Sequence[str], options: Mapping[str, An
         root.get_submodule(fqn).compile(**options)
 
 
-def wait_before_compiled_units(root: nn.Module, tensor_parallel: Iterable[str], compiled: Sequence[str]) -> None:
-    """Make each tensor-parallel module that runs eagerly (outside every compiled unit) return plain tensors.
+def wait_before_compiled_units(root: nn.Module, compiled: Sequence[str]) -> None:
+    """Make each module that runs eagerly (outside every compiled unit, enclosing none) return plain tensors.
 
     torch's column- and row-wise styles end with an asynchronous collective (the all-gather or all-reduce of the
     module's output) and hand on its result as an `AsyncCollectiveTensor`. Where that is the input of a compiled unit
     (a transformers model's row-wise token embedding feeding the first decoder layer), torch 2.13 compiles the unit as
     if its input needed no gradient, so the embedding never gets one: measured on a tiny Llama under TP 2, its
-    gradient was exactly zero and the run ended 0.19 away from one process. A forward hook after the style's waits for
-    the collective there instead, keeping the autograd history (`_private_api.waited`; no copy). Inside a compiled
-    unit the styles' hooks are traced with the unit and need nothing."""
-    inside = tuple(f"{fqn}." for fqn in compiled if fqn)
-    for fqn in tensor_parallel:
-        if fqn in compiled or fqn.startswith(inside) or "" in compiled:
+    gradient was exactly zero and the run ended 0.19 away from one process. A forward hook waits for the collective
+    there instead, keeping the autograd history (`_private_api.waited`; no copy). Every eager module gets it, not only
+    the plan's tensor-parallel ones: a model parallelised in its own `configure_model` (adopted, with no plan of
+    ours) may end any module with such a collective; on a plain output the hook is one type check. Inside a compiled
+    unit the styles' hooks are traced with the unit and need nothing; a module enclosing compiled units returns what
+    they computed."""
+    if "" in compiled:
+        return
+    inside = tuple(f"{fqn}." for fqn in compiled)
+    for fqn, module in root.named_modules():
+        encloses = fqn == "" or any(unit.startswith(f"{fqn}.") for unit in compiled)
+        if fqn in compiled or fqn.startswith(inside) or encloses:
             continue
-        root.get_submodule(fqn).register_forward_hook(lambda module, args, output: waited(output))
+        module.register_forward_hook(lambda module, args, output: waited(output))
 
 
 def reshard(modules: Sequence[FSDPModule]) -> None:
