@@ -1,26 +1,28 @@
-"""The sweep's fixed multi-rank set (issue 32): draws made once from a seed (`tests.support.sweep.seeded_draws`:
+"""The sweep's fixed multi-rank set (issue 32): draws made once from a seed (`tests.support.sweep.multi_rank_draws`:
 layer shapes, tensor-parallel styles, optimizer, accumulation, clipping), each trained through a real Trainer under
-FSDP, DDP (`ReplicateStrategy`) and PP 2 on 2 gloo ranks, and under FSDP, HSDP 2 x 2, TP 2 x FSDP 2, DDP and PP 2 x
-FSDP 2 on 4, in one launch per world size (cases in `tests/workers/sweep.py`). Each draw ends with the parameters of
-one process on the same global batches (fp32, atol 1e-5), or, where tensor parallelism cannot split a drawn size,
-is refused on every rank before the first step with an error naming the size and the module.
+FSDP, DDP (`ReplicateStrategy`), TP 2, DDP x TP 2 and PP 2 on 2 gloo ranks, and under FSDP, HSDP 2 x 2, TP 2 x FSDP 2,
+DDP, PP 2 x FSDP 2 and PP 2 x TP 2 on 4, in one launch per world size (cases in `tests/workers/sweep.py`). Each draw
+ends with the parameters of one process on the same global batches (fp32, atol 1e-5), or, where tensor parallelism
+cannot split a drawn size, is refused on every rank before the first step with an error naming the size and module.
 
-Muon is drawn only where the layout sums gradients as one process does, bit for bit (FSDP and DDP on 2 ranks): its
-bfloat16 Newton-Schulz turns a last-bit gradient difference into a visible one even under a hand-written DDP loop
-(docs/optimizers.md); Muon on every layout and matrix shape is checked against torch's Muon on the same gradients in
-`tests/launched/test_optimizers.py`. The in-process draws are `tests/unit/test_sweep.py`."""
+Muon is drawn only where the layout sums gradients as Lightning's DDP does, bit for bit (FSDP and DDP on 2 ranks),
+and compared with Lightning's DDP: its bfloat16 Newton-Schulz turns a last-bit gradient difference into a visible
+one, and with accumulated batches even a hand-written DDP loop ends 3.1e-4 from one process (`run_draw`). Muon on
+every layout and matrix shape is checked against torch's Muon on the same gradients in
+`tests/launched/test_optimizers.py`. The in-process draws are `tests/unit/test_sweep.py`.
+"""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.conftest import LaunchResults, run_workers
-from tests.support.sweep import TP_LAYOUTS, seeded_draws
+from tests.support.sweep import TP_LAYOUTS, multi_rank_draws
 from tests.workers.sweep import PER_LAYOUT, SEED, case_name
 
 ATOL = 1e-5
 
-DRAWS = {world: seeded_draws(world, PER_LAYOUT[world], SEED) for world in PER_LAYOUT}
+DRAWS = {world: multi_rank_draws(world, PER_LAYOUT[world], SEED) for world in PER_LAYOUT}
 
 
 @pytest.fixture(scope="module")
