@@ -64,7 +64,10 @@ class _Layout:
             assert grad is not None
             if isinstance(grad, DTensor):
                 mesh = grad.device_mesh
-                key: tuple = (_local(grad).device, id(mesh), grad.placements)
+                # The mesh by value, not by object: parameters of one mesh may hold different but equal `DeviceMesh`
+                # objects (which ones depends on what ran before in the process); split into groups, their norms
+                # would be summed in another order, and the same run would clip differently.
+                key: tuple = (_local(grad).device, mesh, grad.placements)
                 if key not in reduce_over:
                     reduce_over[key] = tuple(
                         mesh.get_group(dim)

@@ -154,3 +154,31 @@ def test_a_stage_without_gradients_reduces_its_norm_on_the_stages_device_not_cpu
     clipper = GradientClipper(across=(group,), device=torch.device("meta"))
     norm = clipper.total_norm(torch.nn.Linear(2, 2).requires_grad_(False).parameters())
     assert norm.device == torch.device("meta") and norm.shape == ()
+
+
+def test_equal_meshes_held_as_different_objects_group_together(one_rank_group):
+    """Parameters of one FSDP mesh can hold different but equal `DeviceMesh` objects (found by the sweep: after
+    other Trainers ran in the process, a model's head held a mesh object of its own). Grouping by object split them
+    in two groups, summing the squared norms in another order, so the same run clipped differently depending on what
+    ran before (2.0e-4 on its parameters after Muon's bfloat16 step, `tests/unit/test_sweep.py`). Equal meshes reduce
+    over the same ranks: one group, the same arithmetic whichever objects the parameters hold."""
+    first = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+    second = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+    assert first is not second and first == second
+
+    def params(meshes):
+        g = torch.Generator().manual_seed(6)
+        out = []
+        for mesh, shape in zip(meshes, [(13, 14), (14, 13), (5, 13), (17, 13)]):
+            full, grad = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+            p = nn.Parameter(distribute_tensor(full, mesh, (Shard(0),)))
+            p.grad = distribute_tensor(grad, mesh, (Shard(0),))
+            out.append(p)
+        return out
+
+    one_object = GradientClipper()
+    two_objects = GradientClipper()
+    same = one_object.total_norm(params([first] * 4))
+    mixed = two_objects.total_norm(params([first, first, first, second]))
+    assert len(two_objects._layout.groups) == 1
+    assert torch.equal(same, mixed)

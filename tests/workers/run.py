@@ -57,6 +57,7 @@ MODULES = [
         "activations",
         "auto_layout",
         "auto_data",
+        "sweep",
     )
 ]
 
