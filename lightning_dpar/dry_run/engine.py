@@ -158,7 +158,7 @@ def _plan_on_fake_world(
     batch_source: str,
     traces: TraceCache | None,
 ) -> PlanReport:
-    mesh, data_parallel_mesh, expert_mesh = build_device_mesh(dims, "cpu")
+    mesh, data_parallel_mesh, expert_mesh, context_mesh = build_device_mesh(dims, "cpu")
     attach_device_mesh(module, mesh)  # what `LightningModule.device_mesh` returns inside `configure_model`
     with torch.device("meta"):
         module.configure_model()
@@ -167,7 +167,7 @@ def _plan_on_fake_world(
     # activations are traced on the model before parallelism, with the plan's layouts applied to the trace.
     unsplit = _meta_copy(module) if dims.pipeline > 1 or batch is not None else None
     model_params = sum(p.numel() for p in module.parameters())
-    meshes = ParallelMeshes(dims, mesh, data_parallel_mesh, torch.device("meta"), expert_mesh)
+    meshes = ParallelMeshes(dims, mesh, data_parallel_mesh, torch.device("meta"), expert_mesh, context_mesh)
     applied, module_plan, optimizers, optimizer_error = _apply(strategy, module, dims, rank, meshes)
     notes = []
     if module_plan.adopted:

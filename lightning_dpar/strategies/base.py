@@ -311,7 +311,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         """This run's mesh sizes, meshes and device (exists once the processes are initialised)."""
         assert self.dims is not None and self._data_parallel_mesh is not None
         meshes = (self.device_mesh, self._data_parallel_mesh)
-        return ParallelMeshes(self.dims, *meshes, self.root_device, self._expert_mesh)
+        return ParallelMeshes(self.dims, *meshes, self.root_device, self._expert_mesh, self._context_mesh)
 
     def _parallelize(self, module: pl.LightningModule) -> ModulePlan:
         """The training code path: `apply_plan` with this strategy's plan and wrapper, materialising the shards;

@@ -45,6 +45,10 @@ class ProcessHooks(ParallelStrategy):
     _data_parallel_mesh: DeviceMesh | None
     _expert_mesh: DeviceMesh | None
     _expert_parallel_size: SizeArg
+    #: Ranks splitting each sequence (`lightning_dpar.context_parallel`); set by the strategies that support it.
+    _context_parallel_size: SizeArg = 1
+    #: The 1-D context-parallel mesh, when `dims.context > 1`.
+    _context_mesh: DeviceMesh | None = None
 
     @property
     @override
@@ -78,6 +82,7 @@ class ProcessHooks(ParallelStrategy):
             num_nodes=num_nodes,
             pipeline_parallel_size=self._pipeline_parallel_size,
             expert_parallel_size=self._expert_parallel_size,
+            context_parallel_size=self._context_parallel_size,
         )
 
     @override
@@ -114,7 +119,7 @@ class ProcessHooks(ParallelStrategy):
                 device_id=self.root_device if self.root_device.type != "cpu" else None,
             )
         if self._device_mesh is None:  # fit then validate reuse the mesh the parameters already live on
-            self._device_mesh, self._data_parallel_mesh, self._expert_mesh = build_device_mesh(
+            self._device_mesh, self._data_parallel_mesh, self._expert_mesh, self._context_mesh = build_device_mesh(
                 self.dims, self.root_device.type
             )
         assert self.lightning_module is not None

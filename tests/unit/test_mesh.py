@@ -22,7 +22,7 @@ from lightning_dpar.mesh import (
 def test_without_expert_parallelism_there_is_no_expert_view(fake_world):
     fake_world(8)
     dims = ParallelDims.resolve(8, 8, tensor_parallel_size=2, replicate_size=2)
-    mesh, data_parallel, experts = build_device_mesh(dims, "cpu")
+    mesh, data_parallel, experts, _ = build_device_mesh(dims, "cpu")
     assert mesh.mesh_dim_names == (REPLICATE, SHARD, TENSOR_PARALLEL) and tuple(mesh.shape) == (2, 2, 2)
     assert data_parallel.mesh_dim_names == (DATA_PARALLEL,) and data_parallel.size() == 4
     assert experts is None
@@ -32,7 +32,7 @@ def test_without_expert_parallelism_there_is_no_expert_view(fake_world):
 def test_the_expert_view_splits_the_shard_dim(fake_world, replicate, expert, shapes):
     fake_world(8)
     dims = ParallelDims.resolve(8, 8, tensor_parallel_size=2, replicate_size=replicate, expert_parallel_size=expert)
-    mesh, _, experts = build_device_mesh(dims, "cpu")
+    mesh, _, experts, _ = build_device_mesh(dims, "cpu")
     assert experts is not None
     assert experts.mesh_dim_names == (REPLICATE, EXPERT_SHARD, EXPERT, TENSOR_PARALLEL)
     assert tuple(experts.shape) == shapes
