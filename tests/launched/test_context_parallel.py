@@ -1,0 +1,93 @@
+"""Context parallelism through real Trainers on 2 and 4 gloo ranks (cases in `tests/workers/context_parallel.py`):
+the example GPT and transformers decoders (Llama, Qwen2, Qwen3, Mistral) with each sequence split between ranks, CP
+alone, CP x FSDP and CP x TP, each ending with the parameters of one process on the same global batches; every rank
+logging its batch's whole-sequence loss; and each refusal raised alike on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.conftest import run_workers
+
+ATOL = 1e-5
+GROUPS = "context_parallel,context_parallel_errors"
+
+
+@pytest.fixture(scope="module")
+def cp2(tmp_path_factory):
+    return run_workers(2, GROUPS, tmp_path_factory.mktemp("cp2"))
+
+
+@pytest.fixture(scope="module")
+def cp4(tmp_path_factory):
+    return run_workers(4, GROUPS, tmp_path_factory.mktemp("cp4"))
+
+
+def _check_parity(result: dict, world: int) -> None:
+    assert result["max_abs_diff"] < ATOL
+    assert result["loss_diff"] < ATOL  # every rank logged its data-parallel batch's whole-sequence loss
+    assert result["steps"] == [3] * world
+    assert result["kv_bytes_sent_rank0"] > 0  # the sequence was split: attention exchanged keys and values
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "case"),
+    [
+        *(("cp2", c) for c in ("gpt_cp2", "llama_cp2", "qwen2_cp2", "qwen3_cp2", "mistral_cp2", "gpt_dpar_cp")),
+        *(("cp4", c) for c in ("gpt_cp4", "llama_cp4", "qwen2_cp4", "qwen3_cp4", "mistral_cp4", "gpt_dpar_cp")),
+    ],
+)
+def test_context_parallel_training_matches_one_process(world, case, request):
+    """The whole sequence split over every rank (CP 2, CP 4): causal masking across chunk boundaries, rotary
+    positions, the next-token shift and the loss's average all as in one process."""
+    _check_parity(request.getfixturevalue(world)[case], 2 if world == "cp2" else 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["cp2", "cp4"])
+def test_ignore_index_tokens_spread_unevenly_keep_the_global_average(world, request):
+    """Labels with runs of `-100` mostly in the sequence's head: the ranks' parts hold different numbers of valid
+    tokens, and the loss is still the average over the sequence's valid tokens."""
+    size = 2 if world == "cp2" else 4
+    _check_parity(request.getfixturevalue(world)[f"llama_cp{size}_ignore_index"], size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "dims"),
+    [
+        ("gpt_cp2_fsdp2", "shard 4 (data_shard 2 x context 2) x tensor_parallel 1"),
+        ("llama_cp2_fsdp2", "shard 4 (data_shard 2 x context 2) x tensor_parallel 1"),
+        ("gpt_cp2_tp2", "shard 2 (data_shard 1 x context 2) x tensor_parallel 2"),
+        ("llama_cp2_tp2", "shard 2 (data_shard 1 x context 2) x tensor_parallel 2"),
+    ],
+)
+def test_context_parallelism_composes_with_fsdp_and_tensor_parallelism(cp4, case, dims):
+    """CP 2 x FSDP 2 (two batches per step, FSDP sharding over all four ranks) and CP 2 x TP 2."""
+    result = cp4[case]
+    _check_parity(result, 4)
+    assert result["dims"].endswith(dims)
+
+
+ERRORS = {
+    "sequence_not_divisible": r"does not divide by 2 x context_parallel_size",
+    "size_not_dividing_world": r"`context_parallel_size=\d` does not divide the ranks",
+    "padding_mask": r"`attention_mask` masks some tokens",
+    "eager_attention": r"\(LlamaForCausalLM\) uses attn_implementation='eager'",
+    "manual_attention": r"Block 'model.blocks.0' \(Block\) ran under context parallelism without calling",
+    "activation_checkpointing": r"activation_checkpointing=True\)` is not supported yet",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["cp2", "cp4"])
+@pytest.mark.parametrize("name", sorted(ERRORS))
+def test_each_refusal_is_raised_alike_on_every_rank(world, name, request):
+    import re
+
+    messages = request.getfixturevalue(world)[f"error_{name}"]
+    assert all(m is not None and re.search(ERRORS[name], m) for m in messages), messages
+    assert len(set(messages)) == 1

@@ -1,0 +1,61 @@
+"""The head-tail split (`lightning_dpar.context_parallel.layout`): every token on exactly one rank, the parts
+reassembled in order, the per-rank causal attention work balanced, and lengths the split cannot cut refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_dpar.context_parallel import HeadTailLayout, attention_work
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 8])
+def test_every_position_is_held_by_exactly_one_rank_and_reassembles_in_order(size):
+    seq_len = 2 * size * 3
+    layouts = [HeadTailLayout(size, r) for r in range(size)]
+    held = torch.cat([layout.positions(seq_len) for layout in layouts])
+    assert sorted(held.tolist()) == list(range(seq_len))
+    assert torch.equal(layouts[0].key_positions(seq_len), held)
+    full = torch.arange(2 * seq_len * 5, dtype=torch.float32).view(2, seq_len, 5)
+    parts = [layout.take(full, 1) for layout in layouts]
+    for layout, part in zip(layouts, parts):
+        assert torch.equal(part, full[:, layout.positions(seq_len)])
+    assert torch.equal(layouts[0].assemble(parts, 1), full)
+
+
+def test_rank_r_holds_chunks_r_and_2n_minus_1_minus_r():
+    layout = HeadTailLayout(4, 1)
+    assert layout.chunks() == (1, 6)
+    assert layout.positions(16).tolist() == [2, 3, 12, 13]
+
+
+def test_causal_work_is_balanced_only_with_the_head_tail_split():
+    seq_len, size = 4096, 4
+    balanced, contiguous = attention_work(seq_len, size), attention_work(seq_len, size, balanced=False)
+    assert sum(balanced) == sum(contiguous) == seq_len * (seq_len + 1) // 2
+    assert max(balanced) / min(balanced) < 1.001  # equal up to one chunk's diagonal
+    assert max(contiguous) / min(contiguous) > 2 * size - 1.01  # the last rank does ~7x the first's work
+
+
+@pytest.mark.parametrize(("seq_len", "size"), [(6, 2), (12, 4), (7, 1)])
+def test_a_length_that_does_not_divide_by_twice_the_size_is_refused(seq_len, size):
+    with pytest.raises(ValueError, match=rf"sequence length {seq_len} .* does not divide by 2 x context_parallel_size"):
+        HeadTailLayout(size, 0).check(seq_len, "block 'layers.0'")
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_over_gathered_keys_with_the_global_position_mask_equals_whole_sequence_attention(size, causal):
+    """What each rank computes (its queries against every rank's keys in rank order, masked by global positions)
+    equals its rows of attention over the whole sequence, causal or full."""
+    torch.manual_seed(0)
+    seq_len = 4 * size
+    q, k, v = (torch.randn(2, 3, seq_len, 8) for _ in range(3))
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    layouts = [HeadTailLayout(size, r) for r in range(size)]
+    keys = torch.cat([layout.take(k, 2) for layout in layouts], 2)
+    values = torch.cat([layout.take(v, 2) for layout in layouts], 2)
+    for layout in layouts:
+        mask = layout.positions(seq_len)[:, None] >= layout.key_positions(seq_len)[None, :] if causal else None
+        mine = torch.nn.functional.scaled_dot_product_attention(layout.take(q, 2), keys, values, attn_mask=mask)
+        torch.testing.assert_close(mine, layout.take(whole, 2), atol=1e-6, rtol=0)
