@@ -77,7 +77,7 @@ ERRORS = {
     "size_not_dividing_world": r"`context_parallel_size=\d` does not divide the ranks",
     "padding_mask": r"`attention_mask` masks some tokens",
     "eager_attention": r"\(LlamaForCausalLM\) uses attn_implementation='eager'",
-    "manual_attention": r"Block 'model.blocks.0' \(Block\) ran under context parallelism without calling",
+    "manual_attention": r"Block 'model.blocks.0' \(\w*Block\) ran under context parallelism without calling",
     "activation_checkpointing": r"activation_checkpointing=True\)` is not supported yet",
 }
 
