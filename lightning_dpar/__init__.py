@@ -30,18 +30,18 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dpar.checkpoint import CheckpointLoadError
 from lightning_dpar.checkpoint.inference import load_from_checkpoint
-from lightning_dpar.mesh import ParallelDims
-from lightning_dpar.optimizers import OptimizerLayoutError, declare_update_kind
+from lightning_dpar.hf_weights.pretrained import PretrainedWeights
+from lightning_dpar.layout_search.strategy import AutoParallelStrategy
+from lightning_dpar.optim.exactness import OptimizerLayoutError, declare_update_kind
+from lightning_dpar.optim.precision import DparPrecision
+from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.performance_monitor import PerformanceMonitor
-from lightning_dpar.precision import DparPrecision
-from lightning_dpar.pretrained import PretrainedWeights
 from lightning_dpar.strategies import (
     DparStrategy,
     FSDPTensorParallelStrategy,
     FullyShardStrategy,
     ReplicateStrategy,
 )
-from lightning_dpar.strategies.auto import AutoParallelStrategy
 
 __version__ = "0.1.0"
 

@@ -92,6 +92,7 @@ __all__ = [
     "sync_ddp_if_available",
     "trainer_and_mesh",
     "training_data_source",
+    "transformers_attention_implementation",
     "transformers_module_initialiser",
     "transformers_tp_plan_attribute",
     "tree_leaves",
@@ -298,6 +299,14 @@ def transformers_tp_plan_attribute(model: Any) -> Any:
     return getattr(model, "_tp_plan", None)
 
 
+def transformers_attention_implementation(module: Any) -> str | None:
+    """The attention implementation a transformers model runs (`config._attn_implementation`: `"sdpa"`, `"eager"`,
+    `"flash_attention_2"`, `"flex_attention"`, ...), or None for a module without a transformers config. transformers
+    has no public reader; `_attn_implementation` is what its own attention layers dispatch on (checked on
+    transformers 5.24)."""
+    return getattr(getattr(module, "config", None), "_attn_implementation", None)
+
+
 def adopt_metric_state(metric: Any, states: dict[str, Any], update_count: int, step_value: Any = None) -> None:
     """Give a torchmetrics `Metric` the states of its copy on another rank (a pipeline's last stage, which updated
     it), and the value its last `forward` returned there (what Lightning logs for `on_step`). torchmetrics keeps the
@@ -323,7 +332,7 @@ def view_base(tensor: Any) -> Any:
 
 
 # torch.optim.Muon's own Newton-Schulz iteration and learning-rate adjustment: the distributed step
-# (`lightning_dpar.distributed_muon`) calls the very functions `Muon.step` calls, so it computes bit for bit what
+# (`lightning_dpar.optim.distributed_muon`) calls the very functions `Muon.step` calls, so it computes bit for bit what
 # Muon computes on the whole matrix under DDP. torch has no public functional form of them.
 from torch.optim._muon import _adjust_lr as muon_adjusted_lr  # noqa: E402
 from torch.optim._muon import _zeropower_via_newtonschulz as muon_newton_schulz  # noqa: E402
@@ -357,7 +366,8 @@ def averaged_copy(callback: Any) -> nn.Module | None:
     return average.module if isinstance(average, AveragedModel) else average
 
 
-# The activation estimate (`lightning_dpar.activation_trace`) runs a training step on fake tensors and follows every
+# The activation estimate (`lightning_dpar.estimates.activation_trace`) runs a training step on fake tensors and follows
+# every
 # tensor storage it creates. `FakeTensorMode` is torch's own way to run operators without memory (what
 # `torch.compile` traces with) on a device of our choosing, so kernels are picked as on a real device; a
 # `TorchDispatchMode` sees each operator's outputs; pytree reads them out of nested results. torch has no public

@@ -32,7 +32,7 @@ from lightning_dpar.checkpoint.sharded import ShardedFormat
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import CheckpointWriter
 from lightning_dpar.helpers import is_under
-from lightning_dpar.pretrained import PretrainedWeights
+from lightning_dpar.hf_weights.pretrained import PretrainedWeights
 
 __all__ = ["CheckpointFormatName", "CheckpointManager"]
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_dpar._private_api import transformers_attention_implementation
 from lightning_dpar.helpers import has_parameters
 
 __all__ = ["check_batch", "check_model", "check_settings", "sequence_blocks"]
@@ -53,7 +54,7 @@ def check_model(root: nn.Module) -> None:
     `scaled_dot_product_attention` (`attn_implementation` other than `"sdpa"`), naming the module."""
     sequence_blocks(root)
     for name, module in root.named_modules():
-        implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        implementation = transformers_attention_implementation(module)
         if implementation is not None and implementation != "sdpa":
             raise ValueError(
                 f"Module {name or '(root)'!r} ({type(module).__name__}) uses attn_implementation={implementation!r};"

@@ -10,7 +10,8 @@ from one mixin per concern, each in the module named after it:
 - `checkpoint_hooks`: save, load, removal and the resume state, delegated to the `CheckpointManager`.
 
 The hooks delegate: planning to `lightning_dpar.plan.plan_modules` (with this strategy's `plan_options`), applying
-the plan to `lightning_dpar.parallelize.apply_plan`, pretrained weights to `lightning_dpar.pretrained`. A concrete
+the plan to `lightning_dpar.parallel.parallelize.apply_plan`, pretrained weights to
+`lightning_dpar.hf_weights.pretrained`. A concrete
 strategy only says how it wraps the model for data parallelism (`data_parallel_wrapper`) and what its arguments add
 to the plan (`plan_options`).
 """
@@ -35,43 +36,44 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dpar import distributed_muon, parallelize, shard_probe
 from lightning_dpar._private_api import (
     StrategyRegistryType,
     layer_sync_requested,
     optimizers_to_device,
     replace_model_checkpoint_link,
 )
-from lightning_dpar.batchnorm import check_sync_batchnorm_supported, convert_sync_batchnorm
-from lightning_dpar.buffers import BufferSync
-from lightning_dpar.callback_checks import refuse_unsupported_callbacks
 from lightning_dpar.checkpoint.adapter_only import CheckpointWeights
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
-from lightning_dpar.compilation import CompileSpec, compile_options
+from lightning_dpar.conformance.batchnorm import check_sync_batchnorm_supported, convert_sync_batchnorm
+from lightning_dpar.conformance.buffers import BufferSync
+from lightning_dpar.conformance.callback_checks import refuse_unsupported_callbacks
+from lightning_dpar.conformance.trainer_checks import check_anomaly_detection, check_pipeline_optimization
+from lightning_dpar.conformance.weight_averaging import lay_out_averaged_copies
 from lightning_dpar.helpers import attached_trainer, has_parameters
-from lightning_dpar.mesh import EXPERT, PIPELINE, TENSOR_PARALLEL, ParallelDims, ParallelMeshes, SizeArg
-from lightning_dpar.optimizers import ParameterLayout, check_optimizers
+from lightning_dpar.hf_weights.pretrained import PretrainedSpec, load_unless_resuming, to_pretrained_weights
+from lightning_dpar.optim import distributed_muon, shard_probe
+from lightning_dpar.optim.exactness import ParameterLayout, check_optimizers
+from lightning_dpar.optim.precision import DparPrecision, to_dpar_precision
+from lightning_dpar.parallel import parallelize
+from lightning_dpar.parallel.compilation import CompileSpec, compile_options
+from lightning_dpar.parallel_dims import EXPERT, PIPELINE, TENSOR_PARALLEL, ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.runtime import PipelineRuntime
 from lightning_dpar.plan import AUTO, ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec, parse_tp_plan, plan_modules
 from lightning_dpar.plan.structure import is_parallelized
-from lightning_dpar.precision import DparPrecision, to_dpar_precision
-from lightning_dpar.pretrained import PretrainedSpec, load_unless_resuming, to_pretrained_weights
 from lightning_dpar.strategies.checkpoint_hooks import CheckpointHooks
 from lightning_dpar.strategies.collectives import Collectives
 from lightning_dpar.strategies.data_loading import DataLoaderHooks
 from lightning_dpar.strategies.pipeline_steps import PipelineSteps
 from lightning_dpar.strategies.processes import ProcessHooks, StartMethod
 from lightning_dpar.strategies.step_hooks import StepHooks
-from lightning_dpar.trainer_checks import check_anomaly_detection, check_pipeline_optimization
-from lightning_dpar.weight_averaging import lay_out_averaged_copies
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.accelerators import Accelerator
     from lightning.pytorch.plugins.precision import Precision
 
-    from lightning_dpar.router_loss import GlobalRouterLoss
+    from lightning_dpar.experts.router_loss import GlobalRouterLoss
 
 __all__ = [
     "DparStrategy",
@@ -90,7 +92,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         activation_checkpointing: `True` (each sharded block) or a list of class names / module-name globs.
         compile: `True`, or a dict of `torch.compile` options (`{"mode": "max-autotune"}`), compiles each block in
             place after tensor parallelism and activation checkpointing, before the data-parallel wrapper; names
-            and checkpoint keys stay those of the eager model. See `lightning_dpar.compilation`.
+            and checkpoint keys stay those of the eager model. See `lightning_dpar.parallel.compilation`.
         process_group_backend: `"nccl"`, `"gloo"`, ...; default: the device's usual backend.
         timeout: collective timeout.
         start_method: `"popen"` re-runs the script per rank (default); `"fork"`/`"spawn"` launch from the current
@@ -102,12 +104,13 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             `pretrained=` supplies (adapter-only checkpoints, e.g. LoRA), which a resume reads from `pretrained=`
             again. See `lightning_dpar.checkpoint.adapter_only`.
         expert_parallel_size: ranks holding different experts of each MoE layer, taken from the shard ranks
-            (`"auto"`: those of one node); see `lightning_dpar.expert_parallel`.
+            (`"auto"`: those of one node); see `lightning_dpar.experts.parallel`.
         expert_modules: the experts modules (class names or globs); default: a transformers model's
             `base_model_ep_plan`, else the experts contract (`lightning_dpar.plan.experts`).
         pretrained: a Hugging Face `save_pretrained` directory (or `PretrainedWeights(path, prefix, strict)`) read
             into the model once it is parallelised, each rank reading only its shards; skipped when a checkpoint is
-            resumed (`ckpt_path`), but for an adapter-only checkpoint's frozen base. See `lightning_dpar.pretrained`.
+            resumed (`ckpt_path`), but for an adapter-only checkpoint's frozen base. See
+            `lightning_dpar.hf_weights.pretrained`.
     """
 
     strategy_name = "dpar"
@@ -175,7 +178,8 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         # Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
         self._grad_sync_modules: list[nn.Module] = []
         self._backward_sync_blocked = False
-        #: DDP's buffer broadcast (`lightning_dpar.buffers`); made in `setup`, as DDP makes its own when wrapping.
+        #: DDP's buffer broadcast (`lightning_dpar.conformance.buffers`); made in `setup`, as DDP makes its own when
+        # wrapping.
         self._buffer_sync: BufferSync | None = None
         self._router_loss: GlobalRouterLoss | None = None  # around each step's forward, as `_buffer_sync`
         # Every FSDP unit: resharded between steps (`optimizer_step`).

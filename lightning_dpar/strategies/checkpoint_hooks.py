@@ -18,15 +18,15 @@ from typing_extensions import override
 from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.peft_export import peft_model_record
 from lightning_dpar.helpers import attached_trainer
-from lightning_dpar.pretrained import read_pretrained
+from lightning_dpar.hf_weights.pretrained import read_pretrained
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_dpar.buffers import BufferSync
     from lightning_dpar.checkpoint.manager import CheckpointManager
-    from lightning_dpar.mesh import ParallelDims
-    from lightning_dpar.pretrained import PretrainedWeights
+    from lightning_dpar.conformance.buffers import BufferSync
+    from lightning_dpar.hf_weights.pretrained import PretrainedWeights
+    from lightning_dpar.parallel_dims import ParallelDims
 
 __all__ = ["CheckpointHooks"]
 

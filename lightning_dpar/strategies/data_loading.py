@@ -13,12 +13,12 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_dpar.conformance.sampler_check import check_sampler_shards
 from lightning_dpar.helpers import attached_trainer
-from lightning_dpar.sampling import check_sampler_shards
 
 if TYPE_CHECKING:
     from lightning_dpar.checkpoint.manager import CheckpointManager
-    from lightning_dpar.mesh import ParallelDims
+    from lightning_dpar.parallel_dims import ParallelDims
     from lightning_dpar.strategies.pipeline_steps import PipelineSteps
 
 __all__ = ["LIGHTNING_RESUME_WARNING", "DataLoaderHooks"]

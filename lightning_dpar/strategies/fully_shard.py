@@ -13,10 +13,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType
 from lightning_dpar.context_parallel import ContextParallel, check_batch, check_model, check_settings
-from lightning_dpar.mesh import ParallelDims, ParallelMeshes, SizeArg, expert_fsdp_mesh, fsdp_mesh
+from lightning_dpar.parallel import parallelize
+from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg, expert_fsdp_mesh, fsdp_mesh
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import SplitSpec
 from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec

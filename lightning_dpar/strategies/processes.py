@@ -19,10 +19,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_dpar._private_api import IS_INTERACTIVE, attach_device_mesh
-from lightning_dpar.devices import check_devices_match_ranks
-from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
-from lightning_dpar.mesh import ParallelDims, SizeArg, build_device_mesh
-from lightning_dpar.process_group import start_process_group
+from lightning_dpar.launch.devices import check_devices_match_ranks
+from lightning_dpar.launch.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
+from lightning_dpar.launch.process_group import start_process_group
+from lightning_dpar.parallel_dims import ParallelDims, SizeArg, build_device_mesh
 
 __all__ = ["ProcessHooks", "StartMethod"]
 

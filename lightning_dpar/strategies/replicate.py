@@ -14,14 +14,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType, compiled_autograd, swap_ddp_optimize_mode
-from lightning_dpar.comm_hooks import COMPRESS_HOOK_DTYPES, CommHook, resolve_comm_hook
-from lightning_dpar.compilation import compiled_autograd_compiler
-from lightning_dpar.mesh import REPLICATE, SHARD, ParallelDims, ParallelMeshes, SizeArg
+from lightning_dpar.conformance.unit_guard import UnitCallGuard
+from lightning_dpar.parallel import parallelize
+from lightning_dpar.parallel.compilation import compiled_autograd_compiler
+from lightning_dpar.parallel.ddp_comm_hooks import COMPRESS_HOOK_DTYPES, CommHook, resolve_comm_hook
+from lightning_dpar.parallel_dims import REPLICATE, SHARD, ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec
 from lightning_dpar.strategies.base import DparStrategy
-from lightning_dpar.unit_guard import UnitCallGuard
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -122,4 +122,41 @@ def test_the_cycle_check_sees_function_local_and_type_checking_imports():
 
 @pytest.mark.parametrize("module", ["lightning_dpar.checkpoint.hf_export"])
 def test_checkpoint_export_does_not_import_pretrained(module):
-    assert "lightning_dpar.pretrained" not in import_graph()[module]
+    assert "lightning_dpar.hf_weights.pretrained" not in import_graph()[module]
+
+
+def package_of(module: str) -> str:
+    """The folder (or top-level module) `module` belongs to: `lightning_dpar.plan.planner` -> `lightning_dpar.plan`."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Folder -> the other folders (and top-level modules) its modules import."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if module == PACKAGE:
+            continue
+        source = package_of(module)
+        edges = packages.setdefault(source, set())
+        edges |= {package_of(target) for target in targets if package_of(target) != source}
+    return packages
+
+
+def test_the_folders_have_no_import_cycle():
+    """Folders are layers: one folder importing another, anywhere, means the other never imports it back."""
+    cycle = find_cycle(package_graph(import_graph()))
+    assert cycle is None, f"import cycle between folders: {' -> '.join(cycle or [])}"
+
+
+def test_the_folder_cycle_check_sees_a_cycle_through_modules_of_different_names():
+    graph = {
+        "lightning_dpar.plan.planner": {"lightning_dpar.parallel.materialize"},
+        "lightning_dpar.parallel.materialize": {"lightning_dpar.plan.ties"},
+        "lightning_dpar.plan.ties": set(),
+    }
+    assert find_cycle(graph) is None
+    assert find_cycle(package_graph(graph)) == [
+        "lightning_dpar.parallel",
+        "lightning_dpar.plan",
+        "lightning_dpar.parallel",
+    ]

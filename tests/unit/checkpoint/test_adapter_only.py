@@ -20,7 +20,7 @@ from lightning_dpar.checkpoint.adapter_only import (
     required_base,
 )
 from lightning_dpar.checkpoint.errors import CheckpointLoadError
-from lightning_dpar.pretrained import PretrainedWeights, match_pretrained
+from lightning_dpar.hf_weights.pretrained import PretrainedWeights, match_pretrained
 from tests.support.hf_configs import decoder_settings
 
 transformers = pytest.importorskip("transformers")
@@ -167,7 +167,7 @@ def test_checkpoint_weights_from_yaml(tmp_path, shared_dir):
 
 
 def test_a_wrapped_layer_weight_is_found_under_any_prefix_and_others_keep_their_names():
-    from lightning_dpar import peft_keys
+    from lightning_dpar.hf_weights import peft_keys
 
     class Block(torch.nn.Module):
         def __init__(self) -> None:
@@ -191,7 +191,7 @@ def test_a_wrapped_layer_weight_is_found_under_any_prefix_and_others_keep_their_
 
 
 def test_consolidate_refuses_adapter_options_with_other_formats(capsys):
-    from lightning_dpar.consolidate import main as consolidate
+    from lightning_dpar.checkpoint.consolidate import main as consolidate
 
     for args, message in (
         (["--format", "peft", "--merge-adapters"], "--merge-adapters applies to --format hf only"),

@@ -10,7 +10,7 @@ from torch import nn
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
 from lightning_dpar.context_parallel import check_batch, check_model, check_settings, sequence_blocks
 from lightning_dpar.examples.gpt import GPT
-from lightning_dpar.mesh import CONTEXT, DATA_PARALLEL, DATA_SHARD, ParallelDims, build_device_mesh
+from lightning_dpar.parallel_dims import CONTEXT, DATA_PARALLEL, DATA_SHARD, ParallelDims, build_device_mesh
 
 
 @pytest.mark.parametrize(
