@@ -237,6 +237,26 @@ def group_context_parallel_errors() -> Iterator[Case]:
     yield case("activation_checkpointing", cp(activation_checkpointing=True), GPTModule, gpt_data)
 
 
+def activation_memory(model: str, cp: int) -> dict | None:
+    """One step's activation memory on this rank (`StorageMeter`: gloo's threads free the all-gathers' tensors) for
+    a batch of 2 x 512 tokens per data-parallel rank, under FSDP over every rank with context parallelism `cp`."""
+    from tests.support.activation_meter import StorageMeter
+
+    meter = StorageMeter()
+    if model == "gpt":
+        make, data = (lambda: GPT(vocab_size=256, block_size=512, n_layer=2, n_head=4, n_embd=64)), Tokens(513, n=16)
+    else:
+        make, data = (lambda: HFModule(hidden_size=64, intermediate_size=128)), Tokens(512, n=16)
+    trainer = trainer_for(FullyShardStrategy(context_parallel_size=cp), callbacks=[meter])
+    trainer.fit(make(), DataLoader(data, batch_size=2))
+    assert meter.measured is not None
+    measured: list[Any] = [None] * world_size()
+    torch.distributed.all_gather_object(measured, (meter.measured.retained, meter.measured.peak))
+    if trainer.global_rank != 0:
+        return None
+    return {"retained": [r for r, _ in measured], "peak": [p for _, p in measured]}
+
+
 def group_context_parallel() -> Iterator[Case]:
     world = world_size()
     yield Case(f"gpt_cp{world}", gpt_case(world))
@@ -255,4 +275,14 @@ def group_context_parallel() -> Iterator[Case]:
         yield Case("llama_cp2_tp2", hf_case(2, tp=2))
 
 
-GROUPS = {"context_parallel": group_context_parallel, "context_parallel_errors": group_context_parallel_errors}
+def group_context_parallel_memory() -> Iterator[Case]:
+    for model in ("gpt", "llama"):
+        for cp in sorted({1, 2, world_size()}):
+            yield Case(f"memory_{model}_cp{cp}", lambda m=model, c=cp: activation_memory(m, c))
+
+
+GROUPS = {
+    "context_parallel_memory": group_context_parallel_memory,
+    "context_parallel": group_context_parallel,
+    "context_parallel_errors": group_context_parallel_errors,
+}
