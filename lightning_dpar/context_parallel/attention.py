@@ -37,7 +37,7 @@ class ContextParallelAttention:
     """The state of one forward under context parallelism: the whole sequence length, this rank's positions, the
     mask, and how many attention calls were made (a block that makes none is refused)."""
 
-    def __init__(self, layout: HeadTailLayout, group: dist.ProcessGroup) -> None:
+    def __init__(self, layout: HeadTailLayout, group: dist.ProcessGroup | None) -> None:
         self.layout = layout
         self.group = group
         self.counter = ExchangeCounter()
@@ -79,6 +79,10 @@ class ContextParallelAttention:
     ) -> Tensor:
         assert self.seq_len is not None
         local = self.seq_len // self.layout.size
+        if attn_mask is not None and self.group is None:
+            # Simulated (the activation estimate's trace on fake tensors): transformers cannot look into a fake
+            # padding mask and builds an explicit causal mask where training, on real tensors, passes none.
+            attn_mask, is_causal = None, True
         if attn_mask is not None:
             raise UnsupportedAttentionError(
                 f"{self.where} called scaled_dot_product_attention with an `attn_mask` of shape"

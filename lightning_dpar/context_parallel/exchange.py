@@ -15,6 +15,9 @@ average is right for them. A block parameter's gradient on one rank covers only 
 gradient is the sum over the context-parallel ranks, which the average divides by `size`. So the gradient entering
 the blocks from `gather_sequence` is multiplied by `size`, and the gradient leaving them through `split_sequence` is
 divided by it again (after gathering it whole), which leaves every gradient outside the blocks exact.
+
+`group=None` simulates one rank of the exchange in one process (the activation estimate traces it on fake tensors):
+each collective allocates what it would allocate, with this rank's tensor standing in for the others'.
 """
 
 from __future__ import annotations
@@ -42,16 +45,29 @@ class ExchangeCounter:
         self.forward_bytes = self.backward_bytes = 0
 
 
-def _all_gather(tensor: Tensor, group: dist.ProcessGroup, size: int) -> list[Tensor]:
+def _all_gather(tensor: Tensor, group: dist.ProcessGroup | None, size: int) -> list[Tensor]:
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(parts, tensor, group=group)
+    if group is None:  # simulated: this rank's part in every slot
+        for part in parts:
+            part.copy_(tensor)
+    else:
+        dist.all_gather(parts, tensor, group=group)
     return parts
+
+
+def _reduce_scatter(pieces: list[Tensor], group: dist.ProcessGroup | None) -> Tensor:
+    own = torch.empty_like(pieces[0])
+    if group is None:  # simulated
+        own.copy_(pieces[0])
+    else:
+        dist.reduce_scatter(own, pieces, op=dist.ReduceOp.SUM, group=group)
+    return own
 
 
 class _SplitSequence(Function):
     @staticmethod
-    def forward(ctx: Any, full: Tensor, dim: int, layout: HeadTailLayout, group: dist.ProcessGroup) -> Tensor:
+    def forward(ctx: Any, full: Tensor, dim: int, layout: HeadTailLayout, group: dist.ProcessGroup | None) -> Tensor:
         ctx.dim, ctx.layout, ctx.group = dim, layout, group
         return layout.take(full, dim)
 
@@ -64,7 +80,7 @@ class _SplitSequence(Function):
 
 class _GatherSequence(Function):
     @staticmethod
-    def forward(ctx: Any, part: Tensor, dim: int, layout: HeadTailLayout, group: dist.ProcessGroup) -> Tensor:
+    def forward(ctx: Any, part: Tensor, dim: int, layout: HeadTailLayout, group: dist.ProcessGroup | None) -> Tensor:
         ctx.dim, ctx.layout = dim, layout
         return layout.assemble(_all_gather(part, group, layout.size), dim)
 
@@ -76,7 +92,7 @@ class _GatherSequence(Function):
 
 class _GatherKeyValue(Function):
     @staticmethod
-    def forward(ctx: Any, part: Tensor, group: dist.ProcessGroup, size: int, counter: ExchangeCounter) -> Tensor:
+    def forward(ctx: Any, part: Tensor, group: dist.ProcessGroup | None, size: int, counter: ExchangeCounter) -> Tensor:
         ctx.group, ctx.size, ctx.counter = group, size, counter
         counter.forward_bytes += part.numel() * part.element_size() * (size - 1)
         return torch.cat(_all_gather(part, group, size), dim=-2)
@@ -84,13 +100,12 @@ class _GatherKeyValue(Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         pieces = [piece.contiguous() for piece in grad.chunk(ctx.size, dim=-2)]
-        own = torch.empty_like(pieces[0])
-        dist.reduce_scatter(own, pieces, op=dist.ReduceOp.SUM, group=ctx.group)
+        own = _reduce_scatter(pieces, ctx.group)
         ctx.counter.backward_bytes += own.numel() * own.element_size() * (ctx.size - 1)
         return own, None, None, None
 
 
-def split_sequence(full: Tensor, dim: int, layout: HeadTailLayout, group: dist.ProcessGroup) -> Tensor:
+def split_sequence(full: Tensor, dim: int, layout: HeadTailLayout, group: dist.ProcessGroup | None) -> Tensor:
     """This rank's part of a whole-sequence tensor; its gradient is gathered whole (divided by the size, see the
     module docstring). A tensor that needs no gradient is only indexed."""
     if not full.requires_grad:
@@ -98,11 +113,11 @@ def split_sequence(full: Tensor, dim: int, layout: HeadTailLayout, group: dist.P
     return _SplitSequence.apply(full, dim, layout, group)
 
 
-def gather_sequence(part: Tensor, dim: int, layout: HeadTailLayout, group: dist.ProcessGroup) -> Tensor:
+def gather_sequence(part: Tensor, dim: int, layout: HeadTailLayout, group: dist.ProcessGroup | None) -> Tensor:
     """The whole sequence from every rank's part; its gradient is this rank's part times the size."""
     return _GatherSequence.apply(part, dim, layout, group)
 
 
-def gather_key_value(part: Tensor, group: dist.ProcessGroup, size: int, counter: ExchangeCounter) -> Tensor:
+def gather_key_value(part: Tensor, group: dist.ProcessGroup | None, size: int, counter: ExchangeCounter) -> Tensor:
     """Every rank's keys (or values) `[..., local_len, head_dim]` along dim -2, in rank order."""
     return _GatherKeyValue.apply(part, group, size, counter)

@@ -36,10 +36,13 @@ __all__ = ["ContextParallel"]
 
 
 class ContextParallel:
-    """The hooks and attention state of one model under context parallelism over `group`."""
+    """The hooks and attention state of one model under context parallelism: rank `layout.rank` of `layout.size`
+    ranks exchanging over `group` (`None`: one rank simulated in one process, for the activation estimate)."""
 
-    def __init__(self, blocks: list[tuple[str, nn.Module]], group: dist.ProcessGroup) -> None:
-        self.layout = HeadTailLayout(dist.get_world_size(group), dist.get_rank(group))
+    def __init__(
+        self, blocks: list[tuple[str, nn.Module]], layout: HeadTailLayout, group: dist.ProcessGroup | None
+    ) -> None:
+        self.layout = layout
         self.group = group
         self.attention = ContextParallelAttention(self.layout, group)
         self._blocks = blocks
@@ -54,7 +57,13 @@ class ContextParallel:
     @classmethod
     def install(cls, root: nn.Module, group: dist.ProcessGroup) -> ContextParallel:
         """Hook `root`'s repeated blocks (`checks.sequence_blocks`) for context parallelism over `group`."""
-        return cls(sequence_blocks(root), group)
+        return cls(sequence_blocks(root), HeadTailLayout(dist.get_world_size(group), dist.get_rank(group)), group)
+
+    @classmethod
+    def simulate(cls, root: nn.Module, size: int) -> ContextParallel:
+        """One rank of `size` simulated in this process: the same split, hooks and attention, with collectives that
+        only allocate what the real ones would (what `lightning_dpar.estimates` traces)."""
+        return cls(sequence_blocks(root), HeadTailLayout(size, 0), None)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -238,8 +238,10 @@ def group_context_parallel_errors() -> Iterator[Case]:
 
 
 def activation_memory(model: str, cp: int) -> dict | None:
-    """One step's activation memory on this rank (`StorageMeter`: gloo's threads free the all-gathers' tensors) for
-    a batch of 2 x 512 tokens per data-parallel rank, under FSDP over every rank with context parallelism `cp`."""
+    """One step's activation memory on each rank (`StorageMeter`: gloo's threads free the all-gathers' tensors) for
+    a batch of 2 x 512 tokens per data-parallel rank, under FSDP over every rank with context parallelism `cp`, and
+    the activation estimate (the `plan` dry run's) for the same layout and batch."""
+    from lightning_dpar.estimates.activations import estimate_activations
     from tests.support.activation_meter import StorageMeter
 
     meter = StorageMeter()
@@ -254,7 +256,16 @@ def activation_memory(model: str, cp: int) -> dict | None:
     torch.distributed.all_gather_object(measured, (meter.measured.retained, meter.measured.peak))
     if trainer.global_rank != 0:
         return None
-    return {"retained": [r for r, _ in measured], "peak": [p for _, p in measured]}
+    with torch.device("meta"):
+        meta = make()
+    dims = trainer.strategy.dims
+    estimate = estimate_activations(meta, trainer.strategy.module_plan(meta, dims, 0), dims, (2, len(data.ids[0])))
+    footprint = estimate.rank(0).per_microbatch(False)
+    return {
+        "retained": [r for r, _ in measured],
+        "peak": [p for _, p in measured],
+        "estimated": {"retained": footprint.retained, "peak": footprint.peak},
+    }
 
 
 def group_context_parallel() -> Iterator[Case]:

@@ -59,3 +59,22 @@ def test_attention_over_gathered_keys_with_the_global_position_mask_equals_whole
         mask = layout.positions(seq_len)[:, None] >= layout.key_positions(seq_len)[None, :] if causal else None
         mine = torch.nn.functional.scaled_dot_product_attention(layout.take(q, 2), keys, values, attn_mask=mask)
         torch.testing.assert_close(mine, layout.take(whole, 2), atol=1e-6, rtol=0)
+
+
+def test_the_activation_estimate_knows_context_parallelism():
+    """The dry run's estimate traces one context-parallel rank (the same hooks and attention, collectives
+    simulated): the blocks' activations divide by the size, the embedding's and the head's do not."""
+    from lightning_dpar import FullyShardStrategy
+    from lightning_dpar.estimates.activations import estimate_activations
+    from lightning_dpar.examples.gpt import GPT
+    from lightning_dpar.plan import plan_modules
+
+    retained = {}
+    for cp in (1, 2, 4):
+        with torch.device("meta"):
+            module = GPT(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32)
+        strategy = FullyShardStrategy(context_parallel_size=cp)
+        dims = strategy.resolve_dims(4, 4, 1)
+        estimate = estimate_activations(module, plan_modules(module, dims, strategy.plan_options, 0), dims, (2, 65))
+        retained[cp] = estimate.rank(0).per_microbatch(False).retained
+    assert retained[4] < retained[2] < retained[1]
