@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["HeadTailLayout", "attention_work"]
+__all__ = ["HeadTailLayout", "attention_work", "key_value_sends"]
 
 
 @dataclass(frozen=True)
@@ -69,3 +69,18 @@ def attention_work(seq_len: int, size: int, balanced: bool = True) -> list[int]:
         return [int((layout.positions(seq_len, r) + 1).sum()) for r in range(size)]
     part = seq_len // size
     return [int((torch.arange(r * part, (r + 1) * part) + 1).sum()) for r in range(size)]
+
+
+def key_value_sends(seq_len: int, size: int, causal: bool = True) -> tuple[list[int], list[int]]:
+    """Tokens of keys (and as many of values) each rank sends per attention layer: with the all-gather (all its
+    tokens to every other rank), and the least any exchange could send (each token once to each other rank that has
+    a query allowed to see it: under causal attention, a rank whose last query comes at or after it)."""
+    layout = HeadTailLayout(size, 0)
+    held = [layout.positions(seq_len, r) for r in range(size)]
+    last_query = [int(positions.max()) for positions in held]
+    gathered = [len(positions) * (size - 1) for positions in held]
+    least = [
+        sum(int((positions <= last_query[r]).sum()) if causal else len(positions) for r in range(size) if r != j)
+        for j, positions in enumerate(held)
+    ]
+    return gathered, least

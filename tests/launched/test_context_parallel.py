@@ -119,3 +119,17 @@ def test_the_activation_estimate_traces_one_context_parallel_rank(cp4, cp):
         llama = cp4[f"memory_llama_cp{cp}"]
         for what in ("retained", "peak"):
             assert 0.75 <= llama["estimated"][what] / llama[what][0] <= 1.25, what
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "size"), [("cp2", 2), ("cp4", 4)])
+def test_the_exchange_sends_each_rank_s_keys_and_values_once_to_every_other_rank(world, size, request):
+    """The bytes the key/value all-gather sent in forward, counted where it sends them, against the formula: per
+    attention layer and step, keys and values, this rank's tokens to each of the `size - 1` others (the tiny Llama:
+    batch 4, 2 key/value heads of dim 8, fp32, 2 layers, 3 steps)."""
+    from lightning_dpar.context_parallel import key_value_sends
+
+    gathered, _ = key_value_sends(16, size)
+    per_token = 4 * 2 * 8 * 4  # batch x key/value heads x head dim x fp32 bytes
+    expected = 2 * 2 * 3 * gathered[0] * per_token  # keys and values x layers x steps
+    assert request.getfixturevalue(world)[f"llama_cp{size}"]["kv_bytes_sent_rank0"] == expected

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_dpar.context_parallel import HeadTailLayout, attention_work
+from lightning_dpar.context_parallel import HeadTailLayout, attention_work, key_value_sends
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 8])
@@ -78,3 +78,16 @@ def test_the_activation_estimate_knows_context_parallelism():
         estimate = estimate_activations(module, plan_modules(module, dims, strategy.plan_options, 0), dims, (2, 65))
         retained[cp] = estimate.rank(0).per_microbatch(False).retained
     assert retained[4] < retained[2] < retained[1]
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_the_all_gather_sends_four_thirds_of_the_least_exchange_under_causal_attention(size):
+    """Rank j's head chunk is needed by every rank, its tail chunk only by ranks 0..j-1 (whose last query comes
+    later): 1.5 N (N - 1) chunks at least, against the all-gather's 2 N (N - 1); full attention needs everything."""
+    seq_len = 2 * size * 16
+    gathered, least = key_value_sends(seq_len, size)
+    chunk = seq_len // (2 * size)
+    assert sum(gathered) == 2 * size * (size - 1) * chunk
+    assert sum(least) == 3 * size * (size - 1) // 2 * chunk
+    assert least[-1] == gathered[-1] and least[0] == gathered[0] // 2  # the last rank sends no more than it must
+    assert key_value_sends(seq_len, size, causal=False) == (gathered, gathered)
