@@ -105,3 +105,29 @@ def test_a_batch_whose_attention_mask_hides_tokens_is_refused():
     check_batch(ids)
     with pytest.raises(ValueError, match=r"`attention_mask` masks some tokens .* supports causal and full attention"):
         check_batch({"input_ids": ids, "attention_mask": torch.ones(2, 8).tril()})
+
+
+@pytest.mark.usefixtures("no_pytest_argv")
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"class_path": "lightning_dpar.FullyShardStrategy", "init_args": {"context_parallel_size": 2}}, 2),
+        (
+            {
+                "class_path": "lightning_dpar.FSDPTensorParallelStrategy",
+                "init_args": {"tensor_parallel_size": 2, "context_parallel_size": "auto"},
+            },
+            "auto",
+        ),
+        ("dpar_cp", "auto"),
+    ],
+)
+def test_context_parallel_size_from_lightning_cli_yaml(tmp_path, config, expected):
+    import yaml
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 1, "strategy": config}}))
+    cli = LightningCLI(BoringModel, run=False, args=["--config", str(path)], save_config_callback=None)
+    assert cli.trainer.strategy._context_parallel_size == expected
