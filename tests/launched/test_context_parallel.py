@@ -133,3 +133,13 @@ def test_the_exchange_sends_each_rank_s_keys_and_values_once_to_every_other_rank
     per_token = 4 * 2 * 8 * 4  # batch x key/value heads x head dim x fp32 bytes
     expected = 2 * 2 * 3 * gathered[0] * per_token  # keys and values x layers x steps
     assert request.getfixturevalue(world)[f"llama_cp{size}"]["kv_bytes_sent_rank0"] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["cp2", "cp4"])
+def test_checkpoints_reshard_between_context_parallel_sizes_and_to_runs_without(world, request):
+    """Saved with CP over every rank, resumed without CP, (on 4 ranks) with CP 2 x FSDP 2, and with CP again: the
+    model and optimizer state come through each load exactly."""
+    result = request.getfixturevalue(world)["checkpoint_between_layouts"]
+    assert result["max_diffs"] == [0.0] * (len(result["layouts"]) - 1)
+    assert result["keys"] > 20

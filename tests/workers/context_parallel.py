@@ -268,6 +268,29 @@ def activation_memory(model: str, cp: int) -> dict | None:
     }
 
 
+def checkpoint_between_layouts() -> dict | None:
+    """The example GPT trained 3 steps with CP over every rank and saved; resumed (training nothing more) without CP
+    and, on 4 ranks, with CP 2 x FSDP 2, each saving again, and the last loaded back with CP over every rank: the
+    model and optimizer state must come through every load unchanged (the format does not depend on CP)."""
+    from tests.workers.checkpoint_common import case_dir, flat_tensors, full_optimizer, max_diff
+
+    root = case_dir("cp_checkpoint")
+    world = world_size()
+    layouts = [world, 1, *([2] if world == 4 else []), world]
+    diffs, previous, saved = [], None, None
+    for index, cp in enumerate(layouts):
+        trainer = trainer_for(FullyShardStrategy(context_parallel_size=cp))
+        trainer.fit(GPTModule(), DataLoader(gpt_data(), batch_size=BATCH), ckpt_path=saved)
+        state = {**full_params(trainer), **flat_tensors("optim", full_optimizer(trainer))}
+        if previous is not None and trainer.global_rank == 0:  # the full state is gathered on rank 0
+            diffs.append(max_diff(state, previous))
+        previous, saved = state, str(root / f"{index}_cp{cp}.ckpt")
+        trainer.save_checkpoint(saved)
+    if trainer.global_rank != 0:
+        return None
+    return {"layouts": layouts, "max_diffs": diffs, "keys": len(previous)}
+
+
 def group_context_parallel() -> Iterator[Case]:
     world = world_size()
     yield Case(f"gpt_cp{world}", gpt_case(world))
@@ -277,6 +300,7 @@ def group_context_parallel() -> Iterator[Case]:
         lambda: parity(FullyShardStrategy(context_parallel_size=world), HFModule, 1, Tokens(SEQ, ignored=True)),
     )
     yield Case("gpt_dpar_cp", lambda: parity("dpar_cp", GPTModule, 1, gpt_data()))
+    yield Case("checkpoint_between_layouts", checkpoint_between_layouts)
     for family in ("Qwen2Config", "Qwen3Config", "MistralConfig"):
         yield Case(f"{family[:-6].lower()}_cp{world}", hf_case(world, family))
     if world == 4:
