@@ -9,7 +9,7 @@
 """
 
 from lightning_dpar.context_parallel.checks import check_batch, check_model, check_settings, sequence_blocks
-from lightning_dpar.context_parallel.layout import HeadTailLayout, attention_work, key_value_sends
+from lightning_dpar.context_parallel.layout import HeadTailLayout, attention_work, cpu_mask_bytes, key_value_sends
 from lightning_dpar.context_parallel.runtime import ContextParallel
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "check_batch",
     "check_model",
     "check_settings",
+    "cpu_mask_bytes",
     "key_value_sends",
     "sequence_blocks",
 ]

@@ -5,9 +5,8 @@ them as well as NCCL).
   context-parallel rank (the embedding ran on the whole sequence), each rank keeps its head-tail part, and the last
   block's output is gathered whole again for the head and the loss. Every rank then computes the same loss, and the
   gradient reaching the blocks is the same whole tensor on every rank.
-- `gather_key_value`: each attention's keys and values, all-gathered along the sequence (in rank order; the mask
-  built from global positions makes the order irrelevant). Its backward reduce-scatters the key/value gradients:
-  each rank's keys were used by every rank's queries.
+- `gather_key_value`: each attention's keys and values, all-gathered along the sequence and put in global order.
+  Its backward reduce-scatters the key/value gradients: each rank's keys were used by every rank's queries.
 
 Why the factor `size`. FSDP averages gradients over its shard dim, which includes the context-parallel ranks. The
 parameters outside the blocks (embedding, head) get the same whole gradient on every context-parallel rank, so the
@@ -92,16 +91,19 @@ class _GatherSequence(Function):
 
 class _GatherKeyValue(Function):
     @staticmethod
-    def forward(ctx: Any, part: Tensor, group: dist.ProcessGroup | None, size: int, counter: ExchangeCounter) -> Tensor:
-        ctx.group, ctx.size, ctx.counter = group, size, counter
-        counter.forward_bytes += part.numel() * part.element_size() * (size - 1)
-        return torch.cat(_all_gather(part, group, size), dim=-2)
+    def forward(
+        ctx: Any, part: Tensor, layout: HeadTailLayout, group: dist.ProcessGroup | None, counter: ExchangeCounter
+    ) -> Tensor:
+        ctx.layout, ctx.group, ctx.counter = layout, group, counter
+        counter.forward_bytes += part.numel() * part.element_size() * (layout.size - 1)
+        return layout.assemble(_all_gather(part, group, layout.size), -2)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        pieces = [piece.contiguous() for piece in grad.chunk(ctx.size, dim=-2)]
+        layout: HeadTailLayout = ctx.layout
+        pieces = [layout.take(grad, -2, rank).contiguous() for rank in range(layout.size)]
         own = _reduce_scatter(pieces, ctx.group)
-        ctx.counter.backward_bytes += own.numel() * own.element_size() * (ctx.size - 1)
+        ctx.counter.backward_bytes += own.numel() * own.element_size() * (layout.size - 1)
         return own, None, None, None
 
 
@@ -118,6 +120,8 @@ def gather_sequence(part: Tensor, dim: int, layout: HeadTailLayout, group: dist.
     return _GatherSequence.apply(part, dim, layout, group)
 
 
-def gather_key_value(part: Tensor, group: dist.ProcessGroup | None, size: int, counter: ExchangeCounter) -> Tensor:
-    """Every rank's keys (or values) `[..., local_len, head_dim]` along dim -2, in rank order."""
-    return _GatherKeyValue.apply(part, group, size, counter)
+def gather_key_value(
+    part: Tensor, layout: HeadTailLayout, group: dist.ProcessGroup | None, counter: ExchangeCounter
+) -> Tensor:
+    """The whole sequence's keys (or values) `[..., seq_len, head_dim]` from every rank's part, in global order."""
+    return _GatherKeyValue.apply(part, layout, group, counter)

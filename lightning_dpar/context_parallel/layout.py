@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["HeadTailLayout", "attention_work", "key_value_sends"]
+__all__ = ["HeadTailLayout", "attention_work", "cpu_mask_bytes", "key_value_sends"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +84,11 @@ def key_value_sends(seq_len: int, size: int, causal: bool = True) -> tuple[list[
         for j, positions in enumerate(held)
     ]
     return gathered, least
+
+
+def cpu_mask_bytes(seq_len: int, size: int, rank: int = 0) -> int:
+    """Bytes of the causal masks torch materialises on CPU for one attention layer of `rank` (per sequence batch of
+    one): each of its two chunks' lower-right bias becomes a `chunk x prefix` mask, kept as float for the backward.
+    CUDA's flash and memory-efficient kernels take the bias without a mask (0 bytes there)."""
+    chunk = seq_len // (2 * size)
+    return sum(4 * chunk * (index + 1) * chunk for index in HeadTailLayout(size, rank).chunks())

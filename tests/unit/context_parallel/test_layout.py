@@ -43,22 +43,31 @@ def test_a_length_that_does_not_divide_by_twice_the_size_is_refused(seq_len, siz
         HeadTailLayout(size, 0).check(seq_len, "block 'layers.0'")
 
 
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", [1, 2, 4])
 @pytest.mark.parametrize("causal", [True, False])
-def test_attention_over_gathered_keys_with_the_global_position_mask_equals_whole_sequence_attention(size, causal):
-    """What each rank computes (its queries against every rank's keys in rank order, masked by global positions)
-    equals its rows of attention over the whole sequence, causal or full."""
+@pytest.mark.parametrize("gqa", [False, True])
+def test_each_rank_s_attention_to_the_gathered_keys_equals_its_rows_of_whole_sequence_attention(size, causal, gqa):
+    """What each rank computes (`attention.attend`: its two chunks, each against the keys up to its own end with a
+    lower-right causal bias, or all keys) equals its rows of attention over the whole sequence, values and
+    gradients, with grouped-query attention too."""
+    from lightning_dpar.context_parallel.attention import attend
+
     torch.manual_seed(0)
-    seq_len = 4 * size
-    q, k, v = (torch.randn(2, 3, seq_len, 8) for _ in range(3))
-    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    layouts = [HeadTailLayout(size, r) for r in range(size)]
-    keys = torch.cat([layout.take(k, 2) for layout in layouts], 2)
-    values = torch.cat([layout.take(v, 2) for layout in layouts], 2)
-    for layout in layouts:
-        mask = layout.positions(seq_len)[:, None] >= layout.key_positions(seq_len)[None, :] if causal else None
-        mine = torch.nn.functional.scaled_dot_product_attention(layout.take(q, 2), keys, values, attn_mask=mask)
+    seq_len, kv_heads = 4 * size, 2 if gqa else 4
+    q = torch.randn(2, 4, seq_len, 8, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, seq_len, 8, requires_grad=True) for _ in range(2))
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    weights = torch.randn_like(whole)
+    want = torch.autograd.grad((whole * weights).sum(), (q, k, v))
+    got = [torch.zeros_like(t) for t in (q, k, v)]
+    for rank in range(size):
+        layout = HeadTailLayout(size, rank)
+        mine = attend(layout.take(q, 2), k, v, layout, causal, enable_gqa=gqa)
         torch.testing.assert_close(mine, layout.take(whole, 2), atol=1e-6, rtol=0)
+        for total, grad in zip(got, torch.autograd.grad((mine * layout.take(weights, 2)).sum(), (q, k, v))):
+            total += grad  # the keys' gradients summed over ranks, as the exchange's reduce-scatter does
+    for total, expected in zip(got, want):
+        torch.testing.assert_close(total, expected, atol=1e-5, rtol=0)
 
 
 def test_the_activation_estimate_knows_context_parallelism():
