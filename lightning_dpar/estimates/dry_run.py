@@ -1,8 +1,8 @@
 """The dry run's engine: `plan(strategy, module, world_size)` runs the training code path on a meta-device model
 inside a fake process group of `world_size` ranks, and fills in a `PlanReport` (`lightning_dpar.estimates.report`).
 
-The strategy's `resolve_dims`, `build_device_mesh`, the strategy's `module_plan` and `data_parallel_wrapper`, and
-`parallelize.apply_plan` (tensor parallel, activation checkpointing, compile, FSDP or replicate) run as in training,
+The strategy's `resolve_dims`, `ParallelDims.build_meshes`, and the strategy's `module_plan` and `apply_plan`
+(tensor parallel, activation checkpointing, compile, FSDP or replicate) run as in training,
 without materialisation; the strategy object is only read, never changed. With pipeline parallelism each pipeline
 rank is planned the same way on its own meta copy of the model (`_pipeline_report`). Given a batch shape, the
 activations are estimated on a copy of the model taken before any parallelism, under the plans of every pipeline
@@ -32,14 +32,7 @@ from lightning_dpar.estimates.experts import describe_experts
 from lightning_dpar.estimates.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow
 from lightning_dpar.optim.exactness import ParameterLayout, exactness_summary
 from lightning_dpar.parallel import parallelize
-from lightning_dpar.parallel_dims import (
-    EXPERT,
-    TENSOR_PARALLEL,
-    ParallelDims,
-    ParallelMeshes,
-    build_device_mesh,
-    init_fake_process_group,
-)
+from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, init_fake_process_group
 from lightning_dpar.pipeline.split import PipelineSplit
 from lightning_dpar.plan import ModulePlan
 from lightning_dpar.plan.ties import describe_layout
@@ -160,8 +153,8 @@ def _plan_on_fake_world(
     batch_source: str,
     traces: TraceCache | None,
 ) -> PlanReport:
-    mesh, data_parallel_mesh, expert_mesh = build_device_mesh(dims, "cpu")
-    attach_device_mesh(module, mesh)  # what `LightningModule.device_mesh` returns inside `configure_model`
+    meshes = dims.build_meshes(torch.device("meta"), device_type="cpu")
+    attach_device_mesh(module, meshes.world)  # what `LightningModule.device_mesh` returns inside `configure_model`
     with torch.device("meta"):
         module.configure_model()
     module = strategy.precision_plugin.convert_module(module)
@@ -169,7 +162,6 @@ def _plan_on_fake_world(
     # activations are traced on the model before parallelism, with the plan's layouts applied to the trace.
     unsplit = _meta_copy(module) if dims.pipeline > 1 or batch is not None else None
     model_params = sum(p.numel() for p in module.parameters())
-    meshes = ParallelMeshes(dims, mesh, data_parallel_mesh, torch.device("meta"), expert_mesh)
     applied, module_plan, optimizers, optimizer_error = _apply(strategy, module, dims, rank, meshes)
     notes = []
     if module_plan.adopted:
@@ -203,10 +195,10 @@ def _plan_on_fake_world(
         dims=dims,
         num_nodes=num_nodes,
         rank=rank,
-        coordinate=dict(zip(mesh.mesh_dim_names or (), mesh.get_coordinate() or ())),
+        coordinate=dict(zip(meshes.world.mesh_dim_names or (), meshes.world.get_coordinate() or ())),
         precision=precision,
         modules=_describe_modules(module, module_plan, strategy.compile_options is not None, dims),
-        experts=describe_experts(module, module_plan, dims, expert_mesh, rank),
+        experts=describe_experts(module, module_plan, dims, meshes.expert_view, rank),
         params=[
             ParamRow(
                 name,
@@ -296,14 +288,7 @@ def _apply(
     """The training code path on `module` as global rank `rank`, minus materialisation; then its optimizers (and
     why they could not be built, if so)."""
     module_plan = strategy.module_plan(module, dims, rank)
-    applied = parallelize.apply_plan(
-        module,
-        module_plan,
-        tensor_parallel_mesh=meshes.mesh[TENSOR_PARALLEL],
-        wrap_data_parallel=strategy.data_parallel_wrapper(meshes),
-        expert_mesh=meshes.expert_mesh[EXPERT] if meshes.expert_mesh is not None else None,
-        compile_options=None,  # compile units are reported; compiling is lazy and would do nothing here
-    )
+    applied = strategy.apply_plan(module, module_plan, meshes, dry_run=True)  # compile units are reported only
     try:
         return applied, module_plan, _optimizers(module.configure_optimizers()), None  # type: ignore[operator]
     except Exception as err:

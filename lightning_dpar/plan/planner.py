@@ -106,7 +106,9 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
         _check_adoptable(module, dims, options)
         shard_units = _shard_units(module, options, blocks)
         units = compile_units(module, shard_units, blocks)
-        return ModulePlan({}, [], shard_units, units, adopted=True, adopted_sharded=has_fully_shard(module))
+        sharded = has_fully_shard(module)  # the wrapper adds no units of its own, so needs no top-level units
+        roots = [] if sharded else data_parallel_roots(module)
+        return ModulePlan({}, [], shard_units, units, adopted=True, adopted_sharded=sharded, data_parallel_roots=roots)
     tied = tied_parameters(module)
     experts = plan_experts(module, dims.expert, dims.shard, _expert_selectors(module, options))
     tensor_parallel = _tensor_parallel(module, dims, options, experts)
