@@ -23,13 +23,14 @@ See `docs/architecture.md`. The folders, in layers (none imports one below it; t
 - `estimates/`: state and activation memory, and the `plan` dry run;
 - `layout_search/`: the automatic layout search and `dpar_auto`;
 - `cli`, `__main__`, `progress`, `performance_monitor`, `ray`, `examples/`: the command line and user-facing tools;
-- `_private_api`: every private torch / Lightning API; `helpers`: small shared helpers, a leaf.
+- `_private_api`: every private torch / Lightning API; `helpers`: small shared helpers; `agreement`: ranks agree on
+  the first problem before a collective (all three leaves).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dpar.checkpoint import CheckpointLoadError
-from lightning_dpar.checkpoint.inference import load_from_checkpoint
+from lightning_dpar.checkpoint.module_from_checkpoint import load_from_checkpoint
 from lightning_dpar.hf_weights.pretrained import PretrainedWeights
 from lightning_dpar.layout_search.strategy import AutoParallelStrategy
 from lightning_dpar.optim.exactness import OptimizerLayoutError, declare_update_kind

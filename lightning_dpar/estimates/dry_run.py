@@ -35,7 +35,7 @@ from lightning_dpar.parallel import parallelize
 from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, init_fake_process_group
 from lightning_dpar.pipeline.split import PipelineSplit
 from lightning_dpar.plan import ModulePlan
-from lightning_dpar.plan.ties import describe_layout
+from lightning_dpar.plan.ties import describe_tp_placement
 from lightning_dpar.strategies.base import DparStrategy
 
 __all__ = ["describe_style", "plan", "strategy_activations"]
@@ -265,7 +265,7 @@ def _describe_tie(module: nn.Module, group: Sequence[str], module_plan: ModulePl
     parameter (the innermost FSDP unit enclosing all its names holds it)."""
     parts = []
     if module_plan.tensor_parallel:
-        parts.append(f"tensor parallel {describe_layout(module, group[0], module_plan.tensor_parallel)}")
+        parts.append(f"tensor parallel {describe_tp_placement(module, group[0], module_plan.tensor_parallel)}")
     units = [
         fqn or ROOT
         for fqn, sub in module.named_modules()
