@@ -109,7 +109,7 @@ def apply_plan(
     if pipelined is not None:
         pipelined.install_unit_hooks()
     if materialize:
-        materialize_meta_tensors(root, meshes.device)
+        materialize_meta_tensors(root, meshes.device, plan.tied)
     fsdp_modules = [module for module in root.modules() if isinstance(module, FSDPModule)]
     return AppliedPlan(plan, root, wrapped, fsdp_modules, pipelined)
 
