@@ -1,7 +1,10 @@
-"""The parallel mesh: how many ranks replicate, shard, hold different experts and tensor-parallelise, validated once.
+"""The parallel mesh: how many ranks replicate, shard, hold different experts and tensor-parallelise, validated once,
+and every mesh a step needs.
 
 `ParallelDims` is pure arithmetic (no process group), so the `plan` dry-run and the strategies share the exact same
-validation and error messages. `build_device_mesh` turns it into a named `DeviceMesh` once the process group exists.
+validation and error messages. Once the process group exists, `ParallelDims.build_meshes` builds the one
+`ParallelMeshes` of a run: the world mesh and every view of it (data-parallel, tensor-parallel, FSDP, experts,
+pipeline), each built once and handed out by name.
 """
 
 from __future__ import annotations
@@ -31,9 +34,6 @@ __all__ = [
     "ParallelDims",
     "ParallelMeshes",
     "SizeArg",
-    "build_device_mesh",
-    "expert_fsdp_mesh",
-    "fsdp_mesh",
     "init_fake_process_group",
     "is_sharded",
 ]
@@ -172,6 +172,10 @@ class ParallelDims:
             f" x tensor_parallel {self.tensor_parallel}"
         )
 
+    def build_meshes(self, device: torch.device, device_type: str | None = None) -> ParallelMeshes:
+        """Every mesh of a world of these sizes, on the current process group (`ParallelMeshes.build`)."""
+        return ParallelMeshes.build(self, device, device_type)
+
 
 def _context_parallel_size(size: SizeArg, world_size: int, tp: int, devices_per_node: int, stage_ranks: str) -> int:
     """The context-parallel size: `"auto"` is one node's ranks left by tensor parallelism; any size times the
@@ -202,47 +206,6 @@ def _expert_parallel_size(size: SizeArg, shard: int, shard_ranks_per_node: int, 
     return expert
 
 
-def build_device_mesh(
-    dims: ParallelDims, device_type: str
-) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None, DeviceMesh | None]:
-    """The world mesh `(replicate, shard, tensor_parallel)`, preceded by `pipeline` when pipelining, with the
-    flattened `data_parallel` dim registered on it; that 1-D `data_parallel` mesh itself (this rank's stage); and,
-    with expert parallelism, the world mesh with its shard dim viewed as `(expert_shard, expert)` (else `None`); and
-    with context parallelism the 1-D `context_parallel` mesh, the shard dim viewed as `(data_shard, context_parallel)`
-    (else `None`). With context parallelism `data_parallel` flattens `(replicate, data_shard)`: context-parallel peers
-    share a batch.
-
-    Rank layout is row-major, so tensor-parallel peers are adjacent ranks (same node), replicas are farther apart,
-    and pipeline stages the farthest (across nodes: a stage boundary sends one activation per microbatch, the least
-    traffic of all dims). The data-parallel mesh is returned rather than looked up later because torch deprecates
-    slicing a flattened dim from the world mesh (it warns on every lookup).
-    """
-    sizes = (dims.replicate, dims.shard, dims.tensor_parallel)
-    names = (REPLICATE, SHARD, TENSOR_PARALLEL)
-    if dims.pipeline > 1:
-        sizes, names = (dims.pipeline, *sizes), (PIPELINE, *names)
-    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
-    if dims.context > 1:  # context-parallel peers (adjacent shard ranks) share a batch
-        context = unflatten_mesh(mesh, SHARD, (dims.shard // dims.context, dims.context), (DATA_SHARD, CONTEXT))
-        return mesh, flatten_mesh(context[REPLICATE, DATA_SHARD], DATA_PARALLEL), None, context[CONTEXT]
-    data_parallel = flatten_mesh(mesh[REPLICATE, SHARD], DATA_PARALLEL)
-    if dims.expert == 1:  # no expert view: it would only create process groups nothing uses
-        return mesh, data_parallel, None, None
-    experts = unflatten_mesh(mesh, SHARD, (dims.expert_shard, dims.expert), (EXPERT_SHARD, EXPERT))
-    return mesh, data_parallel, experts, None
-
-
-def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """The mesh `fully_shard` takes: 1-D for plain FSDP, 2-D `(replicate, shard)` for HSDP."""
-    return mesh[SHARD] if dims.replicate == 1 else mesh[REPLICATE, SHARD]
-
-
-def expert_fsdp_mesh(expert_mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """The mesh `fully_shard` takes for the experts (of `build_device_mesh`'s expert view): the `expert_shard` dim,
-    with `replicate` before it for HSDP. The `expert` dim is not in it: those ranks hold different experts."""
-    return expert_mesh[EXPERT_SHARD] if dims.replicate == 1 else expert_mesh[REPLICATE, EXPERT_SHARD]
-
-
 def init_fake_process_group(rank: int, world_size: int) -> None:
     """A process group of `world_size` ranks inside this one process, whose collectives do nothing.
 
@@ -264,13 +227,76 @@ def is_sharded(placement: Placement) -> bool:
 
 @dataclass(frozen=True)
 class ParallelMeshes:
-    """Where a model is parallelised: the mesh sizes, the world mesh, its flattened data-parallel mesh, this rank's
-    device, and with expert parallelism the world mesh's expert view (`build_device_mesh`). Strategies build their
-    data-parallel wrapper from it, in training and in the `plan` dry run."""
+    """Every mesh of a run, built once from its `ParallelDims` (`ParallelDims.build_meshes`) and handed out by name:
+    training and the `plan` dry run (on a fake process group) read their meshes here and nowhere else.
+
+    `world` has dims `(replicate, shard, tensor_parallel)`, preceded by `pipeline` when pipelining, with the
+    flattened `data_parallel` dim registered on it. Rank layout is row-major, so tensor-parallel peers are adjacent
+    ranks (same node), replicas are farther apart, and pipeline stages the farthest (across nodes: a stage boundary
+    sends one activation per microbatch, the least traffic of all dims). `data_parallel` is that flattened dim as a
+    1-D mesh (this rank's stage), kept rather than looked up because torch deprecates slicing a flattened dim from the
+    world mesh (it warns on every lookup). With expert parallelism, `expert_view` is the world mesh with its shard dim
+    viewed as `(expert_shard, expert)`; else `None`. With context parallelism, `context` is the 1-D `context_parallel`
+    mesh (the shard dim viewed as `(data_shard, context_parallel)`) and `data_parallel` flattens
+    `(replicate, data_shard)`: context-parallel peers share a batch; else `None`.
+    """
 
     dims: ParallelDims
-    mesh: DeviceMesh
-    data_parallel_mesh: DeviceMesh
+    world: DeviceMesh
+    data_parallel: DeviceMesh
     device: torch.device
-    expert_mesh: DeviceMesh | None = None
-    context_mesh: DeviceMesh | None = None
+    expert_view: DeviceMesh | None = None
+    context: DeviceMesh | None = None
+
+    @classmethod
+    def build(cls, dims: ParallelDims, device: torch.device, device_type: str | None = None) -> ParallelMeshes:
+        """The meshes of `dims` on the current process group; `device_type` (default: `device.type`) is the one
+        the meshes' collectives run on (the dry run builds CPU meshes for a meta-device model)."""
+        sizes = (dims.replicate, dims.shard, dims.tensor_parallel)
+        names = (REPLICATE, SHARD, TENSOR_PARALLEL)
+        if dims.pipeline > 1:
+            sizes, names = (dims.pipeline, *sizes), (PIPELINE, *names)
+        world = init_device_mesh(device_type or device.type, sizes, mesh_dim_names=names)
+        if dims.context > 1:  # context-parallel peers (adjacent shard ranks) share a batch
+            view = unflatten_mesh(world, SHARD, (dims.shard // dims.context, dims.context), (DATA_SHARD, CONTEXT))
+            data_parallel = flatten_mesh(view[REPLICATE, DATA_SHARD], DATA_PARALLEL)
+            return cls(dims, world, data_parallel, device, None, view[CONTEXT])
+        data_parallel = flatten_mesh(world[REPLICATE, SHARD], DATA_PARALLEL)
+        expert_view = None
+        if dims.expert > 1:  # no expert view otherwise: it would only create process groups nothing uses
+            expert_view = unflatten_mesh(world, SHARD, (dims.expert_shard, dims.expert), (EXPERT_SHARD, EXPERT))
+        return cls(dims, world, data_parallel, device, expert_view)
+
+    @property
+    def tensor_parallel(self) -> DeviceMesh:
+        """The 1-D `tensor_parallel` mesh `parallelize_module` takes."""
+        return self.world[TENSOR_PARALLEL]
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """The mesh `fully_shard` takes: 1-D for plain FSDP, 2-D `(replicate, shard)` for HSDP."""
+        return self.world[SHARD] if self.dims.replicate == 1 else self.world[REPLICATE, SHARD]
+
+    @property
+    def replicate_shard(self) -> DeviceMesh:
+        """The 2-D `(replicate, shard)` mesh: the data-parallel ranks as DDP-style replicas of HSDP."""
+        return self.world[REPLICATE, SHARD]
+
+    @property
+    def expert(self) -> DeviceMesh | None:
+        """The 1-D `expert` mesh the experts are split over (ranks holding different experts); `None` without expert
+        parallelism."""
+        return self.expert_view[EXPERT] if self.expert_view is not None else None
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh | None:
+        """The mesh `fully_shard` takes for the experts: the `expert_shard` dim, with `replicate` before it for HSDP.
+        The `expert` dim is not in it: those ranks hold different experts. `None` without expert parallelism."""
+        if self.expert_view is None:
+            return None
+        return self.expert_view[EXPERT_SHARD] if self.dims.replicate == 1 else self.expert_view[REPLICATE, EXPERT_SHARD]
+
+    @property
+    def pipeline_group(self) -> dist.ProcessGroup:
+        """The process group joining this rank's pipeline stages (only with `pipeline_parallel_size > 1`)."""
+        return self.world.get_group(PIPELINE)

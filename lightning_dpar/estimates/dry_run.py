@@ -1,8 +1,8 @@
 """The dry run's engine: `plan(strategy, module, world_size)` runs the training code path on a meta-device model
 inside a fake process group of `world_size` ranks, and fills in a `PlanReport` (`lightning_dpar.estimates.report`).
 
-The strategy's `resolve_dims`, `build_device_mesh`, the strategy's `module_plan` and `data_parallel_wrapper`, and
-`parallelize.apply_plan` (tensor parallel, activation checkpointing, compile, FSDP or replicate) run as in training,
+The strategy's `resolve_dims`, `ParallelDims.build_meshes`, and the strategy's `module_plan` and `apply_plan`
+(tensor parallel, activation checkpointing, compile, FSDP or replicate) run as in training,
 without materialisation; the strategy object is only read, never changed. With pipeline parallelism each pipeline
 rank is planned the same way on its own meta copy of the model (`_pipeline_report`). Given a batch shape, the
 activations are estimated on a copy of the model taken before any parallelism, under the plans of every pipeline
@@ -26,23 +26,16 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim import Optimizer
 
 from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
-from lightning_dpar.estimates import state_memory as memory
+from lightning_dpar.estimates import state_memory
 from lightning_dpar.estimates.activations import ActivationEstimate, TraceCache, estimate_activations
 from lightning_dpar.estimates.experts import describe_experts
 from lightning_dpar.estimates.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow
-from lightning_dpar.optim.exactness import ParameterLayout, exactness_summary
+from lightning_dpar.optim.exactness import exactness_summary
 from lightning_dpar.parallel import parallelize
-from lightning_dpar.parallel_dims import (
-    EXPERT,
-    TENSOR_PARALLEL,
-    ParallelDims,
-    ParallelMeshes,
-    build_device_mesh,
-    init_fake_process_group,
-)
+from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, init_fake_process_group
 from lightning_dpar.pipeline.split import PipelineSplit
 from lightning_dpar.plan import ModulePlan
-from lightning_dpar.plan.ties import describe_layout
+from lightning_dpar.plan.ties import describe_tp_placement
 from lightning_dpar.strategies.base import DparStrategy
 
 __all__ = ["describe_style", "plan", "strategy_activations"]
@@ -160,8 +153,8 @@ def _plan_on_fake_world(
     batch_source: str,
     traces: TraceCache | None,
 ) -> PlanReport:
-    mesh, data_parallel_mesh, expert_mesh, context_mesh = build_device_mesh(dims, "cpu")
-    attach_device_mesh(module, mesh)  # what `LightningModule.device_mesh` returns inside `configure_model`
+    meshes = dims.build_meshes(torch.device("meta"), device_type="cpu")
+    attach_device_mesh(module, meshes.world)  # what `LightningModule.device_mesh` returns inside `configure_model`
     with torch.device("meta"):
         module.configure_model()
     module = strategy.precision_plugin.convert_module(module)
@@ -169,7 +162,6 @@ def _plan_on_fake_world(
     # activations are traced on the model before parallelism, with the plan's layouts applied to the trace.
     unsplit = _meta_copy(module) if dims.pipeline > 1 or batch is not None else None
     model_params = sum(p.numel() for p in module.parameters())
-    meshes = ParallelMeshes(dims, mesh, data_parallel_mesh, torch.device("meta"), expert_mesh, context_mesh)
     applied, module_plan, optimizers, optimizer_error = _apply(strategy, module, dims, rank, meshes)
     notes = []
     if module_plan.adopted:
@@ -188,11 +180,11 @@ def _plan_on_fake_world(
     precision = strategy.precision_plugin.precision
     compute_dtype = torch.bfloat16 if precision in ("bf16-mixed", "bf16-true") else None
     if pipeline is not None and strategy.pipeline_config.schedule.defers_weight_gradients:
-        gathered = sum(size for _, size in memory.gathered_fsdp_units(module, compute_dtype))
+        gathered = sum(size for _, size in state_memory.gathered_fsdp_units(module, compute_dtype))
         notes.append(
             f"{strategy.pipeline_config.schedule.name} keeps every FSDP unit of a stage unsharded from forward to"
-            f" backward: rank {rank}'s stages all-gathered, {memory.format_bytes(gathered)}, stay in memory during"
-            " a step, in place of the one unit above"
+            f" backward: rank {rank}'s stages all-gathered, {state_memory.format_bytes(gathered)}, stay in memory"
+            " during a step, in place of the one unit above"
         )
     activations, activation_note = None, "not estimated: give the batch shape with --batch-size and --seq-len"
     if batch is not None:
@@ -203,10 +195,10 @@ def _plan_on_fake_world(
         dims=dims,
         num_nodes=num_nodes,
         rank=rank,
-        coordinate=dict(zip(mesh.mesh_dim_names or (), mesh.get_coordinate() or ())),
+        coordinate=dict(zip(meshes.world.mesh_dim_names or (), meshes.world.get_coordinate() or ())),
         precision=precision,
         modules=_describe_modules(module, module_plan, strategy.compile_options is not None, dims),
-        experts=describe_experts(module, module_plan, dims, expert_mesh, rank),
+        experts=describe_experts(module, module_plan, dims, meshes.expert_view, rank),
         params=[
             ParamRow(
                 name,
@@ -218,20 +210,20 @@ def _plan_on_fake_world(
             for name, p in module.named_parameters()
         ],
         total_params=sum(p.numel() for p in module.parameters()),
-        memory=memory.estimate_memory(module, optimizers),
+        memory=state_memory.estimate_memory(module, optimizers),
         optimizers=sorted(
             {
                 f"{e.optimizer}: {e.states} states/param" if e.states is not None else e.optimizer
-                for e in memory.optimizer_states(optimizers)
+                for e in state_memory.optimizer_states(optimizers)
             }
         ),
-        largest_unit=memory.largest_fsdp_unit(module, compute_dtype),
+        largest_unit=state_memory.largest_fsdp_unit(module, compute_dtype),
         notes=notes,
         pipeline=pipeline,
         model_params=model_params if pipeline is not None else None,
         tied=[_describe_tie(module, group, module_plan) for group in module_plan.tied],
         optimizer_exactness=exactness_summary(
-            optimizers, ParameterLayout.of(dims), type(strategy).__name__, strategy._computes_whole_updates
+            optimizers, strategy.parameter_layout(dims), type(strategy).__name__, strategy._computes_whole_updates
         ),
         activations=activations,
         activation_source=batch_source if activations is not None else "",
@@ -273,7 +265,7 @@ def _describe_tie(module: nn.Module, group: Sequence[str], module_plan: ModulePl
     parameter (the innermost FSDP unit enclosing all its names holds it)."""
     parts = []
     if module_plan.tensor_parallel:
-        parts.append(f"tensor parallel {describe_layout(module, group[0], module_plan.tensor_parallel)}")
+        parts.append(f"tensor parallel {describe_tp_placement(module, group[0], module_plan.tensor_parallel)}")
     units = [
         fqn or ROOT
         for fqn, sub in module.named_modules()
@@ -296,14 +288,7 @@ def _apply(
     """The training code path on `module` as global rank `rank`, minus materialisation; then its optimizers (and
     why they could not be built, if so)."""
     module_plan = strategy.module_plan(module, dims, rank)
-    applied = parallelize.apply_plan(
-        module,
-        module_plan,
-        tensor_parallel_mesh=meshes.mesh[TENSOR_PARALLEL],
-        wrap_data_parallel=strategy.data_parallel_wrapper(meshes),
-        expert_mesh=meshes.expert_mesh[EXPERT] if meshes.expert_mesh is not None else None,
-        compile_options=None,  # compile units are reported; compiling is lazy and would do nothing here
-    )
+    applied = strategy.apply_plan(module, module_plan, meshes, dry_run=True)  # compile units are reported only
     try:
         return applied, module_plan, _optimizers(module.configure_optimizers()), None  # type: ignore[operator]
     except Exception as err:
@@ -347,7 +332,7 @@ def _pipeline_report(
                     ranks=ranks,
                     units=units,
                     num_params=sum(p.numel() for unit in units for p in unsplit.get_submodule(unit).parameters()),
-                    memory=memory.estimate_memory(stage_module, optimizers),
+                    memory=state_memory.estimate_memory(stage_module, optimizers),
                 )
             )
     assert split is not None

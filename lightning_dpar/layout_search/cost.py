@@ -24,7 +24,7 @@ Step time (seconds, one optimizer step of every data-parallel rank's batch) is s
     last block and their gradient gathered before the first, on the critical path.
   Ring collectives move `(n - 1) / n` of the buffer per rank (all-gather, reduce-scatter, all-to-all) and twice that
   for all-reduce. A group crosses nodes when its ranks span more than one node (ranks are laid out row-major as
-  pipeline, replicate, shard, tensor parallel; see `mesh.build_device_mesh`).
+  pipeline, replicate, shard, tensor parallel; see `parallel_dims.ParallelMeshes`).
 
 Per-rank peak memory, on the pipeline rank whose peak is highest, is split into parameters, gradients and optimizer
 state (the dry run's), activations (the dry run's traced estimate, `lightning_dpar.estimates.activations`: one training

@@ -34,9 +34,10 @@ from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, w
 from lightning_dpar.experts.parallel import apply_expert_parallel
 from lightning_dpar.parallel.fsdp_units import fully_shard_unit
 from lightning_dpar.parallel.materialize import materialize_meta_tensors
+from lightning_dpar.parallel_dims import ParallelMeshes
 from lightning_dpar.pipeline.stage import PipelinedModel, split_into_stages
 from lightning_dpar.plan import ModulePlan
-from lightning_dpar.plan.structure import data_parallel_roots, direct_parameters
+from lightning_dpar.plan.structure import direct_parameters
 from lightning_dpar.plan.ties import SharedOwners, TiedGroup, retie
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "apply_tensor_parallel",
     "ignored_parameters",
     "materialize_meta_tensors",
+    "outermost_fsdp_modules",
     "wait_before_compiled_units",
 ]
 
@@ -61,52 +63,64 @@ DataParallelWrapper = Callable[[nn.Module, ModulePlan, Sequence[nn.Module]], lis
 
 @dataclass(frozen=True)
 class AppliedPlan:
-    """What applying a plan produced: the modules whose gradient sync the strategy controls, and with pipeline
-    parallelism this rank's stages."""
+    """What applying `plan` to `module` produced: the modules whose gradient sync the strategy controls (`no_sync`),
+    every FSDP unit (resharded between steps), and with pipeline parallelism this rank's stages."""
 
+    plan: ModulePlan
+    module: nn.Module
     grad_sync_modules: list[nn.Module]
+    fsdp_modules: list[FSDPModule]
     pipeline: PipelinedModel | None = None
 
 
 def apply_plan(
     root: nn.Module,
     plan: ModulePlan,
-    *,
-    tensor_parallel_mesh: DeviceMesh | None,
+    meshes: ParallelMeshes,
     wrap_data_parallel: DataParallelWrapper,
-    expert_mesh: DeviceMesh | None = None,
+    *,
     compile_options: Mapping[str, Any] | None = None,
-    materialize_on: torch.device | None = None,
+    materialize: bool = True,
 ) -> AppliedPlan:
-    """Apply `plan` to `root` in the fixed order.
+    """Apply `plan` to `root` on `meshes`, in the fixed order, reading each step's mesh from `meshes`.
 
-    `materialize_on=None` leaves meta-device tensors on the meta device (the `plan` dry run); otherwise each rank
-    allocates and initialises only its own shards there (see `lightning_dpar.parallel.materialize`). With pipeline
-    parallelism the other stages' units are dropped first, so no rank ever allocates them. `expert_mesh` is the 1-D
-    `expert` mesh the plan's experts are split over (`lightning_dpar.experts.parallel`).
+    `materialize=False` leaves meta-device tensors on the meta device (the `plan` dry run); otherwise each rank
+    allocates and initialises only its own shards on `meshes.device` (see `lightning_dpar.parallel.materialize`).
+    With pipeline parallelism the other stages' units are dropped first, so no rank ever allocates them.
     """
     pipelined = None
     if plan.pipeline is not None:
-        device = materialize_on if materialize_on is not None else torch.device("meta")
+        device = meshes.device if materialize else torch.device("meta")
         pipelined = split_into_stages(root, plan.pipeline, plan.pipeline_rank, device)
     if plan.tensor_parallel:
-        assert tensor_parallel_mesh is not None, "a tensor-parallel plan needs the tensor-parallel mesh"
-        apply_tensor_parallel(root, tensor_parallel_mesh, plan.tensor_parallel, plan.tied)
+        apply_tensor_parallel(root, meshes.tensor_parallel, plan.tensor_parallel, plan.tied)
     if plan.experts:
-        assert expert_mesh is not None, "an expert-parallel plan needs the expert mesh"
-        apply_expert_parallel(root, expert_mesh, plan.experts)
+        assert meshes.expert is not None, "an expert-parallel plan needs the expert mesh"
+        apply_expert_parallel(root, meshes.expert, plan.experts)
     apply_activation_checkpointing(root, plan.activation_checkpointing)
     if compile_options is not None:
         apply_compile(root, plan.compile_units, compile_options)
-        if tensor_parallel_mesh is not None and tensor_parallel_mesh.size() > 1:
+        if meshes.dims.tensor_parallel > 1:
             wait_before_compiled_units(root, plan.compile_units)
     stage_roots = list(pipelined.stages.values()) if pipelined is not None else []
-    wrapped = wrap_data_parallel(root, plan, stage_roots)
+    # A model whose `configure_model` applied `fully_shard` itself is adopted as it is: its outermost units are the
+    # ones whose gradient sync the strategy controls.
+    wrapped = outermost_fsdp_modules(root) if plan.adopted_sharded else wrap_data_parallel(root, plan, stage_roots)
     if pipelined is not None:
         pipelined.install_unit_hooks()
-    if materialize_on is not None:
-        materialize_meta_tensors(root, materialize_on)
-    return AppliedPlan(wrapped, pipelined)
+    if materialize:
+        materialize_meta_tensors(root, meshes.device, plan.tied)
+    fsdp_modules = [module for module in root.modules() if isinstance(module, FSDPModule)]
+    return AppliedPlan(plan, root, wrapped, fsdp_modules, pipelined)
+
+
+def outermost_fsdp_modules(root: nn.Module) -> list[nn.Module]:
+    """The FSDP units of `root` that no other unit encloses."""
+    outermost: list[nn.Module] = []
+    for module in root.modules():
+        if isinstance(module, FSDPModule) and not any(module in set(o.modules()) for o in outermost):
+            outermost.append(module)
+    return outermost
 
 
 def apply_tensor_parallel(
@@ -174,6 +188,7 @@ def apply_fully_shard(
     mesh: DeviceMesh,
     units: Sequence[str],
     mp_policy: Callable[[bool], MixedPrecisionPolicy],
+    top_level_units: Sequence[str],
     reshard_after_forward: bool | int = True,
     cpu_offload: bool = False,
     ignored_params: set[nn.Parameter] | None = None,
@@ -183,7 +198,8 @@ def apply_fully_shard(
     expert_units: Sequence[str] = (),
     expert_mesh: DeviceMesh | None = None,
 ) -> list[FSDPModule]:
-    """`fully_shard` each unit (innermost first), then each top-level child; returns the top-level units.
+    """`fully_shard` each unit (innermost first), then each top-level unit (`ModulePlan.data_parallel_roots`);
+    returns the top-level units.
 
     `mp_policy(is_top_level)` gives each unit's mixed-precision policy. With pipeline parallelism the units are the
     stages' units, each stage's root module (`stage_roots`) is the FSDP root over them instead, and `final_unit` is
@@ -206,7 +222,7 @@ def apply_fully_shard(
         return _fully_shard_stages(
             root, mesh, units, mp_policy, reshard_after_forward, cpu_offload, stage_roots, final_unit
         )
-    top_level_names = data_parallel_roots(root)
+    top_level_names = list(top_level_units)
     # The top-level units are FSDP roots. `reshard_after_forward=True` on a root frees its parameters after forward
     # only to all-gather them again at once for backward (the loss is the last thing forward computes); torch's
     # default (`None`) keeps a root's parameters unsharded instead and reshards every other unit, which is what

@@ -31,8 +31,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -50,17 +48,17 @@ from lightning_dpar.conformance.callback_checks import refuse_unsupported_callba
 from lightning_dpar.conformance.trainer_checks import check_anomaly_detection, check_pipeline_optimization
 from lightning_dpar.conformance.weight_averaging import lay_out_averaged_copies
 from lightning_dpar.helpers import attached_trainer, has_parameters
-from lightning_dpar.hf_weights.pretrained import PretrainedSpec, load_unless_resuming, to_pretrained_weights
+from lightning_dpar.hf_weights.pretrained import PretrainedSpec, to_pretrained_weights
 from lightning_dpar.optim import distributed_muon, shard_probe
 from lightning_dpar.optim.exactness import ParameterLayout, check_optimizers
 from lightning_dpar.optim.precision import DparPrecision, to_dpar_precision
 from lightning_dpar.parallel import parallelize
 from lightning_dpar.parallel.compilation import CompileSpec, compile_options
-from lightning_dpar.parallel_dims import EXPERT, PIPELINE, TENSOR_PARALLEL, ParallelDims, ParallelMeshes, SizeArg
+from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.runtime import PipelineRuntime
 from lightning_dpar.plan import AUTO, ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec, parse_tp_plan, plan_modules
-from lightning_dpar.plan.structure import is_parallelized
+from lightning_dpar.plan.structure import module_structure
 from lightning_dpar.strategies.checkpoint_hooks import CheckpointHooks
 from lightning_dpar.strategies.collectives import Collectives
 from lightning_dpar.strategies.data_loading import DataLoaderHooks
@@ -172,26 +170,24 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self._start_method: StartMethod = start_method
         self.num_nodes = 1
         self.dims: ParallelDims | None = None
-        self._device_mesh: DeviceMesh | None = None
-        self._data_parallel_mesh: DeviceMesh | None = None
-        self._expert_mesh: DeviceMesh | None = None
-        # Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
-        self._grad_sync_modules: list[nn.Module] = []
+        #: Every mesh of the run (`ParallelDims.build_meshes`), built in `setup_environment`.
+        self.meshes: ParallelMeshes | None = None
+        #: The plan, computed once (`_plan_for`): before the process group for a model that exists already, else in
+        #: `setup` after `configure_model`; `_planned_structure` is the model structure it was computed on.
+        self.plan: ModulePlan | None = None
+        self._planned_structure: tuple | None = None
+        #: What applying the plan produced (`parallelize.AppliedPlan`: the parallel model, its FSDP units, the
+        #: modules whose gradient sync `block_backward_sync` switches off, the pipeline stages), set in `setup`.
+        self.applied: parallelize.AppliedPlan | None = None
         self._backward_sync_blocked = False
         #: DDP's buffer broadcast (`lightning_dpar.conformance.buffers`); made in `setup`, as DDP makes its own when
         # wrapping.
         self._buffer_sync: BufferSync | None = None
         self._router_loss: GlobalRouterLoss | None = None  # around each step's forward, as `_buffer_sync`
-        # Every FSDP unit: resharded between steps (`optimizer_step`).
-        self._fsdp_modules: list[FSDPModule] = []
-        self._parallelized_module: nn.Module | None = None
-        #: The model's tied parameters, found before parallelism (`ModulePlan.tied`), for the pretrained load.
-        self._tied: list[tuple[str, ...]] = []
         # Checkpointing (the hooks: `strategies/checkpoint_hooks.py`).
         #: The single owner of save, load, async writes, removal and the resume state (`checkpoint.manager`).
-        self._pretrained = to_pretrained_weights(pretrained)
         self.checkpoints = CheckpointManager(
-            checkpoint_format, async_save, timeout, checkpoint_weights, self._pretrained
+            checkpoint_format, async_save, timeout, checkpoint_weights, to_pretrained_weights(pretrained)
         )
 
     @classmethod
@@ -221,33 +217,39 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
 
     # ------------------------------------------------------------------ before the first collective
     @override
+    def setup_environment(self) -> None:
+        """The pass up to the first collective, alike on every rank: ranks and mesh sizes, every refusal (and the
+        plan of a model that exists already), then the process group and the meshes."""
+        self.dims = self._resolve_world()
+        self._check_before_collectives(self.dims)
+        self.meshes = self._join_process_group(self.dims)
+
     def _check_before_collectives(self, dims: ParallelDims) -> None:
-        """What `setup_environment` refuses before the process group, alike on every rank: pipeline settings, the
-        Trainer's settings and callbacks that this layout cannot run, and the plan of a model that exists already."""
+        """Pipeline settings, the Trainer's settings and callbacks that this layout cannot run, and the plan of a
+        model that exists already (no `configure_model`): a plan that does not fit (e.g. a tensor-parallel size that
+        does not divide a sharded dimension) fails on every rank with the same message, before any collective."""
         if dims.pipeline > 1:
             self._pipeline_config.check(dims.pipeline, self.root_device.type)
             check_pipeline_optimization(self.lightning_module, dims.pipeline)
         trainer = attached_trainer(self.lightning_module)
-        if self.lightning_module is not None:
-            self._check_layer_sync(self.lightning_module)
-            check_anomaly_detection(trainer, dims.tensor_parallel)
-        self._check_plan_before_collectives(dims)
-        if trainer is not None:
-            whole_parameters = self.holds_whole_parameters(dims)
-            refuse_unsupported_callbacks(trainer.callbacks, type(self).__name__, whole_parameters, dims.tensor_parallel)
-
-    def _check_plan_before_collectives(self, dims: ParallelDims) -> None:
-        """Resolve the plan of a model that exists already (no `configure_model`) before the process group: a plan
-        that does not fit (e.g. a tensor-parallel size that does not divide a sharded dimension) fails on every rank
-        with the same message, before any rank waits in a collective."""
         module = self.lightning_module
-        if (
-            module is not None
-            and not is_overridden("configure_model", module)
-            and not is_parallelized(module)  # e.g. `validate` after `fit`: planned and applied already
-            and has_parameters(module)
-        ):
-            self.module_plan(module, dims)
+        if module is not None:
+            self._check_layer_sync(module)
+            check_anomaly_detection(trainer, dims.tensor_parallel)
+            applied_here = self.applied is not None and self.applied.module is module  # `validate` after `fit`
+            if not is_overridden("configure_model", module) and not applied_here and has_parameters(module):
+                self._plan_for(module, dims)
+        if trainer is not None:
+            plain = self.parameter_layout(dims).plain_tensors
+            refuse_unsupported_callbacks(trainer.callbacks, type(self).__name__, plain, dims.tensor_parallel)
+
+    def _plan_for(self, module: nn.Module, dims: ParallelDims) -> ModulePlan:
+        """This run's plan of `module`: the one already computed if the model's structure is unchanged since (the
+        `LightningModule.setup` hook, `configure_model` or `sync_batchnorm` may change it), else computed now."""
+        structure = module_structure(module)
+        if self.plan is None or structure != self._planned_structure:
+            self.plan, self._planned_structure = self.module_plan(module, dims), structure
+        return self.plan
 
     def _check_layer_sync(self, module: nn.Module) -> None:
         """`Trainer(sync_batchnorm=True)` when fitting: refused where torch's `SyncBatchNorm` cannot run (before the
@@ -256,10 +258,10 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         if layer_sync_requested(self) and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             check_sync_batchnorm_supported(module, self.root_device)
 
-    def holds_whole_parameters(self, dims: ParallelDims) -> bool:
-        """Whether every rank holds every parameter as a plain tensor on a world of `dims` (no sharding, tensor or
-        pipeline parallelism): what callbacks that re-register parameters need (`callback_checks`)."""
-        return False
+    def parameter_layout(self, dims: ParallelDims) -> ParameterLayout:
+        """How this strategy lays parameters out on a world of `dims`: what decides which optimizers and callbacks
+        run exactly (`optim.exactness`, `conformance.callback_checks`), in training and in the `plan` dry run."""
+        return ParameterLayout.of(dims, self.plan_options.shards)
 
     # ------------------------------------------------------------------ model setup
     @contextmanager
@@ -310,36 +312,27 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         """The pipeline schedule, microbatches, stages per rank and split (used when `pipeline_parallel_size > 1`)."""
         return self._pipeline_config
 
-    @property
-    def parallel_meshes(self) -> ParallelMeshes:
-        """This run's mesh sizes, meshes and device (exists once the processes are initialised)."""
-        assert self.dims is not None and self._data_parallel_mesh is not None
-        meshes = (self.device_mesh, self._data_parallel_mesh)
-        return ParallelMeshes(self.dims, *meshes, self.root_device, self._expert_mesh, self._context_mesh)
+    def apply_plan(
+        self, module: nn.Module, plan: ModulePlan, meshes: ParallelMeshes, dry_run: bool = False
+    ) -> parallelize.AppliedPlan:
+        """`plan` applied to `module` on `meshes` with this strategy's wrapper: the training code path, which the
+        `plan` dry run takes too (`dry_run`: meta tensors stay on the meta device, nothing is compiled). Sets no
+        strategy state."""
+        wrapper = self.data_parallel_wrapper(meshes)
+        compiled = None if dry_run else self._compile_options
+        return parallelize.apply_plan(module, plan, meshes, wrapper, compile_options=compiled, materialize=not dry_run)
 
-    def _parallelize(self, module: pl.LightningModule) -> ModulePlan:
-        """The training code path: `apply_plan` with this strategy's plan and wrapper, materialising the shards;
-        returns the plan it applied."""
-        plan = self.module_plan(module)
-        self._tied = plan.tied
-        applied = parallelize.apply_plan(
-            module,
-            plan,
-            tensor_parallel_mesh=self.device_mesh[TENSOR_PARALLEL],
-            wrap_data_parallel=self.data_parallel_wrapper(self.parallel_meshes),
-            expert_mesh=self._expert_mesh[EXPERT] if self._expert_mesh is not None else None,
-            compile_options=self._compile_options,
-            materialize_on=self.root_device,
-        )
-        self._grad_sync_modules = applied.grad_sync_modules
-        self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    def _parallelize(self, module: pl.LightningModule) -> parallelize.AppliedPlan:
+        """This run's plan applied to `module`, shards materialised, and the pipeline's runtime built."""
+        assert self.dims is not None and self.meshes is not None, "the meshes are built in `setup_environment`"
+        self.applied = applied = self.apply_plan(module, self._plan_for(module, self.dims), self.meshes)
         if applied.pipeline is not None:
-            group = self.device_mesh.get_group(PIPELINE)
+            group = self.meshes.pipeline_group
             runtime = PipelineRuntime(applied.pipeline, module, self._pipeline_config, group, self.root_device)
             self._pipeline = PipelineSteps(runtime)
             self.precision_plugin.reduce_norms_across(group, self.root_device)  # the norm spans every stage
             self.checkpoints.hold_pipeline_stages(applied.pipeline.remote_units, group)
-        return plan
+        return applied
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -347,7 +340,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        if self._parallelized_module is not module:
+        if self.applied is None or self.applied.module is not module:
             module = self.precision_plugin.convert_module(module)
             if layer_sync_requested(self) and trainer.state.fn == TrainerFn.FITTING:
                 # As Lightning's DDP, when fitting. The layers stay `SyncBatchNorm` afterwards: DDP swaps them back in
@@ -355,8 +348,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
                 self._check_layer_sync(module)
                 convert_sync_batchnorm(module, self.data_parallel_group)
             self._parallelize(module)
-            self._parallelized_module = module
-            self._load_pretrained(module, trainer)
+            self.checkpoints.load_pretrained(module, trainer.ckpt_path, self.plan.tied if self.plan else ())
         # Lightning's weight-averaging callbacks copied the model in their `setup`, before it was parallelised.
         lay_out_averaged_copies(trainer.callbacks, module)
         self.model_to_device()
@@ -370,7 +362,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             self.setup_optimizers(trainer)
             # Before the first step, alike on every rank (the shard probe too): updates needing whole tensors refused.
             assert self.dims is not None
-            layout = ParameterLayout.of(self.dims)
+            layout = self.parameter_layout(self.dims)
             on_shards = shard_probe.agreed(shard_probe.probe_on_shards)
             check_optimizers(self.optimizers, layout, type(self).__name__, self._computes_whole_updates, on_shards)
             for optimizer in self.optimizers:
@@ -383,12 +375,6 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
     def _computes_whole_updates(self, optimizer: Optimizer) -> bool:
         """Whether this strategy computes `optimizer`'s updates on whole tensors on split parameters (Muon)."""
         return distributed_muon.supports(optimizer)
-
-    def _load_pretrained(self, module: nn.Module, trainer: pl.Trainer) -> None:
-        """Fill the parallelised parameters from `pretrained`, unless a checkpoint about to be loaded replaces them."""
-        if self._pretrained is not None:
-            held_elsewhere = self.checkpoints.keys_held_elsewhere
-            load_unless_resuming(module, self._pretrained, trainer.ckpt_path, held_elsewhere, self._tied)
 
     @override
     def model_to_device(self) -> None:

@@ -9,14 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dpar._private_api import StrategyRegistryType
 from lightning_dpar.context_parallel import ContextParallel, check_batch, check_model, check_settings
 from lightning_dpar.parallel import parallelize
-from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg, expert_fsdp_mesh, fsdp_mesh
+from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import SplitSpec
 from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec
@@ -127,17 +126,17 @@ class FullyShardStrategy(DparStrategy):
                 check_model(self.lightning_module)
 
     @override
-    def _parallelize(self, module: pl.LightningModule) -> ModulePlan:
+    def _parallelize(self, module: pl.LightningModule) -> parallelize.AppliedPlan:
         """With context parallelism, the model's blocks are hooked to split the sequence (`ContextParallel`)."""
         if self.dims is not None and self.dims.context > 1:
             check_model(module)  # a model built in `configure_model`, before its shards are gathered
-        plan = super()._parallelize(module)
+        applied = super()._parallelize(module)
         if self._context_parallel is not None:
             self._context_parallel.remove()
             self._context_parallel = None
-        if self._context_mesh is not None:
-            self._context_parallel = ContextParallel.install(module, self._context_mesh.get_group())
-        return plan
+        if self.meshes is not None and self.meshes.context is not None:
+            self._context_parallel = ContextParallel.install(module, self.meshes.context.get_group())
+        return applied
 
     @contextmanager
     @override
@@ -156,8 +155,6 @@ class FullyShardStrategy(DparStrategy):
 
     @override
     def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:
-        mesh = fsdp_mesh(meshes.mesh, meshes.dims)
-        experts_mesh = expert_fsdp_mesh(meshes.expert_mesh, meshes.dims) if meshes.expert_mesh is not None else None
         mp_policy = self.precision_plugin.mixed_precision_policy
 
         reshard_after_forward = self._reshard_after_forward
@@ -167,16 +164,17 @@ class FullyShardStrategy(DparStrategy):
         def wrap(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
             return parallelize.apply_fully_shard(
                 module,
-                mesh,
+                meshes.fsdp,
                 plan.shard_units,
                 mp_policy,
+                top_level_units=plan.data_parallel_roots,
                 reshard_after_forward=reshard_after_forward,
                 cpu_offload=self._cpu_offload,
                 stage_roots=stage_roots,
                 final_unit=plan.pipeline.stages[-1][-1] if plan.pipeline is not None else None,
                 tied=plan.tied,
                 expert_units=plan.experts,
-                expert_mesh=experts_mesh,
+                expert_mesh=meshes.expert_fsdp,
             )
 
         return wrap
@@ -245,17 +243,6 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
         """A `ModelParallelStrategy`-style `configure_model` runs unchanged; FSDP is added if it only applied TP."""
         return replace(super().plan_options, adopts_parallelized=True)
 
-    @override
-    def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:
-        fully_shard_units = super().data_parallel_wrapper(meshes)
-
-        def wrap(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
-            if plan.adopted_sharded:
-                return _outermost_fsdp_modules(module)
-            return fully_shard_units(module, plan, stage_roots)
-
-        return wrap
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
@@ -269,11 +256,3 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
             tensor_parallel_size=2,
         )
         cls.register_class_names(strategy_registry)
-
-
-def _outermost_fsdp_modules(root: nn.Module) -> list[nn.Module]:
-    outermost: list[nn.Module] = []
-    for module in root.modules():
-        if isinstance(module, FSDPModule) and not any(module in set(o.modules()) for o in outermost):
-            outermost.append(module)
-    return outermost

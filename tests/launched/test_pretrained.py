@@ -17,7 +17,7 @@ from tests.support.hf_configs import decoder_settings
 
 transformers = pytest.importorskip("transformers")
 
-from tests.unit import test_pretrained as unit_half  # noqa: E402
+from tests.unit.hf_weights import test_pretrained as unit_half  # noqa: E402
 from tests.unit.hf_weights.test_pretrained import save_llama  # noqa: E402
 
 shared_dir = unit_half.shared_dir  # the fixture: the tiny models' weights on disk

@@ -160,3 +160,41 @@ def test_the_folder_cycle_check_sees_a_cycle_through_modules_of_different_names(
         "lightning_dpar.plan",
         "lightning_dpar.parallel",
     ]
+
+
+#: The package's folders and top-level modules from the bottom layer up: each imports only layers before it.
+LAYERS = [
+    "_private_api",
+    "helpers",
+    "agreement",
+    "progress",
+    "cli",
+    "parallel_dims",
+    "pipeline",
+    "conformance",
+    "plan",
+    "experts",
+    "context_parallel",
+    "parallel",
+    "hf_weights",
+    "checkpoint",
+    "optim",
+    "launch",
+    "strategies",
+    "estimates",
+    "layout_search",
+    "performance_monitor",
+    "ray",
+    "examples",
+    "__main__",
+]
+
+
+def test_every_folder_imports_only_the_layers_below_it():
+    packages = package_graph(import_graph())
+    layer = {f"{PACKAGE}.{name}": index for index, name in enumerate(LAYERS)}
+    assert set(packages) <= set(layer), f"folders missing from LAYERS: {sorted(set(packages) - set(layer))}"
+    upward = {
+        (source, target) for source, targets in packages.items() for target in targets if layer[target] > layer[source]
+    }
+    assert upward == set(), f"imports of a layer above: {sorted(upward)}"

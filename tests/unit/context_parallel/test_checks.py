@@ -10,7 +10,7 @@ from torch import nn
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
 from lightning_dpar.context_parallel import check_batch, check_model, check_settings, sequence_blocks
 from lightning_dpar.examples.gpt import GPT
-from lightning_dpar.parallel_dims import CONTEXT, DATA_PARALLEL, DATA_SHARD, ParallelDims, build_device_mesh
+from lightning_dpar.parallel_dims import CONTEXT, DATA_PARALLEL, DATA_SHARD, ParallelDims
 
 
 @pytest.mark.parametrize(
@@ -32,11 +32,13 @@ def test_hsdp_with_context_parallelism():
 def test_the_mesh_has_a_context_dim_and_data_parallel_counts_distinct_batches(fake_world):
     fake_world(8)
     dims = ParallelDims.resolve(8, 8, tensor_parallel_size=2, context_parallel_size=2)
-    mesh, data_parallel, experts, context = build_device_mesh(dims, "cpu")
-    assert experts is None and context is not None
+    meshes = dims.build_meshes(torch.device("cpu"))
+    mesh, data_parallel, context = meshes.world, meshes.data_parallel, meshes.context
+    assert meshes.expert_view is None and context is not None
     assert context.mesh_dim_names == (CONTEXT,) and context.size() == 2
     assert data_parallel.mesh_dim_names == (DATA_PARALLEL,) and data_parallel.size() == 2
     assert DATA_SHARD not in (mesh.mesh_dim_names or ())  # the world mesh keeps its dims: FSDP shards over `shard`
+    assert meshes.fsdp.size() == 4  # data_shard x context
 
 
 def test_sizes_that_do_not_tile_the_world_are_refused():

@@ -73,7 +73,12 @@ def test_the_example_module_traces_deepseek_v3_under_activation_checkpointing(tm
     module = LlamaFineTune(str(tmp_path))
     strategy = FullyShardStrategy(expert_parallel_size=2, activation_checkpointing=True)
     report = plan(strategy, module, world_size=4, batch=(2, 17), batch_source="test")
-    assert report.activations is not None, report.activation_note
+    estimate = report.activations
+    assert estimate is not None, report.activation_note
+    # Traced under the plan's checkpointing: every decoder layer checkpointed, and keeping less than without it.
+    assert estimate.checkpointing and estimate.checkpointed
+    assert all(".layers." in name for name in estimate.checkpointed)
+    assert 0 < estimate.peak(checkpointing=True) < estimate.peak(checkpointing=False)
 
 
 def test_worked_example_deepseek_v3_on_256_ranks(capsys, monkeypatch):

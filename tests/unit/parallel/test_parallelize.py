@@ -12,6 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from lightning_dpar.parallel import parallelize
+from lightning_dpar.plan.structure import data_parallel_roots
 
 
 @pytest.fixture
@@ -45,9 +46,9 @@ class _Module(nn.Module):
 
 def _wrap(module: nn.Module, reshard_after_forward: bool | int) -> None:
     mesh = init_device_mesh("cpu", (1,))
-    parallelize.apply_fully_shard(
-        module, mesh, ["model.blocks.0", "model.blocks.1"], lambda root: MixedPrecisionPolicy(), reshard_after_forward
-    )
+    units = ["model.blocks.0", "model.blocks.1"]
+    policy = lambda root: MixedPrecisionPolicy()  # noqa: E731
+    parallelize.apply_fully_shard(module, mesh, units, policy, data_parallel_roots(module), reshard_after_forward)
 
 
 def test_root_keeps_its_parameters_from_forward_to_backward(one_rank_group):
