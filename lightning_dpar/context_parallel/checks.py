@@ -50,11 +50,19 @@ def sequence_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def check_model(root: nn.Module) -> None:
-    """Refuse a model whose blocks cannot be found, or a transformers model whose attention does not call
-    `scaled_dot_product_attention` (`attn_implementation` other than `"sdpa"`), naming the module."""
+    """Refuse a model whose blocks cannot be found, a transformers model whose attention does not call
+    `scaled_dot_product_attention` (`attn_implementation` other than `"sdpa"`), or one that adds its MoE router's
+    load-balancing loss (computed from each rank's part of the sequence), naming the module."""
     sequence_blocks(root)
     for name, module in root.named_modules():
         implementation = transformers_attention_implementation(module)
+        if getattr(getattr(module, "config", None), "output_router_logits", False):
+            raise ValueError(
+                f"Module {name or '(root)'!r} ({type(module).__name__}) adds its router's load-balancing loss"
+                " (`output_router_logits=True`), which transformers computes from the router logits of the tokens"
+                " each rank holds: under context parallelism that is a part of the sequence, not the batch. Set"
+                " `output_router_logits=False` (the experts train exactly without it), or `context_parallel_size=1`."
+            )
         if implementation is not None and implementation != "sdpa":
             raise ValueError(
                 f"Module {name or '(root)'!r} ({type(module).__name__}) uses attn_implementation={implementation!r};"

@@ -235,6 +235,8 @@ def group_context_parallel_errors() -> Iterator[Case]:
     yield case("eager_attention", cp(), lambda: HFModule(attn="eager"), lambda: Tokens(SEQ))
     yield case("manual_attention", cp(), ManualAttentionGPT, gpt_data)
     yield case("activation_checkpointing", cp(activation_checkpointing=True), GPTModule, gpt_data)
+    router_loss = dict(num_experts=4, moe_intermediate_size=16, head_dim=8, output_router_logits=True)
+    yield case("router_loss", cp(), lambda: HFModule("Qwen3MoeConfig", **router_loss), lambda: Tokens(SEQ))
 
 
 def activation_memory(model: str, cp: int) -> dict | None:
@@ -303,6 +305,8 @@ def group_context_parallel() -> Iterator[Case]:
     yield Case("checkpoint_between_layouts", checkpoint_between_layouts)
     for family in ("Qwen2Config", "Qwen3Config", "MistralConfig"):
         yield Case(f"{family[:-6].lower()}_cp{world}", hf_case(world, family))
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8)
+    yield Case(f"qwen3_moe_cp{world}", hf_case(world, "Qwen3MoeConfig", **moe))
     if world == 4:
         yield Case("gpt_cp2_fsdp2", gpt_case(2))
         yield Case("llama_cp2_fsdp2", hf_case(2))
