@@ -152,3 +152,11 @@ def test_checkpoints_reshard_between_context_parallel_sizes_and_to_runs_without(
     result = request.getfixturevalue(world)["checkpoint_between_layouts"]
     assert result["max_diffs"] == [0.0] * (len(result["layouts"]) - 1)
     assert result["keys"] > 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["cp2", "cp4"])
+def test_validation_splits_the_sequence_and_logs_the_global_loss(world, request):
+    result = request.getfixturevalue(world)["validation_after_fit"]
+    assert result["val_loss"] == pytest.approx(result["want"], abs=ATOL)
+    assert result["kv_bytes_sent_rank0"] > 0

@@ -150,6 +150,31 @@ def parity(strategy: Any, make: Callable[[], L.LightningModule], dp: int, data: 
     }
 
 
+def validation_after_fit() -> dict | None:
+    """The example GPT fitted with CP over every rank, then `validate` (its `val_loss` logged with `sync_dist`): the
+    validation forward splits the sequence too, and the loss equals one process's on the trained model."""
+    world = world_size()
+    trainer = trainer_for(FullyShardStrategy(context_parallel_size=world))
+    module = GPTModule()
+    trainer.fit(module, DataLoader(gpt_data(), batch_size=BATCH))
+    val_data = Tokens(SEQ + 1, n=8, seed=11)
+    trainer.strategy._context_parallel.attention.counter.reset()  # what validation alone sends
+    (metrics,) = trainer.validate(module, DataLoader(val_data, batch_size=BATCH), verbose=False)
+    sent = trainer.strategy._context_parallel.attention.counter.forward_bytes
+    if trainer.global_rank != 0:
+        return None
+    reference = GPTModule()
+    reference.load_state_dict(reference_params())
+    with torch.no_grad():
+        want = sum(float(reference.loss(val_data.ids[i : i + BATCH])) for i in (0, BATCH)) / 2
+    return {"val_loss": metrics["val_loss"], "want": want, "kv_bytes_sent_rank0": sent}
+
+
+def reference_params() -> dict[str, torch.Tensor]:
+    """The example GPT after the steps of one process on the launch's global batches (CP over every rank: one)."""
+    return reference(GPTModule, gpt_data(), 1)[0]
+
+
 def gpt_data() -> Dataset:
     return Tokens(SEQ + 1)  # the GPT shifts inside its loss: SEQ inputs, SEQ targets
 
@@ -303,6 +328,7 @@ def group_context_parallel() -> Iterator[Case]:
     )
     yield Case("gpt_dpar_cp", lambda: parity("dpar_cp", GPTModule, 1, gpt_data()))
     yield Case("checkpoint_between_layouts", checkpoint_between_layouts)
+    yield Case("validation_after_fit", validation_after_fit)
     for family in ("Qwen2Config", "Qwen3Config", "MistralConfig"):
         yield Case(f"{family[:-6].lower()}_cp{world}", hf_case(world, family))
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8)
