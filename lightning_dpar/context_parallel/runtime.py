@@ -86,7 +86,8 @@ class ContextParallel:
         part; tuples and lists are searched too."""
         seq_len = self.attention.seq_len
         if isinstance(value, (tuple, list)):
-            return type(value)(self._split(v) for v in value)
+            items = [self._split(v) for v in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple too
         if not isinstance(value, Tensor):
             return value
         dim = 1 if value.dim() >= 2 else 0

@@ -66,10 +66,12 @@ def test_ignore_index_tokens_spread_unevenly_keep_the_global_average(world, requ
         ("llama_cp2_fsdp2", "shard 4 (data_shard 2 x context 2) x tensor_parallel 1"),
         ("gpt_cp2_tp2", "shard 2 (data_shard 1 x context 2) x tensor_parallel 2"),
         ("llama_cp2_tp2", "shard 2 (data_shard 1 x context 2) x tensor_parallel 2"),
+        ("gpt_cp2_hsdp2", "replicate 2 x shard 2 (data_shard 1 x context 2) x tensor_parallel 1"),
     ],
 )
 def test_context_parallelism_composes_with_fsdp_and_tensor_parallelism(cp4, case, dims):
-    """CP 2 x FSDP 2 (two batches per step, FSDP sharding over all four ranks) and CP 2 x TP 2."""
+    """CP 2 x FSDP 2 (two batches per step, FSDP sharding over all four ranks), CP 2 x TP 2, and CP 2 x HSDP 2 (two
+    replicas, each sharding over its two CP ranks)."""
     result = cp4[case]
     _check_parity(result, 4)
     assert result["dims"].endswith(dims)

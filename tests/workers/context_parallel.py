@@ -337,6 +337,8 @@ def group_context_parallel() -> Iterator[Case]:
         yield Case("gpt_cp2_fsdp2", gpt_case(2))
         yield Case("llama_cp2_fsdp2", hf_case(2))
         yield Case("gpt_cp2_tp2", gpt_case(2, tp=2))
+        hsdp = lambda: FullyShardStrategy(replicate_size=2, context_parallel_size=2)  # noqa: E731
+        yield Case("gpt_cp2_hsdp2", lambda: parity(hsdp(), GPTModule, 2, gpt_data()))
         yield Case("llama_cp2_tp2", hf_case(2, tp=2))
 
 
