@@ -30,6 +30,12 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dpar.checkpoint import CheckpointLoadError
 from lightning_dpar.checkpoint.inference import load_from_checkpoint
+from lightning_dpar.fault_tolerance import (
+    FaultTolerance,
+    FaultTolerantFSDPTensorParallelStrategy,
+    FaultTolerantFullyShardStrategy,
+    FaultTolerantReplicateStrategy,
+)
 from lightning_dpar.mesh import ParallelDims
 from lightning_dpar.optimizers import OptimizerLayoutError, declare_update_kind
 from lightning_dpar.performance_monitor import PerformanceMonitor
@@ -45,7 +51,15 @@ from lightning_dpar.strategies.auto import AutoParallelStrategy
 
 __version__ = "0.1.0"
 
-for _strategy in (ReplicateStrategy, FullyShardStrategy, FSDPTensorParallelStrategy, AutoParallelStrategy):
+for _strategy in (
+    ReplicateStrategy,
+    FullyShardStrategy,
+    FSDPTensorParallelStrategy,
+    AutoParallelStrategy,
+    FaultTolerantFullyShardStrategy,
+    FaultTolerantReplicateStrategy,
+    FaultTolerantFSDPTensorParallelStrategy,
+):
     _strategy.register_strategies(StrategyRegistry)
 
 __all__ = [
@@ -54,6 +68,10 @@ __all__ = [
     "DparPrecision",
     "DparStrategy",
     "FSDPTensorParallelStrategy",
+    "FaultTolerance",
+    "FaultTolerantFSDPTensorParallelStrategy",
+    "FaultTolerantFullyShardStrategy",
+    "FaultTolerantReplicateStrategy",
     "FullyShardStrategy",
     "OptimizerLayoutError",
     "ParallelDims",

@@ -1,0 +1,89 @@
+"""Workers of `tests/launched/test_fault_tolerance.py`, run directly by torchrun (one launch per replica group):
+
+    REPLICA_GROUP_ID=g NUM_REPLICA_GROUPS=2 TORCHFT_LIGHTHOUSE=... torchrun --nproc-per-node 2 fault_tolerance.py ft OUT
+    torchrun --nproc-per-node 4 fault_tolerance.py hsdp OUT            # the plain HSDP 2 x 2 run, for parity
+
+Every rank writes `OUT/<mode>_g<group>_r<rank>_<pid>.pt`: the full parameters after training (gathered within the
+group), the steps it took (`StepRecord`s), its heals, and its Lightning batch indices. `DPAR_FT_*` variables shape
+the run: steps, optimizer, data size, the batch at which group `DPAR_FT_MARK_GROUP` writes `OUT/mark` (the test
+kills that group when it appears), and the pause per step while fewer groups than all are in the quorum (so that
+survivors take a measurable number of steps while a group is down).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[0] = str(ROOT)
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_dpar import FaultTolerance, FaultTolerantFullyShardStrategy, FullyShardStrategy  # noqa: E402
+from tests.support.models import ParityModule, RegressionData, loader  # noqa: E402
+from tests.workers.common import full_params, trainer_for  # noqa: E402
+
+BATCH = 4
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+class Pace(L.Callback):
+    """Marks the kill point and slows the survivors while a group is missing."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.mark_at = _env_int("DPAR_FT_MARK_AT", -1)
+        self.mark_group = _env_int("DPAR_FT_MARK_GROUP", -1)
+        self.pause = float(os.environ.get("DPAR_FT_PAUSE", "0"))
+        self.batches: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches.append(batch_idx)
+        strategy = trainer.strategy
+        groups = getattr(strategy, "replica_groups", None)
+        config = getattr(strategy, "fault_tolerance", None)
+        if groups is None:
+            return
+        if batch_idx == self.mark_at and config.replica_group == self.mark_group and trainer.global_rank == 0:
+            (self.out / "mark").write_text(str(time.time()))
+        if self.pause and groups.history and groups.history[-1].participants < config.num_replica_groups:
+            time.sleep(self.pause)
+
+
+def main(mode: str, out: Path) -> None:
+    steps = _env_int("DPAR_FT_STEPS", 6)
+    optimizer = os.environ.get("DPAR_FT_OPTIMIZER", "adam")
+    data = RegressionData(n=_env_int("DPAR_FT_SAMPLES", 128))
+    (out / f"pid_{os.environ.get('REPLICA_GROUP_ID', 'x')}_{os.getpid()}").write_text("")
+    if mode == "hsdp":
+        strategy = FullyShardStrategy(replicate_size=2)
+        group = -1
+    else:
+        config = FaultTolerance(timeout=float(os.environ.get("DPAR_FT_TIMEOUT", "30")))
+        strategy = FaultTolerantFullyShardStrategy(fault_tolerance=config)
+        group = int(os.environ["REPLICA_GROUP_ID"])
+    pace = Pace(out)
+    trainer = trainer_for(strategy, max_steps=steps, callbacks=[pace])
+    trainer.fit(ParityModule(optimizer=optimizer), loader(data, BATCH))
+    params = full_params(trainer)
+    groups = getattr(trainer.strategy, "replica_groups", None)
+    record = {
+        "params": params if trainer.global_rank == 0 else None,
+        "history": [asdict(r) for r in groups.history] if groups is not None else [],
+        "heals": [asdict(h) for h in groups.heals] if groups is not None else [],
+        "batches": pace.batches,
+        "end": time.time(),
+    }
+    torch.save(record, out / f"{mode}_g{group}_r{trainer.global_rank}_{os.getpid()}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
