@@ -91,6 +91,8 @@ class ReplicaGroups:
         )
         self.history: list[StepRecord] = []
         self.heals: list[HealRecord] = []
+        #: Lightning's global step at each checkpoint this group wrote (`writes_checkpoints`).
+        self.saved: list[int] = []
         self._quorum_ready = False
         self._step_started = 0.0
         #: Whether `shutdown` ran (the manager is gone; a later `fit` makes a new one).

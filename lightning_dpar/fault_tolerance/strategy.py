@@ -220,12 +220,18 @@ class _FaultTolerant:
     # ------------------------------------------------------------------ checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self.replica_groups is None or self.replica_groups.writes_checkpoints():
+        """Written by the first group of the current quorum only: a dead group never blocks a save, and the groups
+        (which hold the same weights) never write the same files twice."""
+        groups = self.replica_groups
+        if groups is None or groups.closed or groups.writes_checkpoints():
             super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+            if groups is not None:
+                groups.saved.append(checkpoint.get("global_step", -1))
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.replica_groups is None or self.replica_groups.writes_checkpoints():
+        groups = self.replica_groups
+        if groups is None or groups.closed or groups.writes_checkpoints():
             super().remove_checkpoint(filepath)  # type: ignore[misc]
 
     @override

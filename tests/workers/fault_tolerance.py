@@ -12,6 +12,7 @@ survivors take a measurable number of steps while a group is down).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ sys.path[0] = str(ROOT)
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lightning_dpar import FaultTolerance, FaultTolerantFullyShardStrategy, FullyShardStrategy  # noqa: E402
 from tests.support.models import ParityModule, RegressionData, loader  # noqa: E402
@@ -44,6 +46,7 @@ class Pace(L.Callback):
         self.mark_group = _env_int("DPAR_FT_MARK_GROUP", -1)
         self.pause = float(os.environ.get("DPAR_FT_PAUSE", "0"))
         self.batches: list[int] = []
+        self._logged_saves = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.batches.append(batch_idx)
@@ -52,10 +55,28 @@ class Pace(L.Callback):
         config = getattr(strategy, "fault_tolerance", None)
         if groups is None:
             return
+        if trainer.global_rank == 0 and groups.history:  # flushed per step: a killed launch's steps stay logged
+            with open(self.out / f"steps_g{config.replica_group}_{os.getpid()}.jsonl", "a") as log:
+                log.write(json.dumps({"group": config.replica_group, **asdict(groups.history[-1])}) + "\n")
+        self.log_saves(trainer)
         if batch_idx == self.mark_at and config.replica_group == self.mark_group and trainer.global_rank == 0:
             (self.out / "mark").write_text(str(time.time()))
         if self.pause and groups.history and groups.history[-1].participants < config.num_replica_groups:
             time.sleep(self.pause)
+
+    def log_saves(self, trainer) -> None:
+        """The checkpoints this group wrote (the strategy's own list of the saves it did not skip)."""
+        groups, config = trainer.strategy.replica_groups, trainer.strategy.fault_tolerance
+        if trainer.global_rank != 0:
+            return
+        with open(self.out / f"saves_g{config.replica_group}_{os.getpid()}.jsonl", "a") as log:
+            for step in groups.saved[self._logged_saves :]:
+                log.write(json.dumps({"group": config.replica_group, "step": step}) + "\n")
+        self._logged_saves = len(groups.saved)
+
+    def on_train_end(self, trainer, pl_module):
+        if getattr(trainer.strategy, "replica_groups", None) is not None:
+            self.log_saves(trainer)
 
 
 def main(mode: str, out: Path) -> None:
@@ -71,8 +92,13 @@ def main(mode: str, out: Path) -> None:
         strategy = FaultTolerantFullyShardStrategy(fault_tolerance=config)
         group = int(os.environ["REPLICA_GROUP_ID"])
     pace = Pace(out)
-    trainer = trainer_for(strategy, max_steps=steps, callbacks=[pace])
-    trainer.fit(ParityModule(optimizer=optimizer), loader(data, BATCH))
+    callbacks: list[L.Callback] = [pace]
+    every = _env_int("DPAR_FT_CKPT_EVERY", 0)
+    if every:
+        callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=every, save_top_k=-1))
+    trainer = trainer_for(strategy, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(every))
+    resume = os.environ.get("DPAR_FT_RESUME")
+    trainer.fit(ParityModule(optimizer=optimizer), loader(data, BATCH), ckpt_path=resume)
     params = full_params(trainer)
     groups = getattr(trainer.strategy, "replica_groups", None)
     record = {

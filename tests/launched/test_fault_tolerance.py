@@ -1,0 +1,313 @@
+"""Fault tolerance across torchft replica groups (workers: `tests/workers/fault_tolerance.py`), on 4 gloo processes:
+two replica groups of two ranks (FSDP inside each group), one `torchrun` per group, a torchft lighthouse in this
+process.
+
+- Without failures the parameters equal plain HSDP 2 x 2 and one process on the same global batches.
+- With one group SIGKILLed mid-training (the group that writes checkpoints): the other keeps stepping alone, writes
+  the checkpoints, the killed group is relaunched, heals from the live one and rejoins; afterwards both groups hold
+  bitwise identical weights, equal to the documented reference: one process training, at each committed batch, the
+  shards of the groups in that step's quorum (read from the per-step logs every group's rank 0 appends as it goes).
+- A full-job restart from a checkpoint the survivor wrote while the other group was down resumes exactly.
+
+The measurements (steps the survivor took alone, time from kill to rejoin, bytes copied while healing, steps lost
+against a restart from the last checkpoint) are printed and written to the test's `measurements.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from tests.conftest import ROOT, subprocess_env
+from tests.support.models import RegressionData, global_batches, reference_train
+
+coordination = pytest.importorskip("torchft.coordination")
+
+pytestmark = pytest.mark.slow
+
+WORKER = ROOT / "tests" / "workers" / "fault_tolerance.py"
+GROUPS, GROUP_SIZE, BATCH = 2, 2, 4
+TIMEOUT = 420
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Job:
+    """Torchrun launches (each in a session of its own) and the lighthouse; everything is killed on `close`."""
+
+    def __init__(self, out: Path, min_replicas: int) -> None:
+        self.out = out
+        self.lighthouse = coordination.LighthouseServer(
+            bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000, heartbeat_timeout_ms=2000
+        )
+        self.procs: list[subprocess.Popen] = []
+
+    def launch(self, mode: str, nproc: int, name: str, **env: str) -> subprocess.Popen:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(_free_port()), str(WORKER), mode, str(self.out),
+        ]  # fmt: skip
+        full_env = {**subprocess_env(), "TORCHFT_LIGHTHOUSE": self.lighthouse.address(), **env}
+        full_env["NUM_REPLICA_GROUPS"] = str(GROUPS)
+        log = open(self.out / f"log_{name}", "w")
+        proc = subprocess.Popen(
+            cmd, env=full_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.procs.append(proc)
+        return proc
+
+    def wait(self, proc: subprocess.Popen, name: str, deadline: float) -> None:
+        try:
+            proc.wait(timeout=max(deadline - time.time(), 1))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"launch {name} did not finish in time:\n{self.tail(name)}")
+        assert proc.returncode == 0, f"launch {name} failed ({proc.returncode}):\n{self.tail(name)}"
+
+    def tail(self, name: str) -> str:
+        lines = (self.out / f"log_{name}").read_text().splitlines()
+        return "\n".join(line for line in lines if "[INFO]" not in line)[-6000:]
+
+    def kill_group(self, group: int, proc: subprocess.Popen) -> float:
+        """SIGKILL every worker of `group` (torchrun starts them in sessions of their own) and its torchrun."""
+        pids = [int(f.name.split("_")[2]) for f in self.out.glob(f"pid_{group}_*")]
+        assert len(pids) == GROUP_SIZE, pids
+        killed_at = time.time()
+        for pid in pids:
+            _kill(pid, os.kill)
+        _kill(proc.pid, os.killpg)
+        proc.wait(timeout=30)
+        for f in self.out.glob(f"pid_{group}_*"):
+            f.unlink()
+        return killed_at
+
+    def close(self) -> None:
+        for f in self.out.glob("pid_*"):
+            _kill(int(f.name.split("_")[2]), os.kill)
+        for proc in self.procs:
+            _kill(proc.pid, os.killpg)
+        self.lighthouse.shutdown()
+
+
+def _kill(pid: int, kill) -> None:
+    try:
+        kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _records(out: Path, prefix: str) -> dict[str, dict]:
+    return {f.name: torch.load(f, weights_only=False) for f in sorted(out.glob(f"{prefix}_r*_*.pt"))}
+
+
+def _rank0(out: Path, prefix: str) -> dict:
+    (record,) = [r for name, r in _records(out, prefix).items() if name.startswith(f"{prefix}_r0_")]
+    return record
+
+
+def _max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+# ---------------------------------------------------------------------- parity without failures
+@pytest.fixture(scope="module")
+def parity_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ft_parity")
+    job = _Job(out, min_replicas=GROUPS)  # the first quorum waits for both groups
+    try:
+        deadline = time.time() + TIMEOUT
+        env = {"DPAR_FT_STEPS": "6", "DPAR_FT_OPTIMIZER": "adam"}
+        groups = [job.launch("ft", GROUP_SIZE, f"g{g}", REPLICA_GROUP_ID=str(g), **env) for g in range(GROUPS)]
+        for g, proc in enumerate(groups):
+            job.wait(proc, f"g{g}", deadline)
+        job.wait(job.launch("hsdp", GROUPS * GROUP_SIZE, "hsdp", **env), "hsdp", deadline)
+    finally:
+        job.close()
+    return out
+
+
+def test_parity_with_hsdp_and_one_process(parity_runs):
+    want = reference_train("adam", global_batches(RegressionData(), GROUPS * GROUP_SIZE, BATCH, 6))
+    hsdp = _rank0(parity_runs, "hsdp_g-1")["params"]
+    diffs = {}
+    for g in range(GROUPS):
+        record = _rank0(parity_runs, f"ft_g{g}")
+        assert [(h["batch_idx"], h["participants"], h["committed"]) for h in record["history"]] == [
+            (b, GROUPS, True) for b in range(6)
+        ]
+        diffs[g] = (_max_diff(record["params"], want), _max_diff(record["params"], hsdp))
+    print(f"max abs diff (group: vs one process, vs HSDP 2x2): {diffs}; HSDP vs one process {_max_diff(hsdp, want)}")
+    assert all(one < 1e-5 and vs_hsdp < 1e-5 for one, vs_hsdp in diffs.values()), diffs
+    assert _max_diff(hsdp, want) < 1e-5
+
+
+# ---------------------------------------------------------------------- a killed group
+KILLED, SURVIVOR = 0, 1  # group 0 writes the checkpoints while both are up: killing it shows the survivor takes over
+KILL_AT, STEPS, SAMPLES, EVERY = 25, 150, 2400, 10
+KILL_ENV = {
+    "DPAR_FT_STEPS": str(STEPS),
+    "DPAR_FT_OPTIMIZER": "sgd_momentum",  # momentum buffers: optimizer state the heal must copy
+    "DPAR_FT_SAMPLES": str(SAMPLES),
+    "DPAR_FT_PAUSE": "0.3",
+    "DPAR_FT_TIMEOUT": "20",
+    "DPAR_FT_CKPT_EVERY": str(EVERY),
+}
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory) -> tuple[Path, float]:
+    out = tmp_path_factory.mktemp("ft_kill")
+    (out / "ckpt").mkdir()
+    job = _Job(out, min_replicas=1)
+    try:
+        deadline = time.time() + TIMEOUT
+        survivor = job.launch("ft", GROUP_SIZE, "survivor", REPLICA_GROUP_ID=str(SURVIVOR), **KILL_ENV)
+        victim = job.launch(
+            "ft", GROUP_SIZE, "victim", REPLICA_GROUP_ID=str(KILLED), DPAR_FT_MARK_AT=str(KILL_AT),
+            DPAR_FT_MARK_GROUP=str(KILLED), **KILL_ENV,
+        )  # fmt: skip
+        while not (out / "mark").exists():
+            assert survivor.poll() is None and victim.poll() is None, job.tail("victim") + job.tail("survivor")
+            assert time.time() < deadline, "the victim never reached the kill point"
+            time.sleep(0.05)
+        killed_at = job.kill_group(KILLED, victim)
+        relaunched = job.launch("ft", GROUP_SIZE, "relaunched", REPLICA_GROUP_ID=str(KILLED), **KILL_ENV)
+        job.wait(survivor, "survivor", deadline)
+        job.wait(relaunched, "relaunched", deadline)
+    finally:
+        job.close()
+    return out, killed_at
+
+
+def _step_log(out: Path) -> dict[int, list[dict]]:
+    """Every committed step any group's rank 0 logged (the killed launch's too: a line per step, flushed), by batch."""
+    steps: dict[int, list[dict]] = {}
+    for path in out.glob("steps_g*_*.jsonl"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            if entry["committed"]:
+                steps.setdefault(entry["batch_idx"], []).append(entry)
+    return steps
+
+
+def _reference_from_log(steps: dict[int, list[dict]], data: RegressionData) -> dict[str, torch.Tensor]:
+    """The documented definition: at each committed batch `b`, one process trains on the shards of batch `b` of
+    exactly the groups that committed it (group `g`'s shard: data-parallel ranks `g * 2` and `g * 2 + 1` of a
+    4-rank sampler)."""
+    ranks = GROUPS * GROUP_SIZE
+    per_rank = [list(DistributedSampler(data, num_replicas=ranks, rank=r, shuffle=True, seed=0)) for r in range(ranks)]
+    batches = []
+    for b in sorted(steps):
+        groups = sorted({e["group"] for e in steps[b]})
+        assert all(e["participants"] == len(groups) for e in steps[b]), (b, steps[b])  # no group's record missing
+        idx = [
+            i
+            for g in groups
+            for r in range(g * GROUP_SIZE, (g + 1) * GROUP_SIZE)
+            for i in per_rank[r][b * BATCH : (b + 1) * BATCH]
+        ]
+        batches.append((data.x[idx], data.y[idx]))
+    return reference_train("sgd_momentum", batches)
+
+
+def test_killed_group_survives_heals_and_matches_the_reference(killed_run):
+    out, killed_at = killed_run
+    survivor, relaunched = _rank0(out, f"ft_g{SURVIVOR}"), _rank0(out, f"ft_g{KILLED}")
+    history = survivor["history"]
+    alone = [h for h in history if h["committed"] and h["participants"] == 1 and h["wall_time"] > killed_at]
+    lost = [h["batch_idx"] for h in history if not h["committed"]]
+    rejoined = next(
+        h
+        for h in history
+        if h["wall_time"] > killed_at
+        and h["participants"] == GROUPS
+        and h["committed"]
+        and h["batch_idx"] > KILL_AT + 1
+    )
+    heals = [r["heals"][-1] for r in _records(out, f"ft_g{KILLED}").values()]
+    assert alone, "the survivor took no step while the other group was down"
+    assert all(h["batch_idx"] == rejoined["batch_idx"] for h in heals), (heals, rejoined)
+    # Afterwards every rank holds the same weights, bitwise (the full parameters gather each group's shards).
+    assert all(torch.equal(survivor["params"][k], relaunched["params"][k]) for k in survivor["params"])
+    steps = _step_log(out)
+    diff = _max_diff(survivor["params"], _reference_from_log(steps, RegressionData(n=SAMPLES)))
+    downtime_steps = rejoined["batch_idx"] - (KILL_AT + 1)
+    last_ckpt = (KILL_AT // EVERY) * EVERY
+    measurements = {
+        "max_abs_diff_vs_reference": diff,
+        "survivor_steps_while_down": len(alone),
+        "uncommitted_batches": lost,
+        "kill_to_rejoin_s": rejoined["wall_time"] - killed_at,
+        "kill_to_healed_s": max(h["wall_time"] for h in heals) - killed_at,
+        "heal_bytes_per_rank": [h["bytes_received"] for h in heals],
+        "steps_lost_ft": len(lost),
+        "killed_group_shards_not_trained": downtime_steps,
+        "steps_lost_restart_from_checkpoint": KILL_AT + 1 - last_ckpt,
+        "restart_idle_steps_all_groups": downtime_steps,
+    }
+    (out / "measurements.json").write_text(json.dumps(measurements, indent=1))
+    print(json.dumps(measurements, indent=1))
+    assert diff < 1e-5, measurements
+
+
+def test_checkpoints_written_by_the_quorum(killed_run):
+    """Every checkpoint step was written once (by the first group of the quorum), the ones while group 0 was down
+    by group 1."""
+    out, _ = killed_run
+    written = sorted(int(p.name.split("step=")[1].split(".")[0]) for p in (out / "ckpt").glob("*.ckpt"))
+    assert written == list(range(EVERY, STEPS + 1, EVERY)), written
+    writers = {}
+    for path in out.glob("saves_g*_*.jsonl"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            writers.setdefault(entry["step"], set()).add(entry["group"])
+    assert all(len(groups) == 1 for groups in writers.values()), writers
+    steps = _step_log(out)
+    down = [s for s in written if len(steps.get(s - 1, [])) == 1]
+    assert down and all(writers[s] == {SURVIVOR} for s in down), (down, writers)
+
+
+def test_full_job_restart_resumes_exactly(killed_run, tmp_path):
+    """Both groups relaunched from a checkpoint the survivor wrote while the other group was down, to 20 more
+    steps: equal to the reference of the logged steps up to the checkpoint, then both groups for every step."""
+    out, _ = killed_run
+    steps = _step_log(out)
+    down = [s for s in range(EVERY, STEPS + 1, EVERY) if len(steps.get(s - 1, [])) == 1]
+    resume_at = down[0]
+    ckpt = out / "ckpt" / f"epoch=0-step={resume_at}.ckpt"
+    restart = tmp_path / "restart"
+    restart.mkdir()
+    job = _Job(restart, min_replicas=GROUPS)
+    env = {**KILL_ENV, "DPAR_FT_STEPS": str(resume_at + 20), "DPAR_FT_RESUME": str(ckpt), "DPAR_FT_PAUSE": "0"}
+    env.pop("DPAR_FT_CKPT_EVERY")
+    try:
+        deadline = time.time() + TIMEOUT
+        procs = [job.launch("ft", GROUP_SIZE, f"g{g}", REPLICA_GROUP_ID=str(g), **env) for g in range(GROUPS)]
+        for g, proc in enumerate(procs):
+            job.wait(proc, f"g{g}", deadline)
+    finally:
+        job.close()
+    expected = {b: entries for b, entries in steps.items() if b < resume_at}
+    for b in range(resume_at, resume_at + 20):
+        expected[b] = [{"group": g, "participants": GROUPS} for g in range(GROUPS)]
+    want = _reference_from_log(expected, RegressionData(n=SAMPLES))
+    for g in range(GROUPS):
+        record = _rank0(restart, f"ft_g{g}")
+        assert [h["batch_idx"] for h in record["history"]] == list(range(resume_at, resume_at + 20))
+        diff = _max_diff(record["params"], want)
+        print(f"restart from step {resume_at}: group {g} max abs diff {diff}")
+        assert diff < 1e-5
