@@ -204,11 +204,13 @@ def _step_log(out: Path) -> dict[int, list[dict]]:
     return steps
 
 
-def _reference_from_log(steps: dict[int, list[dict]], data: RegressionData) -> dict[str, torch.Tensor]:
+def _reference_from_log(
+    steps: dict[int, list[dict]], data: RegressionData, group_size: int = GROUP_SIZE
+) -> dict[str, torch.Tensor]:
     """The documented definition: at each committed batch `b`, one process trains on the shards of batch `b` of
     exactly the groups that committed it (group `g`'s shard: data-parallel ranks `g * 2` and `g * 2 + 1` of a
-    4-rank sampler)."""
-    ranks = GROUPS * GROUP_SIZE
+    4-rank sampler, with groups of 2)."""
+    ranks = GROUPS * group_size
     per_rank = [list(DistributedSampler(data, num_replicas=ranks, rank=r, shuffle=True, seed=0)) for r in range(ranks)]
     batches = []
     for b in sorted(steps):
@@ -217,7 +219,7 @@ def _reference_from_log(steps: dict[int, list[dict]], data: RegressionData) -> d
         idx = [
             i
             for g in groups
-            for r in range(g * GROUP_SIZE, (g + 1) * GROUP_SIZE)
+            for r in range(g * group_size, (g + 1) * group_size)
             for i in per_rank[r][b * BATCH : (b + 1) * BATCH]
         ]
         batches.append((data.x[idx], data.y[idx]))
@@ -311,3 +313,63 @@ def test_full_job_restart_resumes_exactly(killed_run, tmp_path):
         diff = _max_diff(record["params"], want)
         print(f"restart from step {resume_at}: group {g} max abs diff {diff}")
         assert diff < 1e-5
+
+
+# ---------------------------------------------------------------------- Ray Train
+RAY_STEPS, RAY_KILL_AT, RAY_SAMPLES = 120, 15, 1000
+
+
+@pytest.fixture(scope="module")
+def ray_run(tmp_path_factory) -> Path:
+    """`TorchTrainer` with Ray's `TorchftConfig`: 2 replica groups of one worker; group 1's worker SIGKILLs itself
+    after batch 15 (once), and Ray restarts that group only."""
+    ray = pytest.importorskip("ray")
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2.torch.torchft_config import TorchftConfig  # not exported by `ray.train.torch` in 2.60
+
+    from tests.workers.fault_tolerance import ray_job
+
+    out = tmp_path_factory.mktemp("ft_ray")
+    saved = dict(os.environ)
+    os.environ.update(subprocess_env())  # the workers inherit it through the raylet started here
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    os.environ.clear()
+    os.environ.update(saved)
+    try:
+        config = {
+            "out": str(out), "steps": RAY_STEPS, "kill_at": RAY_KILL_AT, "kill_group": 1, "pause": 0.3,
+            "samples": RAY_SAMPLES, "optimizer": "sgd_momentum",
+        }  # fmt: skip
+        lighthouse = {"min_replicas": 1, "join_timeout_ms": 2000, "heartbeat_timeout_ms": 2000}
+        TorchTrainer(
+            ray_job,
+            train_loop_config=config,
+            scaling_config=ScalingConfig(num_workers=GROUPS, use_gpu=False),
+            torch_config=TorchftConfig(lighthouse_kwargs=lighthouse, backend="gloo"),
+            run_config=RunConfig(storage_path=str(out / "storage"), failure_config=FailureConfig(max_failures=1)),
+        ).fit()
+    finally:
+        ray.shutdown()
+    return out
+
+
+def test_ray_restarts_the_killed_group_only_and_it_heals(ray_run):
+    out = ray_run
+    killed_at = float((out / "mark").read_text())
+    survivors, relaunched = _records(out, "ray_g0"), _records(out, "ray_g1")
+    assert len(survivors) == 1 and len(relaunched) == 1, (list(survivors), list(relaunched))
+    survivor, healed = next(iter(survivors.values())), next(iter(relaunched.values()))
+    # Group 0 never stopped: one process trained every batch.
+    assert survivor["batches"] == list(range(RAY_STEPS))
+    assert len(list(out.glob("pid_0_*"))) == 1 and len(list(out.glob("pid_1_*"))) == 2
+    alone = [h for h in survivor["history"] if h["committed"] and h["participants"] == 1 and h["wall_time"] > killed_at]
+    (heal,) = healed["heals"]
+    assert alone and heal["batch_idx"] > RAY_KILL_AT + 1, (len(alone), heal)
+    assert all(torch.equal(survivor["params"][k], healed["params"][k]) for k in survivor["params"])
+    diff = _max_diff(survivor["params"], _reference_from_log(_step_log(out), RegressionData(n=RAY_SAMPLES), 1))
+    print(
+        f"Ray: {len(alone)} steps alone, healed at batch {heal['batch_idx']} {heal['wall_time'] - killed_at:.1f} s"
+        f" after the kill, {heal['bytes_received']} bytes, max abs diff to the reference {diff}"
+    )
+    assert diff < 1e-5

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -40,11 +41,10 @@ def _env_int(name: str, default: int) -> int:
 class Pace(L.Callback):
     """Marks the kill point and slows the survivors while a group is missing."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, mark_at: int = -1, mark_group: int = -1, pause: float = 0.0, kill: bool = False):
         self.out = out
-        self.mark_at = _env_int("DPAR_FT_MARK_AT", -1)
-        self.mark_group = _env_int("DPAR_FT_MARK_GROUP", -1)
-        self.pause = float(os.environ.get("DPAR_FT_PAUSE", "0"))
+        self.mark_at, self.mark_group, self.pause = mark_at, mark_group, pause
+        self.kill = kill  # the marking rank SIGKILLs itself (under Ray, which then restarts its group)
         self.batches: list[int] = []
         self._logged_saves = 0
 
@@ -60,7 +60,10 @@ class Pace(L.Callback):
                 log.write(json.dumps({"group": config.replica_group, **asdict(groups.history[-1])}) + "\n")
         self.log_saves(trainer)
         if batch_idx == self.mark_at and config.replica_group == self.mark_group and trainer.global_rank == 0:
-            (self.out / "mark").write_text(str(time.time()))
+            if not (self.out / "mark").exists():  # once: not again in the relaunched group
+                (self.out / "mark").write_text(str(time.time()))
+                if self.kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
         if self.pause and groups.history and groups.history[-1].participants < config.num_replica_groups:
             time.sleep(self.pause)
 
@@ -91,7 +94,12 @@ def main(mode: str, out: Path) -> None:
         config = FaultTolerance(timeout=float(os.environ.get("DPAR_FT_TIMEOUT", "30")))
         strategy = FaultTolerantFullyShardStrategy(fault_tolerance=config)
         group = int(os.environ["REPLICA_GROUP_ID"])
-    pace = Pace(out)
+    pace = Pace(
+        out,
+        _env_int("DPAR_FT_MARK_AT", -1),
+        _env_int("DPAR_FT_MARK_GROUP", -1),
+        float(os.environ.get("DPAR_FT_PAUSE", "0")),
+    )
     callbacks: list[L.Callback] = [pace]
     every = _env_int("DPAR_FT_CKPT_EVERY", 0)
     if every:
@@ -99,6 +107,10 @@ def main(mode: str, out: Path) -> None:
     trainer = trainer_for(strategy, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(every))
     resume = os.environ.get("DPAR_FT_RESUME")
     trainer.fit(ParityModule(optimizer=optimizer), loader(data, BATCH), ckpt_path=resume)
+    _save(trainer, pace, out, mode, group)
+
+
+def _save(trainer: L.Trainer, pace: Pace, out: Path, mode: str, group: int) -> None:
     params = full_params(trainer)
     groups = getattr(trainer.strategy, "replica_groups", None)
     record = {
@@ -109,6 +121,29 @@ def main(mode: str, out: Path) -> None:
         "end": time.time(),
     }
     torch.save(record, out / f"{mode}_g{group}_r{trainer.global_rank}_{os.getpid()}.pt")
+
+
+def ray_job(config: dict) -> None:
+    """A Ray Train worker of `TorchTrainer(torch_config=TorchftConfig(...))`: one replica group of one rank. The
+    worker of group `config["kill_group"]` SIGKILLs itself after batch `config["kill_at"]`, once; Ray restarts that
+    group only."""
+    from ray.train.lightning import RayLightningEnvironment
+
+    from lightning_dpar.ray import prepare_trainer
+
+    out = Path(config["out"])
+    strategy = FaultTolerantFullyShardStrategy(fault_tolerance=FaultTolerance(timeout=20.0))
+    pace = Pace(out, config["kill_at"], config["kill_group"], config["pause"], kill=True)
+    trainer = L.Trainer(
+        accelerator="cpu", strategy=strategy, plugins=[RayLightningEnvironment()], max_steps=config["steps"],
+        callbacks=[pace], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer = prepare_trainer(trainer)
+    (out / f"pid_{strategy.fault_tolerance.replica_group}_{os.getpid()}").write_text("")
+    data = RegressionData(n=config["samples"])
+    trainer.fit(ParityModule(optimizer=config["optimizer"]), loader(data, BATCH))
+    _save(trainer, pace, out, "ray", strategy.fault_tolerance.replica_group)
 
 
 if __name__ == "__main__":
