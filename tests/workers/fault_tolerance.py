@@ -46,14 +46,18 @@ class Pace(L.Callback):
         self.mark_at, self.mark_group, self.pause = mark_at, mark_group, pause
         self.kill = kill  # the marking rank SIGKILLs itself (under Ray, which then restarts its group)
         self.batches: list[int] = []
+        self.times: list[float] = []
         self._logged_saves = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.batches.append(batch_idx)
+        self.times.append(time.time())
         strategy = trainer.strategy
         groups = getattr(strategy, "replica_groups", None)
         config = getattr(strategy, "fault_tolerance", None)
-        if groups is None:
+        if groups is None:  # the plain HSDP run: marks the kill point of the restart-from-checkpoint baseline
+            if batch_idx == self.mark_at and trainer.global_rank == 0 and not (self.out / "mark").exists():
+                (self.out / "mark").write_text(str(time.time()))
             return
         if trainer.global_rank == 0 and groups.history:  # flushed per step: a killed launch's steps stay logged
             with open(self.out / f"steps_g{config.replica_group}_{os.getpid()}.jsonl", "a") as log:
@@ -118,6 +122,7 @@ def _save(trainer: L.Trainer, pace: Pace, out: Path, mode: str, group: int) -> N
         "history": [asdict(r) for r in groups.history] if groups is not None else [],
         "heals": [asdict(h) for h in groups.heals] if groups is not None else [],
         "batches": pace.batches,
+        "batch_times": pace.times,
         "end": time.time(),
     }
     torch.save(record, out / f"{mode}_g{group}_r{trainer.global_rank}_{os.getpid()}.pt")
