@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    from lightning_dpar.clipping import GradientClipper, clip_grad_norm_
+    from lightning_dpar.optim.clipping import GradientClipper, clip_grad_norm_
 
     net = build_net(PRESETS[args.preset].size)
     plain, dtensors = _with_grads(net), _as_2d_dtensors(net)

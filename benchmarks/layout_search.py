@@ -234,8 +234,8 @@ def predictions(model: str, profile_path: str, world: int) -> tuple[list[dict[st
     """Every layout that runs, as the search prices it: fitting ones ranked first, then those that do not fit."""
     import torch
 
-    from lightning_dpar.layout.probe import search_model
-    from lightning_dpar.layout.profiles import get_profile
+    from lightning_dpar.layout_search.probe import search_model
+    from lightning_dpar.layout_search.profiles import get_profile
 
     with torch.device("meta"):
         module = build(model)

@@ -3,26 +3,27 @@
 Importing the package registers the strategy names (`"dpar_replicate"`, `"dpar_fsdp"`, `"dpar_fsdp_offload"`,
 `"dpar_hsdp"`, `"dpar_2d"`, `"dpar_3d"`, `"dpar_auto"`) with Lightning, so `Trainer(strategy="dpar_2d")` works.
 
-How a step flows: `strategies` (Lightning's hooks) -> `plan` (what goes where, as data) -> `parallelize` (applied)
--> `checkpoint` (its manager owns save, load and resume). See `docs/architecture.md`. Packages and modules:
+How a run flows: `strategies` (Lightning's hooks) -> `plan` (what goes where, as data, computed once) ->
+`parallel` (the plan applied, in torchtitan's fixed order) -> `checkpoint` (its manager owns save, load and resume).
+See `docs/architecture.md`. The folders, in layers (none imports one below it; the exact order is `LAYERS` in
+`tests/unit/test_import_graph.py`):
 
-- `strategies/`: the Lightning strategies (`fully_shard`, `replicate` on `base`) and their hooks by concern
-  (`processes`, `collectives`, `data_loading`, `step_hooks`, `checkpoint_hooks`, `pipeline_steps`);
-- `plan/`: planning, one function `plan_modules` (see its docstring for its modules);
+- `parallel_dims`: mesh sizes (`ParallelDims`) and every mesh of a run (`ParallelMeshes`);
 - `pipeline/`: pipeline parallelism (split, schedules, stages, runtime);
-- `checkpoint/`: checkpoints, behind `checkpoint.manager.CheckpointManager`;
-- `mesh`: mesh sizes and the device mesh; `parallelize`: applying a plan; `materialize`: meta tensors into shards;
-- `ties`: tied parameters; `precision`, `clipping`: precision and gradient clipping; `optimizers`,
-  `optimizer_probe`, `shard_probe`, `distributed_muon`: optimizers on shards; `buffers`, `batchnorm`, `sampling`:
-  DDP semantics kept;
-  `callback_checks`, `trainer_checks`: callbacks and Trainer settings a layout refuses before any collective;
-- `pretrained`, `key_matching`, `hf_keys`, `peft_keys`: Hugging Face and peft weights; `consolidate`: a checkpoint
-  to one file (or a Hugging Face / peft directory);
-- `compilation`, `comm_hooks`, `unit_guard`, `unit_outputs`: compile options, DDP hooks, unit guards;
-- `dry_run/`: the `plan` dry run (engine, report, CLI; `plan_report` keeps its old import path); `memory`: the
-  memory model it reports;
-- `launchers`, `process_group`: starting the ranks; `cli`, `__main__`, `progress`, `performance_monitor`,
-  `weight_averaging`, `examples/`: the command line and the rest of the user-facing tools;
+- `conformance/`: Lightning's DDP semantics kept (buffers, `sync_batchnorm`, samplers, weight averaging) and the
+  callbacks and Trainer settings a layout refuses before any collective;
+- `plan/`: the plan as data, one function `plan_modules` (see its docstring for its modules);
+- `experts/`: Mixture-of-Experts at run time (expert parallelism, router loss, expert keys);
+- `parallel/`: applying a plan (`parallelize.apply_plan`), the FSDP and DDP wrappers, materialisation, compile;
+- `hf_weights/`: Hugging Face and peft weights in (`pretrained=`);
+- `checkpoint/`: checkpoints, behind `checkpoint.manager.CheckpointManager`, and the Hugging Face / peft exports;
+- `optim/`: which optimizers are exact on which layouts, Muon on shards, clipping, the precision plugin;
+- `launch/`: devices, the process group, the launchers;
+- `strategies/`: the Lightning strategies (`fully_shard`, `replicate` on `base`) and their hooks by concern;
+- `estimates/`: state and activation memory, and the `plan` dry run;
+- `layout_search/`: the automatic layout search and `dpar_auto`;
+- `fault_tolerance/`: per-step fault tolerance across torchft replica groups (`dpar_ft_hsdp`, optional extra `ft`);
+- `cli`, `__main__`, `progress`, `performance_monitor`, `ray`, `examples/`: the command line and user-facing tools;
 - `_private_api`: every private torch / Lightning API; `helpers`: small shared helpers, a leaf.
 """
 
@@ -36,18 +37,18 @@ from lightning_dpar.fault_tolerance import (
     FaultTolerantFullyShardStrategy,
     FaultTolerantReplicateStrategy,
 )
-from lightning_dpar.mesh import ParallelDims
-from lightning_dpar.optimizers import OptimizerLayoutError, declare_update_kind
+from lightning_dpar.hf_weights.pretrained import PretrainedWeights
+from lightning_dpar.layout_search.strategy import AutoParallelStrategy
+from lightning_dpar.optim.exactness import OptimizerLayoutError, declare_update_kind
+from lightning_dpar.optim.precision import DparPrecision
+from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.performance_monitor import PerformanceMonitor
-from lightning_dpar.precision import DparPrecision
-from lightning_dpar.pretrained import PretrainedWeights
 from lightning_dpar.strategies import (
     DparStrategy,
     FSDPTensorParallelStrategy,
     FullyShardStrategy,
     ReplicateStrategy,
 )
-from lightning_dpar.strategies.auto import AutoParallelStrategy
 
 __version__ = "0.1.0"
 

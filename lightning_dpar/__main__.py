@@ -3,10 +3,12 @@
 - `fit | validate | test | predict`: LightningCLI (see `lightning_dpar.cli`); with no other argument, `fit` trains
   the bundled GPT example on 4 CPU processes with `dpar_2d`.
 - `plan`: print the mesh, the per-module plan, every parameter's placement and per-rank memory, without launching
-  processes or allocating the model (see `lightning_dpar.dry_run`).
-- `plan --auto`: rank every valid layout by estimated step time among those that fit (see `lightning_dpar.layout`).
-- `calibrate`: measure this machine into a hardware profile for `plan --auto` (see `lightning_dpar.layout.calibrate`).
-- `consolidate`: turn a sharded checkpoint into a single file (see `lightning_dpar.consolidate`).
+  processes or allocating the model (see `lightning_dpar.estimates`).
+- `plan --auto`: rank every valid layout by estimated step time among those that fit (see
+`lightning_dpar.layout_search`).
+- `calibrate`: measure this machine into a hardware profile for `plan --auto` (see
+`lightning_dpar.layout_search.calibrate`).
+- `consolidate`: turn a sharded checkpoint into a single file (see `lightning_dpar.checkpoint.consolidate`).
 """
 
 from __future__ import annotations
@@ -43,19 +45,19 @@ def main(argv: list[str] | None = None) -> int:
         cli_main(None if from_command_line else argv)  # None: LightningCLI reads sys.argv itself
         return 0
     if command == "plan" and "--auto" in rest:
-        from lightning_dpar.layout.cli import main as auto_main
+        from lightning_dpar.layout_search.cli import main as auto_main
 
         return auto_main(rest)
     if command == "plan":
-        from lightning_dpar.dry_run import main as plan_main
+        from lightning_dpar.estimates import main as plan_main
 
         return plan_main(rest)
     if command == "calibrate":
-        from lightning_dpar.layout.calibrate import main as calibrate_main
+        from lightning_dpar.layout_search.calibrate import main as calibrate_main
 
         return calibrate_main(rest)
     if command == "consolidate":
-        from lightning_dpar.consolidate import main as consolidate_main
+        from lightning_dpar.checkpoint.consolidate import main as consolidate_main
 
         return consolidate_main(rest)
     print(f"Unknown command {command!r}.\n\n{USAGE}", file=sys.stderr)

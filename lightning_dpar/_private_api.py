@@ -323,7 +323,7 @@ def view_base(tensor: Any) -> Any:
 
 
 # torch.optim.Muon's own Newton-Schulz iteration and learning-rate adjustment: the distributed step
-# (`lightning_dpar.distributed_muon`) calls the very functions `Muon.step` calls, so it computes bit for bit what
+# (`lightning_dpar.optim.distributed_muon`) calls the very functions `Muon.step` calls, so it computes bit for bit what
 # Muon computes on the whole matrix under DDP. torch has no public functional form of them.
 from torch.optim._muon import _adjust_lr as muon_adjusted_lr  # noqa: E402
 from torch.optim._muon import _zeropower_via_newtonschulz as muon_newton_schulz  # noqa: E402
@@ -357,7 +357,8 @@ def averaged_copy(callback: Any) -> nn.Module | None:
     return average.module if isinstance(average, AveragedModel) else average
 
 
-# The activation estimate (`lightning_dpar.activation_trace`) runs a training step on fake tensors and follows every
+# The activation estimate (`lightning_dpar.estimates.activation_trace`) runs a training step on fake tensors and follows
+# every
 # tensor storage it creates. `FakeTensorMode` is torch's own way to run operators without memory (what
 # `torch.compile` traces with) on a device of our choosing, so kernels are picked as on a real device; a
 # `TorchDispatchMode` sees each operator's outputs; pytree reads them out of nested results. torch has no public

@@ -11,7 +11,8 @@ Works with any strategy (the package's or Lightning's own) and any accelerator. 
   `tokens_per_sample` is given or the batch's first tensor holds token ids (an int32/int64 tensor `[batch, seq]`).
 - peak memory: per rank. CUDA: the allocator's peak (`torch.cuda.max_memory_allocated`, reset when training
   starts). CPU: the process's peak resident set size (`ru_maxrss`), which covers the whole process lifetime.
-- held state: per rank, when training ends, measured on the real tensors (`lightning_dpar.memory.held_state`): the
+- held state: per rank, when training ends, measured on the real tensors
+(`lightning_dpar.estimates.state_memory.held_state`): the
   local bytes of trainable and frozen parameters, of the gradients allocated and of the optimizers' state. Frozen
   parameters (a LoRA base model) show here with no gradient and no optimizer state.
 - MFU: achieved model FLOP/s over the device's peak, when both are known. Model FLOPs per batch:
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
-from lightning_dpar.memory import HeldState, format_bytes, held_state
+from lightning_dpar.estimates.state_memory import HeldState, format_bytes, held_state
 
 __all__ = [
     "GIB",

@@ -80,7 +80,7 @@ def fake_world():
     backend: collectives do nothing), for in-process unit tests that need a `DeviceMesh`; torn down after the test."""
     import torch.distributed as dist
 
-    from lightning_dpar.mesh import init_fake_process_group
+    from lightning_dpar.parallel_dims import init_fake_process_group
 
     def start(world_size: int, rank: int = 0) -> None:
         init_fake_process_group(rank, world_size)

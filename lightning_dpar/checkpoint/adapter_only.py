@@ -37,11 +37,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from lightning_dpar import peft_keys
 from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.checkpoint.full import FullSource
 from lightning_dpar.checkpoint.sharded import ShardedSource
-from lightning_dpar.pretrained import PretrainedWeights, match_pretrained, safetensors_files
+from lightning_dpar.hf_weights import peft_keys
+from lightning_dpar.hf_weights.pretrained import PretrainedWeights, match_pretrained, safetensors_files
 
 __all__ = [
     "ADAPTER_ONLY_KEY",

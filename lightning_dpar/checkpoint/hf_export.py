@@ -11,8 +11,9 @@ export then:
 3. drops the second name of each tied parameter (`lm_head.weight` under `tie_word_embeddings`), splits each fused
    expert parameter of a mixture-of-experts model into one tensor per expert and projection
    (`mlp.experts.gate_up_proj` [E, 2I, H] into `mlp.experts.E.gate_proj.weight` and `...up_proj.weight`;
-   `lightning_dpar.expert_keys`) and renames what the class stores under another name (GPT-NeoX's `lm_head` as
-   `embed_out`, Mixtral's `mlp.` as `block_sparse_moe.`; `lightning_dpar.hf_keys`), as `save_pretrained` does;
+   `lightning_dpar.experts.keys`) and renames what the class stores under another name (GPT-NeoX's `lm_head` as
+   `embed_out`, Mixtral's `mlp.` as `block_sparse_moe.`; `lightning_dpar.hf_weights.hf_keys`), as `save_pretrained`
+   does;
 4. streams the tensors into safetensors files one at a time (see `consolidate.write_safetensors`), then writes
    `config.json` and `generation_config.json`.
 """
@@ -27,10 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dpar import hf_keys
-from lightning_dpar.expert_keys import ExpertPart, split_fused
+from lightning_dpar.experts.keys import ExpertPart, split_fused
 from lightning_dpar.helpers import transformers_models
-from lightning_dpar.key_matching import map_keys, tied_groups  # the key matching of loading pretrained weights
+from lightning_dpar.hf_weights import hf_keys
+from lightning_dpar.hf_weights.key_matching import (
+    map_keys,
+    tied_groups,
+)  # the key matching of loading pretrained weights
 
 #: Key of the record in a checkpoint's metadata (`meta.pt`, or the dict of a full-format file).
 __all__ = [
@@ -112,7 +116,8 @@ def hf_tensor_names(
     exported: dict[str, str | ExpertPart] = {}
     for name in (k for k in inside if k not in duplicates):
         exported.update(split_fused(name, shapes[inside[name]], merges, inside[name]) or {name: inside[name]})
-    # As `save_pretrained` names them (GPT-NeoX's `lm_head` is stored as `embed_out`; `lightning_dpar.hf_keys`).
+    # As `save_pretrained` names them (GPT-NeoX's `lm_head` is stored as `embed_out`;
+    # `lightning_dpar.hf_weights.hf_keys`).
     saved = hf_keys.saved_names(record["class"], model_type, exported)
     return {saved[k]: source for k, source in exported.items()}, left_out
 

@@ -32,7 +32,7 @@ from lightning_dpar.checkpoint.sharded import ShardedFormat
 from lightning_dpar.checkpoint.storage import Location
 from lightning_dpar.checkpoint.writer import CheckpointWriter
 from lightning_dpar.helpers import is_under
-from lightning_dpar.pretrained import PretrainedWeights
+from lightning_dpar.hf_weights.pretrained import PretrainedWeights, load_unless_resuming, read_pretrained
 
 __all__ = ["CheckpointFormatName", "CheckpointManager"]
 
@@ -170,6 +170,13 @@ class CheckpointManager:
         self.writer.close()
 
     # ------------------------------------------------------------------ loading
+    def load_pretrained(self, model: nn.Module, ckpt_path: object, tied: Sequence[Sequence[str]] = ()) -> None:
+        """The strategy's `pretrained=` weights into the parallelised `model` (collective), unless `ckpt_path` (a
+        checkpoint about to be loaded) replaces them. The one way pretrained weights enter: this, and `load` for an
+        adapter-only checkpoint's frozen base."""
+        if self.pretrained is not None:
+            load_unless_resuming(model, self.pretrained, ckpt_path, self._keys_held_elsewhere, tied)
+
     def load(
         self,
         path: Any,
@@ -178,12 +185,13 @@ class CheckpointManager:
         strict: bool,
         fitting: bool,
         iteration_based: bool = False,
-        load_base: Callable[[], None] = lambda: None,
+        tied: Sequence[Sequence[str]] = (),
     ) -> dict:
         """Load model (and the given optimizers') state in place, resharding to this layout; keep the resume record
         for `fit`; return Lightning's part of the checkpoint. Every rank validates, and the ranks agree on the
         outcome before any collective read, so a bad checkpoint raises the same error everywhere. An adapter-only
-        checkpoint's frozen base is read first, by `load_base` (the strategy's `pretrained=` load)."""
+        checkpoint's frozen base is read first from `pretrained=` (`tied`: the model's tied parameters,
+        `ModulePlan.tied`)."""
         self.writer.wait()  # the checkpoint may be the one still being written
         location = Location.parse(_from_rank_zero(str(path)))
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -200,8 +208,9 @@ class CheckpointManager:
         if problem is not None:  # the rank that found it keeps its type (`UnsafeCheckpointError`, ...)
             raise own_error if own_error is not None and str(own_error) == problem else CheckpointLoadError(problem)
         assert source is not None
-        if base:
-            load_base()  # checked above: the same base the checkpoint was trained on
+        if base:  # checked above: the same base the checkpoint was trained on
+            assert self.pretrained is not None
+            read_pretrained(model, self.pretrained, self._keys_held_elsewhere, tied)
         report = source.load(model, optimizers, strict and not base, self._held_elsewhere)
         report.missing = [key for key in report.missing if key not in frozenset(base)]
         if report.missing or report.unexpected:

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dpar import peft_keys
 from lightning_dpar.checkpoint.adapter_only import ADAPTER_ONLY_KEY, base_fingerprint
 from lightning_dpar.checkpoint.contents import DPAR_KEY
 from lightning_dpar.checkpoint.hf_export import ExportError, require_record
-from lightning_dpar.pretrained import tied_groups
+from lightning_dpar.hf_weights import peft_keys
+from lightning_dpar.hf_weights.pretrained import tied_groups
 
 __all__ = [
     "PEFT_MODEL_KEY",

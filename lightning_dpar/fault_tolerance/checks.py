@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_dpar.fault_tolerance.config import FaultTolerance, check_lighthouse_reachable
 
 if TYPE_CHECKING:
-    from lightning_dpar.mesh import ParallelDims
+    from lightning_dpar.parallel_dims import ParallelDims
 
 __all__ = ["check_fault_tolerance", "check_trainer", "require_torchft"]
 

@@ -42,7 +42,7 @@ from lightning_dpar.strategies import FSDPTensorParallelStrategy, FullyShardStra
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_dpar.mesh import ParallelDims
+    from lightning_dpar.parallel_dims import ParallelDims
 
 __all__ = [
     "FaultTolerantFSDPTensorParallelStrategy",

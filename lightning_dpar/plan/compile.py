@@ -1,4 +1,4 @@
-"""Which modules `compile` compiles (each in place, see `lightning_dpar.compilation`)."""
+"""Which modules `compile` compiles (each in place, see `lightning_dpar.parallel.compilation`)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ class ModulePlan:
     With pipeline parallelism, `pipeline` is the split into stages and the other entries name only the modules of
     `pipeline_rank`'s stages (the split is applied first). `tied` lists the parameters reachable under several names
     (tied embeddings, a module shared by several blocks), found on the model before any parallelism: each stays one
-    parameter (see `lightning_dpar.ties`).
+    parameter (see `lightning_dpar.plan.ties`).
 
     Facts the data-parallel wrapper needs are found here too, once, so no wrapper reads them off the model again:
     `data_parallel_roots` are the top-level units it wraps (`plan.structure.data_parallel_roots`; planned for a model

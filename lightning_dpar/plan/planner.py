@@ -10,7 +10,7 @@ and the strategies' wrappers only apply it. Pure (no process group): a plan that
 every rank before any collective, and in the dry run.
 
 A new parallelism (expert parallelism next) is one more step here, filling one more field of `ModulePlan`, and one
-more function in `lightning_dpar.parallelize` that applies it.
+more function in `lightning_dpar.parallel.parallelize` that applies it.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_dpar.batchnorm import check_no_batch_norm_in_pipeline
+from lightning_dpar.conformance.batchnorm import check_no_batch_norm_in_pipeline
 from lightning_dpar.helpers import class_name, show_names
-from lightning_dpar.materialize import check_initialisable
-from lightning_dpar.mesh import ParallelDims
+from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import resolve_split
 from lightning_dpar.plan.adapters import adapter_tp_plan
 from lightning_dpar.plan.compile import compile_units
 from lightning_dpar.plan.experts import pattern_reaches, plan_experts
+from lightning_dpar.plan.initialisers import check_initialisable
 from lightning_dpar.plan.module_plan import ModulePlan, local_plan
 from lightning_dpar.plan.selectors import (
     ModuleSelector,
@@ -47,8 +47,8 @@ from lightning_dpar.plan.structure import (
 )
 from lightning_dpar.plan.styles import AUTO, PlanStyle, parse_tp_plan
 from lightning_dpar.plan.tensor_parallel import TensorParallelSizeError, resolve_tp_plan, tensor_parallel_size_fix
+from lightning_dpar.plan.ties import check_each_in_one_unit, check_tied_layouts, tied_parameters
 from lightning_dpar.plan.transformers import transformers_experts, transformers_tp_plan
-from lightning_dpar.ties import check_each_in_one_unit, check_tied_layouts, tied_parameters
 
 __all__ = ["PlanOptions", "plan_modules"]
 
@@ -106,7 +106,9 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
         _check_adoptable(module, dims, options)
         shard_units = _shard_units(module, options, blocks)
         units = compile_units(module, shard_units, blocks)
-        return ModulePlan({}, [], shard_units, units, adopted=True, adopted_sharded=has_fully_shard(module))
+        sharded = has_fully_shard(module)  # the wrapper adds no units of its own, so needs no top-level units
+        roots = [] if sharded else data_parallel_roots(module)
+        return ModulePlan({}, [], shard_units, units, adopted=True, adopted_sharded=sharded, data_parallel_roots=roots)
     tied = tied_parameters(module)
     experts = plan_experts(module, dims.expert, dims.shard, _expert_selectors(module, options))
     tensor_parallel = _tensor_parallel(module, dims, options, experts)

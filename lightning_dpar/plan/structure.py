@@ -17,6 +17,7 @@ __all__ = [
     "direct_parameters",
     "has_fully_shard",
     "is_parallelized",
+    "module_structure",
     "repeated_blocks",
 ]
 
@@ -32,6 +33,17 @@ def repeated_blocks(root: nn.Module) -> list[str]:
         for name, child in module.named_children()
         if has_parameters(child)
     ]
+
+
+def module_structure(root: nn.Module) -> tuple:
+    """What a plan is computed from, as one comparable value: every module's name and class, and every parameter's
+    name, identity (ties), shape and whether it trains. A model whose structure is unchanged has the same plan, so a
+    strategy plans it once (`DparStrategy._plan_for`) even when its hooks run before and after the process group."""
+    modules = tuple((name, type(module)) for name, module in root.named_modules(remove_duplicate=False))
+    parameters = tuple(
+        (name, id(p), tuple(p.shape), p.requires_grad) for name, p in root.named_parameters(remove_duplicate=False)
+    )
+    return modules, parameters
 
 
 def direct_parameters(root: nn.Module) -> list[str]:

@@ -10,7 +10,8 @@ from one mixin per concern, each in the module named after it:
 - `checkpoint_hooks`: save, load, removal and the resume state, delegated to the `CheckpointManager`.
 
 The hooks delegate: planning to `lightning_dpar.plan.plan_modules` (with this strategy's `plan_options`), applying
-the plan to `lightning_dpar.parallelize.apply_plan`, pretrained weights to `lightning_dpar.pretrained`. A concrete
+the plan to `lightning_dpar.parallel.parallelize.apply_plan`, pretrained weights to
+`lightning_dpar.hf_weights.pretrained`. A concrete
 strategy only says how it wraps the model for data parallelism (`data_parallel_wrapper`) and what its arguments add
 to the plan (`plan_options`).
 """
@@ -30,48 +31,47 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dpar import distributed_muon, parallelize, shard_probe
 from lightning_dpar._private_api import (
     StrategyRegistryType,
     layer_sync_requested,
     optimizers_to_device,
     replace_model_checkpoint_link,
 )
-from lightning_dpar.batchnorm import check_sync_batchnorm_supported, convert_sync_batchnorm
-from lightning_dpar.buffers import BufferSync
-from lightning_dpar.callback_checks import refuse_unsupported_callbacks
 from lightning_dpar.checkpoint.adapter_only import CheckpointWeights
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
-from lightning_dpar.compilation import CompileSpec, compile_options
+from lightning_dpar.conformance.batchnorm import check_sync_batchnorm_supported, convert_sync_batchnorm
+from lightning_dpar.conformance.buffers import BufferSync
+from lightning_dpar.conformance.callback_checks import refuse_unsupported_callbacks
+from lightning_dpar.conformance.trainer_checks import check_anomaly_detection, check_pipeline_optimization
+from lightning_dpar.conformance.weight_averaging import lay_out_averaged_copies
 from lightning_dpar.helpers import attached_trainer, has_parameters
-from lightning_dpar.mesh import EXPERT, PIPELINE, TENSOR_PARALLEL, ParallelDims, ParallelMeshes, SizeArg
-from lightning_dpar.optimizers import ParameterLayout, check_optimizers
+from lightning_dpar.hf_weights.pretrained import PretrainedSpec, to_pretrained_weights
+from lightning_dpar.optim import distributed_muon, shard_probe
+from lightning_dpar.optim.exactness import ParameterLayout, check_optimizers
+from lightning_dpar.optim.precision import DparPrecision, to_dpar_precision
+from lightning_dpar.parallel import parallelize
+from lightning_dpar.parallel.compilation import CompileSpec, compile_options
+from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.runtime import PipelineRuntime
 from lightning_dpar.plan import AUTO, ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec, parse_tp_plan, plan_modules
-from lightning_dpar.plan.structure import is_parallelized
-from lightning_dpar.precision import DparPrecision, to_dpar_precision
-from lightning_dpar.pretrained import PretrainedSpec, load_unless_resuming, to_pretrained_weights
+from lightning_dpar.plan.structure import is_parallelized, module_structure
 from lightning_dpar.strategies.checkpoint_hooks import CheckpointHooks
 from lightning_dpar.strategies.collectives import Collectives
 from lightning_dpar.strategies.data_loading import DataLoaderHooks
 from lightning_dpar.strategies.pipeline_steps import PipelineSteps
 from lightning_dpar.strategies.processes import ProcessHooks, StartMethod
 from lightning_dpar.strategies.step_hooks import StepHooks
-from lightning_dpar.trainer_checks import check_anomaly_detection, check_pipeline_optimization
-from lightning_dpar.weight_averaging import lay_out_averaged_copies
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.accelerators import Accelerator
     from lightning.pytorch.plugins.precision import Precision
 
-    from lightning_dpar.router_loss import GlobalRouterLoss
+    from lightning_dpar.experts.router_loss import GlobalRouterLoss
 
 __all__ = [
     "DparStrategy",
@@ -90,7 +90,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         activation_checkpointing: `True` (each sharded block) or a list of class names / module-name globs.
         compile: `True`, or a dict of `torch.compile` options (`{"mode": "max-autotune"}`), compiles each block in
             place after tensor parallelism and activation checkpointing, before the data-parallel wrapper; names
-            and checkpoint keys stay those of the eager model. See `lightning_dpar.compilation`.
+            and checkpoint keys stay those of the eager model. See `lightning_dpar.parallel.compilation`.
         process_group_backend: `"nccl"`, `"gloo"`, ...; default: the device's usual backend.
         timeout: collective timeout.
         start_method: `"popen"` re-runs the script per rank (default); `"fork"`/`"spawn"` launch from the current
@@ -102,12 +102,13 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             `pretrained=` supplies (adapter-only checkpoints, e.g. LoRA), which a resume reads from `pretrained=`
             again. See `lightning_dpar.checkpoint.adapter_only`.
         expert_parallel_size: ranks holding different experts of each MoE layer, taken from the shard ranks
-            (`"auto"`: those of one node); see `lightning_dpar.expert_parallel`.
+            (`"auto"`: those of one node); see `lightning_dpar.experts.parallel`.
         expert_modules: the experts modules (class names or globs); default: a transformers model's
             `base_model_ep_plan`, else the experts contract (`lightning_dpar.plan.experts`).
         pretrained: a Hugging Face `save_pretrained` directory (or `PretrainedWeights(path, prefix, strict)`) read
             into the model once it is parallelised, each rank reading only its shards; skipped when a checkpoint is
-            resumed (`ckpt_path`), but for an adapter-only checkpoint's frozen base. See `lightning_dpar.pretrained`.
+            resumed (`ckpt_path`), but for an adapter-only checkpoint's frozen base. See
+            `lightning_dpar.hf_weights.pretrained`.
     """
 
     strategy_name = "dpar"
@@ -169,25 +170,24 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self._start_method: StartMethod = start_method
         self.num_nodes = 1
         self.dims: ParallelDims | None = None
-        self._device_mesh: DeviceMesh | None = None
-        self._data_parallel_mesh: DeviceMesh | None = None
-        self._expert_mesh: DeviceMesh | None = None
-        # Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
-        self._grad_sync_modules: list[nn.Module] = []
+        #: Every mesh of the run (`ParallelDims.build_meshes`), built in `setup_environment`.
+        self.meshes: ParallelMeshes | None = None
+        #: The plan, computed once (`_plan_for`): before the process group for a model that exists already, else in
+        #: `setup` after `configure_model`; `_planned_structure` is the model structure it was computed on.
+        self.plan: ModulePlan | None = None
+        self._planned_structure: tuple | None = None
+        #: What applying the plan produced (`parallelize.AppliedPlan`: the parallel model, its FSDP units, the
+        #: modules whose gradient sync `block_backward_sync` switches off, the pipeline stages), set in `setup`.
+        self.applied: parallelize.AppliedPlan | None = None
         self._backward_sync_blocked = False
-        #: DDP's buffer broadcast (`lightning_dpar.buffers`); made in `setup`, as DDP makes its own when wrapping.
+        #: DDP's buffer broadcast (`lightning_dpar.conformance.buffers`); made in `setup`, as DDP makes its own when
+        # wrapping.
         self._buffer_sync: BufferSync | None = None
         self._router_loss: GlobalRouterLoss | None = None  # around each step's forward, as `_buffer_sync`
-        # Every FSDP unit: resharded between steps (`optimizer_step`).
-        self._fsdp_modules: list[FSDPModule] = []
-        self._parallelized_module: nn.Module | None = None
-        #: The model's tied parameters, found before parallelism (`ModulePlan.tied`), for the pretrained load.
-        self._tied: list[tuple[str, ...]] = []
         # Checkpointing (the hooks: `strategies/checkpoint_hooks.py`).
         #: The single owner of save, load, async writes, removal and the resume state (`checkpoint.manager`).
-        self._pretrained = to_pretrained_weights(pretrained)
         self.checkpoints = CheckpointManager(
-            checkpoint_format, async_save, timeout, checkpoint_weights, self._pretrained
+            checkpoint_format, async_save, timeout, checkpoint_weights, to_pretrained_weights(pretrained)
         )
 
     @classmethod
@@ -217,33 +217,38 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
 
     # ------------------------------------------------------------------ before the first collective
     @override
+    def setup_environment(self) -> None:
+        """The pass up to the first collective, alike on every rank: ranks and mesh sizes, every refusal (and the
+        plan of a model that exists already), then the process group and the meshes."""
+        self.dims = self._resolve_world()
+        self._check_before_collectives(self.dims)
+        self.meshes = self._join_process_group(self.dims)
+
     def _check_before_collectives(self, dims: ParallelDims) -> None:
-        """What `setup_environment` refuses before the process group, alike on every rank: pipeline settings, the
-        Trainer's settings and callbacks that this layout cannot run, and the plan of a model that exists already."""
+        """Pipeline settings, the Trainer's settings and callbacks that this layout cannot run, and the plan of a
+        model that exists already (no `configure_model`): a plan that does not fit (e.g. a tensor-parallel size that
+        does not divide a sharded dimension) fails on every rank with the same message, before any collective."""
         if dims.pipeline > 1:
             self._pipeline_config.check(dims.pipeline, self.root_device.type)
             check_pipeline_optimization(self.lightning_module, dims.pipeline)
         trainer = attached_trainer(self.lightning_module)
-        if self.lightning_module is not None:
-            self._check_layer_sync(self.lightning_module)
+        module = self.lightning_module
+        if module is not None:
+            self._check_layer_sync(module)
             check_anomaly_detection(trainer, dims.tensor_parallel)
-        self._check_plan_before_collectives(dims)
+            if not is_overridden("configure_model", module) and not is_parallelized(module) and has_parameters(module):
+                self._plan_for(module, dims)  # `is_parallelized`: e.g. `validate` after `fit`, applied already
         if trainer is not None:
             whole_parameters = self.holds_whole_parameters(dims)
             refuse_unsupported_callbacks(trainer.callbacks, type(self).__name__, whole_parameters, dims.tensor_parallel)
 
-    def _check_plan_before_collectives(self, dims: ParallelDims) -> None:
-        """Resolve the plan of a model that exists already (no `configure_model`) before the process group: a plan
-        that does not fit (e.g. a tensor-parallel size that does not divide a sharded dimension) fails on every rank
-        with the same message, before any rank waits in a collective."""
-        module = self.lightning_module
-        if (
-            module is not None
-            and not is_overridden("configure_model", module)
-            and not is_parallelized(module)  # e.g. `validate` after `fit`: planned and applied already
-            and has_parameters(module)
-        ):
-            self.module_plan(module, dims)
+    def _plan_for(self, module: nn.Module, dims: ParallelDims) -> ModulePlan:
+        """This run's plan of `module`: the one already computed if the model's structure is unchanged since (the
+        `LightningModule.setup` hook, `configure_model` or `sync_batchnorm` may change it), else computed now."""
+        structure = module_structure(module)
+        if self.plan is None or structure != self._planned_structure:
+            self.plan, self._planned_structure = self.module_plan(module, dims), structure
+        return self.plan
 
     def _check_layer_sync(self, module: nn.Module) -> None:
         """`Trainer(sync_batchnorm=True)` when fitting: refused where torch's `SyncBatchNorm` cannot run (before the
@@ -306,36 +311,27 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         """The pipeline schedule, microbatches, stages per rank and split (used when `pipeline_parallel_size > 1`)."""
         return self._pipeline_config
 
-    @property
-    def parallel_meshes(self) -> ParallelMeshes:
-        """This run's mesh sizes, meshes and device (exists once the processes are initialised)."""
-        assert self.dims is not None and self._data_parallel_mesh is not None
-        meshes = (self.device_mesh, self._data_parallel_mesh)
-        return ParallelMeshes(self.dims, *meshes, self.root_device, self._expert_mesh)
+    def apply_plan(
+        self, module: nn.Module, plan: ModulePlan, meshes: ParallelMeshes, dry_run: bool = False
+    ) -> parallelize.AppliedPlan:
+        """`plan` applied to `module` on `meshes` with this strategy's wrapper: the training code path, which the
+        `plan` dry run takes too (`dry_run`: meta tensors stay on the meta device, nothing is compiled). Sets no
+        strategy state."""
+        wrapper = self.data_parallel_wrapper(meshes)
+        compiled = None if dry_run else self._compile_options
+        return parallelize.apply_plan(module, plan, meshes, wrapper, compile_options=compiled, materialize=not dry_run)
 
-    def _parallelize(self, module: pl.LightningModule) -> ModulePlan:
-        """The training code path: `apply_plan` with this strategy's plan and wrapper, materialising the shards;
-        returns the plan it applied."""
-        plan = self.module_plan(module)
-        self._tied = plan.tied
-        applied = parallelize.apply_plan(
-            module,
-            plan,
-            tensor_parallel_mesh=self.device_mesh[TENSOR_PARALLEL],
-            wrap_data_parallel=self.data_parallel_wrapper(self.parallel_meshes),
-            expert_mesh=self._expert_mesh[EXPERT] if self._expert_mesh is not None else None,
-            compile_options=self._compile_options,
-            materialize_on=self.root_device,
-        )
-        self._grad_sync_modules = applied.grad_sync_modules
-        self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    def _parallelize(self, module: pl.LightningModule) -> parallelize.AppliedPlan:
+        """This run's plan applied to `module`, shards materialised, and the pipeline's runtime built."""
+        assert self.dims is not None and self.meshes is not None, "the meshes are built in `setup_environment`"
+        self.applied = applied = self.apply_plan(module, self._plan_for(module, self.dims), self.meshes)
         if applied.pipeline is not None:
-            group = self.device_mesh.get_group(PIPELINE)
+            group = self.meshes.pipeline_group
             runtime = PipelineRuntime(applied.pipeline, module, self._pipeline_config, group, self.root_device)
             self._pipeline = PipelineSteps(runtime)
             self.precision_plugin.reduce_norms_across(group, self.root_device)  # the norm spans every stage
             self.checkpoints.hold_pipeline_stages(applied.pipeline.remote_units, group)
-        return plan
+        return applied
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -343,7 +339,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        if self._parallelized_module is not module:
+        if self.applied is None or self.applied.module is not module:
             module = self.precision_plugin.convert_module(module)
             if layer_sync_requested(self) and trainer.state.fn == TrainerFn.FITTING:
                 # As Lightning's DDP, when fitting. The layers stay `SyncBatchNorm` afterwards: DDP swaps them back in
@@ -351,8 +347,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
                 self._check_layer_sync(module)
                 convert_sync_batchnorm(module, self.data_parallel_group)
             self._parallelize(module)
-            self._parallelized_module = module
-            self._load_pretrained(module, trainer)
+            self.checkpoints.load_pretrained(module, trainer.ckpt_path, self.plan.tied if self.plan else ())
         # Lightning's weight-averaging callbacks copied the model in their `setup`, before it was parallelised.
         lay_out_averaged_copies(trainer.callbacks, module)
         self.model_to_device()
@@ -379,12 +374,6 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
     def _computes_whole_updates(self, optimizer: Optimizer) -> bool:
         """Whether this strategy computes `optimizer`'s updates on whole tensors on split parameters (Muon)."""
         return distributed_muon.supports(optimizer)
-
-    def _load_pretrained(self, module: nn.Module, trainer: pl.Trainer) -> None:
-        """Fill the parallelised parameters from `pretrained`, unless a checkpoint about to be loaded replaces them."""
-        if self._pretrained is not None:
-            held_elsewhere = self.checkpoints.keys_held_elsewhere
-            load_unless_resuming(module, self._pretrained, trainer.ckpt_path, held_elsewhere, self._tied)
 
     @override
     def model_to_device(self) -> None:

@@ -18,15 +18,14 @@ from typing_extensions import override
 from lightning_dpar.checkpoint.hf_export import hf_model_record
 from lightning_dpar.checkpoint.peft_export import peft_model_record
 from lightning_dpar.helpers import attached_trainer
-from lightning_dpar.pretrained import read_pretrained
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_dpar.buffers import BufferSync
     from lightning_dpar.checkpoint.manager import CheckpointManager
-    from lightning_dpar.mesh import ParallelDims
-    from lightning_dpar.pretrained import PretrainedWeights
+    from lightning_dpar.conformance.buffers import BufferSync
+    from lightning_dpar.parallel_dims import ParallelDims
+    from lightning_dpar.plan import ModulePlan
 
 __all__ = ["CheckpointHooks"]
 
@@ -38,8 +37,8 @@ class CheckpointHooks(ParallelStrategy):
     checkpoints: CheckpointManager
     dims: ParallelDims | None
     _buffer_sync: BufferSync | None
-    _pretrained: PretrainedWeights | None
-    _tied: list[tuple[str, ...]]
+    #: The model's tied parameters, found before parallelism (`ModulePlan.tied`), for the pretrained load.
+    plan: ModulePlan | None
 
     @property
     @override
@@ -111,9 +110,7 @@ class CheckpointHooks(ParallelStrategy):
             self.lightning_module.strict_loading,
             fitting,
             iteration_based=trainer.max_steps != -1,
-            load_base=lambda: read_pretrained(
-                self.lightning_module, self._pretrained, self.checkpoints.keys_held_elsewhere, self._tied
-            ),
+            tied=self.plan.tied if self.plan is not None else (),
         )
 
     @override

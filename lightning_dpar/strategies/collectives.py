@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_dpar._private_api import sync_ddp_if_available
+from lightning_dpar.parallel_dims import ParallelMeshes
 
 __all__ = ["Collectives"]
 
@@ -22,8 +23,8 @@ __all__ = ["Collectives"]
 class Collectives(ParallelStrategy):
     """The collective hooks of `DparStrategy`, which builds the data-parallel mesh (in `setup_environment`)."""
 
-    #: The flattened `data_parallel` dim of the device mesh: the ranks that see different batches.
-    _data_parallel_mesh: DeviceMesh | None
+    #: Every mesh of the run; its `data_parallel` mesh holds the ranks that see different batches.
+    meshes: ParallelMeshes | None
 
     #: `(mesh, its process group)`: `DeviceMesh.get_group` resolves the group by name on every call, and `reduce`
     #: (each `self.log(..., sync_dist=True)`) asks for it every step.
@@ -32,7 +33,7 @@ class Collectives(ParallelStrategy):
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         """Ranks that see different batches; metrics and logged values reduce over this group only."""
-        mesh = self._data_parallel_mesh
+        mesh = self.meshes.data_parallel if self.meshes is not None else None
         if mesh is None:
             return None
         if self._data_parallel_group_of is None or self._data_parallel_group_of[0] is not mesh:

@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
-from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
+from lightning_dpar.conformance.sampler_check import check_sampler_shards
 from lightning_dpar.helpers import attached_trainer
-from lightning_dpar.sampling import check_sampler_shards
+from lightning_dpar.parallel_dims import ParallelMeshes
 
 if TYPE_CHECKING:
     from lightning_dpar.checkpoint.manager import CheckpointManager
-    from lightning_dpar.mesh import ParallelDims
+    from lightning_dpar.parallel_dims import ParallelDims
     from lightning_dpar.strategies.pipeline_steps import PipelineSteps
 
 __all__ = ["LIGHTNING_RESUME_WARNING", "DataLoaderHooks"]
@@ -32,7 +32,7 @@ class DataLoaderHooks(ParallelStrategy):
 
     checkpoints: CheckpointManager
     dims: ParallelDims | None
-    _data_parallel_mesh: DeviceMesh | None
+    meshes: ParallelMeshes | None
     _pipeline: PipelineSteps | None
 
     @property
@@ -44,7 +44,7 @@ class DataLoaderHooks(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        mesh = self._data_parallel_mesh
+        mesh = self.meshes.data_parallel if self.meshes is not None else None
         assert mesh is not None, "the data-parallel mesh is built in `setup_environment`"
         return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 

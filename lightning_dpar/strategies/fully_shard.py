@@ -11,9 +11,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType
-from lightning_dpar.mesh import ParallelMeshes, SizeArg, expert_fsdp_mesh, fsdp_mesh
+from lightning_dpar.parallel import parallelize
+from lightning_dpar.parallel_dims import ParallelMeshes, SizeArg
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import SplitSpec
 from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec
@@ -106,8 +106,6 @@ class FullyShardStrategy(DparStrategy):
 
     @override
     def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:
-        mesh = fsdp_mesh(meshes.mesh, meshes.dims)
-        experts_mesh = expert_fsdp_mesh(meshes.expert_mesh, meshes.dims) if meshes.expert_mesh is not None else None
         mp_policy = self.precision_plugin.mixed_precision_policy
 
         reshard_after_forward = self._reshard_after_forward
@@ -117,16 +115,17 @@ class FullyShardStrategy(DparStrategy):
         def wrap(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
             return parallelize.apply_fully_shard(
                 module,
-                mesh,
+                meshes.fsdp,
                 plan.shard_units,
                 mp_policy,
+                top_level_units=plan.data_parallel_roots,
                 reshard_after_forward=reshard_after_forward,
                 cpu_offload=self._cpu_offload,
                 stage_roots=stage_roots,
                 final_unit=plan.pipeline.stages[-1][-1] if plan.pipeline is not None else None,
                 tied=plan.tied,
                 expert_units=plan.experts,
-                expert_mesh=experts_mesh,
+                expert_mesh=meshes.expert_fsdp,
             )
 
         return wrap

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from lightning_dpar.optim.precision import DparPrecision
 from lightning_dpar.pipeline.runtime import PipelineRuntime
-from lightning_dpar.precision import DparPrecision
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy

@@ -1,11 +1,9 @@
 """Lightning's process hooks, as one mixin of `DparStrategy`: how the ranks are launched, each rank's place and
 device, the mesh sizes resolved and checked, the process group started and the device mesh built
-(`setup_environment`). The strategy's own checks that must run before the first collective (a plan or a Trainer
-setting that cannot run) are `DparStrategy._check_before_collectives`, called here once the sizes are known."""
+(`DparStrategy.setup_environment` calls `_resolve_world`, its own checks, then `_join_process_group`)."""
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from datetime import timedelta
 from typing import Literal
 
@@ -19,10 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_dpar._private_api import IS_INTERACTIVE, attach_device_mesh
-from lightning_dpar.devices import check_devices_match_ranks
-from lightning_dpar.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
-from lightning_dpar.mesh import ParallelDims, SizeArg, build_device_mesh
-from lightning_dpar.process_group import start_process_group
+from lightning_dpar.launch.devices import check_devices_match_ranks
+from lightning_dpar.launch.launchers import InPlaceLauncher, InteractiveLauncher, ScriptLauncher
+from lightning_dpar.launch.process_group import start_process_group
+from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg
 
 __all__ = ["ProcessHooks", "StartMethod"]
 
@@ -41,9 +39,7 @@ class ProcessHooks(ParallelStrategy):
     _start_method: StartMethod
     #: This run's mesh sizes, resolved in `setup_environment`.
     dims: ParallelDims | None
-    _device_mesh: DeviceMesh | None
-    _data_parallel_mesh: DeviceMesh | None
-    _expert_mesh: DeviceMesh | None
+    meshes: ParallelMeshes | None
     _expert_parallel_size: SizeArg
 
     @property
@@ -63,9 +59,9 @@ class ProcessHooks(ParallelStrategy):
     @property
     def device_mesh(self) -> DeviceMesh:
         """The world mesh with dims `replicate`, `shard`, `tensor_parallel` and the flattened `data_parallel`."""
-        if self._device_mesh is None:
+        if self.meshes is None:
             raise RuntimeError("The device mesh exists once the processes are initialised (in `configure_model`).")
-        return self._device_mesh
+        return self.meshes.world
 
     def resolve_dims(self, world_size: int, devices_per_node: int, num_nodes: int) -> ParallelDims:
         """Mesh sizes for a world; pure arithmetic, shared with the `plan` dry-run."""
@@ -91,16 +87,20 @@ class ProcessHooks(ParallelStrategy):
         else:
             self._launcher = InteractiveLauncher(self, start_method=start_method)
 
-    @override
-    def setup_environment(self) -> None:
+    def _resolve_world(self) -> ParallelDims:
+        """This process's rank, its device checked against the ranks, and the mesh sizes: pure arithmetic, so a bad
+        size fails identically on every rank, before any collective, and never hangs."""
         self.set_world_ranks()
         check_devices_match_ranks(  # before `root_device` indexes the devices with the local rank
             self.num_processes, self.num_nodes, self.local_rank, self.world_size, self.cluster_environment
         )
-        super().setup_environment()
-        # Validate the layout before any collective: a bad size fails identically on every rank, never hangs.
-        self.dims = self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
-        self._check_before_collectives(self.dims)
+        super().setup_environment()  # Lightning's: the accelerator's device
+        return self.resolve_dims(self.world_size, self.num_processes, self.num_nodes)
+
+    def _join_process_group(self, dims: ParallelDims) -> ParallelMeshes:
+        """The process group (one that existed before is left alone) and this run's meshes, attached to the
+        LightningModule (`self.device_mesh` in `configure_model`). Fit then validate reuse the meshes the parameters
+        already live on."""
         if not dist.is_initialized():
             reset_seed()
             self._process_group_backend = self._process_group_backend or dist.get_default_backend_for_device(
@@ -113,16 +113,10 @@ class ProcessHooks(ParallelStrategy):
                 timeout=self._timeout,
                 device_id=self.root_device if self.root_device.type != "cpu" else None,
             )
-        if self._device_mesh is None:  # fit then validate reuse the mesh the parameters already live on
-            self._device_mesh, self._data_parallel_mesh, self._expert_mesh = build_device_mesh(
-                self.dims, self.root_device.type
-            )
+        meshes = self.meshes if self.meshes is not None else dims.build_meshes(self.root_device)
         assert self.lightning_module is not None
-        attach_device_mesh(self.lightning_module, self._device_mesh)
-
-    @abstractmethod
-    def _check_before_collectives(self, dims: ParallelDims) -> None:
-        """Refuse, on every rank alike and before the process group, what cannot run on a world of `dims`."""
+        attach_device_mesh(self.lightning_module, meshes.world)
+        return meshes
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

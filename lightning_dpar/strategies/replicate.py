@@ -14,14 +14,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dpar import parallelize
 from lightning_dpar._private_api import StrategyRegistryType, compiled_autograd, swap_ddp_optimize_mode
-from lightning_dpar.comm_hooks import COMPRESS_HOOK_DTYPES, CommHook, resolve_comm_hook
-from lightning_dpar.compilation import compiled_autograd_compiler
-from lightning_dpar.mesh import REPLICATE, SHARD, ParallelDims, ParallelMeshes, SizeArg
+from lightning_dpar.conformance.unit_guard import UnitCallGuard
+from lightning_dpar.parallel import parallelize
+from lightning_dpar.parallel.compilation import compiled_autograd_compiler
+from lightning_dpar.parallel.ddp_comm_hooks import COMPRESS_HOOK_DTYPES, CommHook, resolve_comm_hook
+from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec
 from lightning_dpar.strategies.base import DparStrategy
-from lightning_dpar.unit_guard import UnitCallGuard
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -147,7 +147,7 @@ class ReplicateStrategy(DparStrategy):
             def wrap_ddp(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
                 return parallelize.apply_ddp_replicate(
                     module,
-                    meshes.data_parallel_mesh.get_group(),
+                    meshes.data_parallel.get_group(),
                     plan.data_parallel_roots,
                     plan.ignored,
                     self._ddp_kwargs,
@@ -168,9 +168,10 @@ class ReplicateStrategy(DparStrategy):
         ) -> list[nn.Module]:
             return parallelize.apply_fully_shard(
                 module,
-                meshes.mesh[REPLICATE, SHARD],
+                meshes.replicate_shard,
                 units=[],
                 mp_policy=mp_policy,
+                top_level_units=plan.data_parallel_roots,
                 reshard_after_forward=False,
                 ignored_params=parallelize.ignored_parameters(module, plan.ignored),
             )
@@ -178,8 +179,9 @@ class ReplicateStrategy(DparStrategy):
         return wrap_fsdp_replicas
 
     @override
-    def _parallelize(self, module: nn.Module) -> ModulePlan:
-        plan = super()._parallelize(module)
+    def _parallelize(self, module: nn.Module) -> parallelize.AppliedPlan:
+        applied = super()._parallelize(module)
+        plan = applied.plan
         assert self.dims is not None
         if self.dims.tensor_parallel == 1:
             # DDP wraps children only: parameters on the LightningModule itself are all-reduced here, once per
@@ -193,8 +195,8 @@ class ReplicateStrategy(DparStrategy):
         if self.dims.tensor_parallel == 1 and not self._compiled_autograd:
             # Compiled autograd traces the backward, hooks included; the guard's check is eager-only.
             units = {name: module.get_submodule(name) for name in plan.data_parallel_roots}
-            self._unit_guard = UnitCallGuard({n: u for n, u in units.items() if u in self._grad_sync_modules})
-        return plan
+            self._unit_guard = UnitCallGuard({n: u for n, u in units.items() if u in applied.grad_sync_modules})
+        return applied
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

@@ -18,12 +18,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dpar import parallelize
-from lightning_dpar.buffers import BufferSync
-from lightning_dpar.callback_checks import optimizer_problem
 from lightning_dpar.checkpoint.agreement import first_problem
+from lightning_dpar.conformance.buffers import BufferSync
+from lightning_dpar.conformance.callback_checks import optimizer_problem
+from lightning_dpar.experts.router_loss import GlobalRouterLoss
 from lightning_dpar.helpers import attached_trainer, key_value_cache_configs, without_key_value_cache
-from lightning_dpar.router_loss import GlobalRouterLoss
+from lightning_dpar.parallel import parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -38,15 +38,23 @@ class StepHooks(ParallelStrategy):
 
     #: The pipeline's step hooks, or None without pipeline parallelism.
     _pipeline: PipelineSteps | None
-    #: DDP's buffer broadcast (`lightning_dpar.buffers`).
+    #: DDP's buffer broadcast (`lightning_dpar.conformance.buffers`).
     _buffer_sync: BufferSync | None
-    #: The load-balancing loss of transformers MoE models over the global batch (`lightning_dpar.router_loss`).
+    #: The load-balancing loss of transformers MoE models over the global batch (`lightning_dpar.experts.router_loss`).
     _router_loss: GlobalRouterLoss | None
-    #: Every FSDP unit: resharded between steps (`optimizer_step`).
-    _fsdp_modules: list[FSDPModule]
-    #: Modules whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
-    _grad_sync_modules: list[nn.Module]
+    #: What applying the plan produced: every FSDP unit (resharded between steps, `optimizer_step`) and the modules
+    #: whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
+    applied: parallelize.AppliedPlan | None
     _backward_sync_blocked: bool
+
+    @property
+    def _fsdp_units(self) -> list[FSDPModule]:
+        return self.applied.fsdp_modules if self.applied is not None else []
+
+    @property
+    def _grad_sync_modules(self) -> list[nn.Module]:
+        return self.applied.grad_sync_modules if self.applied is not None else []
+
     #: The configs of transformers models that build a key/value cache in every forward (`use_cache`).
     _cache_configs: tuple[Any, ...] = ()
     #: Whether each accumulation window's first forward starts with the last step's gradients released
@@ -87,8 +95,10 @@ class StepHooks(ParallelStrategy):
     @contextmanager
     def _step_forward(self, training: bool) -> Generator[None, None, None]:
         """Around each step's forward, as DDP's wrapper does: rank 0's buffers are broadcast to the data-parallel
-        peers first if a training forward ran since the last broadcast (`lightning_dpar.buffers`); a transformers
-        MoE model's load-balancing loss covers the global batch (`lightning_dpar.router_loss`); a training forward
+        peers first if a training forward ran since the last broadcast (`lightning_dpar.conformance.buffers`); a
+        transformers
+        MoE model's load-balancing loss covers the global batch (`lightning_dpar.experts.router_loss`); a training
+        forward
         of a transformers model builds no key/value cache (`without_key_value_cache`)."""
         if self._buffer_sync is not None:
             self._buffer_sync.before_forward()
@@ -123,7 +133,7 @@ class StepHooks(ParallelStrategy):
         (all its parameters frozen), keeps them unsharded, and callbacks between steps must see the shards
         (`parallelize.reshard`)."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        parallelize.reshard(self._fsdp_modules)
+        parallelize.reshard(self._fsdp_units)
         return output
 
     @override
@@ -139,7 +149,7 @@ class StepHooks(ParallelStrategy):
         with self._step_forward(training=False):
             if self._pipeline is None:
                 output = super().validation_step(*args, **kwargs)
-                parallelize.reshard(self._fsdp_modules)  # see `optimizer_step`
+                parallelize.reshard(self._fsdp_units)  # see `optimizer_step`
                 return output
             return self._pipeline.eval_step(self.precision_plugin, "validation_step", args)
 

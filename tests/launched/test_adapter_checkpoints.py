@@ -78,7 +78,7 @@ EXPORT_SOURCES = [("adapter_fsdp_sharded_async_2", "ckpt"), ("adapter_refusal", 
 @pytest.mark.slow
 @pytest.mark.parametrize(("case", "key"), EXPORT_SOURCES)
 def test_peft_export_loads_with_peft_from_pretrained_with_the_trained_values(results2, shared_dir, tmp_path, case, key):
-    from lightning_dpar.consolidate import main as consolidate
+    from lightning_dpar.checkpoint.consolidate import main as consolidate
 
     ckpt = results2[case][key]
     trained_file = f"{case}.trained.pt" if case != "adapter_refusal" else "all_weights.trained.pt"
@@ -99,7 +99,7 @@ def test_peft_export_loads_with_peft_from_pretrained_with_the_trained_values(res
 @pytest.mark.slow
 @pytest.mark.parametrize(("case", "key"), EXPORT_SOURCES)
 def test_merged_export_equals_merge_and_unload(results2, shared_dir, tmp_path, case, key):
-    from lightning_dpar.consolidate import main as consolidate
+    from lightning_dpar.checkpoint.consolidate import main as consolidate
 
     ckpt = results2[case][key]
     trained_file = f"{case}.trained.pt" if case != "adapter_refusal" else "all_weights.trained.pt"
@@ -117,7 +117,7 @@ def test_merged_export_equals_merge_and_unload(results2, shared_dir, tmp_path, c
 
 @pytest.mark.slow
 def test_merged_export_of_an_adapter_only_checkpoint_needs_its_own_base(results2, shared_dir, tmp_path, capsys):
-    from lightning_dpar.consolidate import main as consolidate
+    from lightning_dpar.checkpoint.consolidate import main as consolidate
 
     ckpt = results2["adapter_fsdp_sharded_async_2"]["ckpt"]
     assert consolidate([ckpt, str(tmp_path / "a"), "--format", "hf", "--merge-adapters"]) == 1

@@ -79,7 +79,7 @@ def test_the_example_gpt_trains_with_pipeline_2_x_tensor_parallel_2(configs_run,
 @pytest.mark.parametrize("name", ["2d", "2d_tp_plan", "hsdp", "fsdp", "replicate", "3d"])
 def test_plan_dry_run_predicts_the_real_runs_local_shapes(configs_run, name):
     """`plan` (one process, meta device, fake process group) gives rank 0 the shards the 4-rank run gave it."""
-    from lightning_dpar.dry_run import plan
+    from lightning_dpar.estimates import plan
     from tests.workers.cli import TINY
 
     cli = cli_main(["--config", str(CONFIGS / f"{name}.yaml"), *TINY], run=False, model_on_meta=True)

@@ -1,6 +1,6 @@
 """The strategies' `compile` argument on 2 gloo ranks, through real Trainers (one launch for every compile case;
 cases in `tests/workers/compile.py`). The argument's validation is tested in process in
-`tests/unit/test_compilation.py`.
+`tests/unit/parallel/test_compilation.py`.
 
 Tolerance: compiled and eager runs of the same strategy are compared with `COMPILE_ATOL = 1e-6`. Measured on this
 CPU build (Inductor C++ backend, torch 2.13) the difference is exactly 0.0 for every case; fusion may reorder fp32

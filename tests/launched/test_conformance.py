@@ -1,7 +1,7 @@
 """The Lightning conformance matrix's Trainer-flag, buffer and Tuner rows: each feature under every strategy column
 either ends as Lightning's DDP does (weights, buffers, logged values) or is refused before any collective. The
 table is `docs/lightning-conformance.md`, written by `python -m benchmarks.conformance`. Features:
-`tests/workers/conformance.py`; the pieces are tested in process in `tests/unit/test_conformance.py`."""
+`tests/workers/conformance.py`; the pieces are tested in process in `tests/unit/conformance/test_conformance.py`."""
 
 from __future__ import annotations
 

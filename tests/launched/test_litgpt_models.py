@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("litgpt")
 
 import lightning_dpar
-from lightning_dpar.dry_run import plan
+from lightning_dpar.estimates import plan
 from tests.conftest import run_workers
 from tests.workers.litgpt_models import MLP_TP_PLAN, LitGPTModule
 

@@ -3,7 +3,7 @@ of a tiny Qwen3-MoE and Mixtral (`tests/support/moe.py`) loads into `dpar_fsdp`'
 the per-expert tensors only the experts and rows it holds, under FSDP, expert parallelism, both, and a row split; an
 incomplete directory is refused on every rank; `consolidate --format hf` of a sharded checkpoint is what
 `save_pretrained` writes and `from_pretrained` loads. The same on one rank, in process:
-`tests/unit/test_moe_weights.py`."""
+`tests/unit/hf_weights/test_moe_weights.py`."""
 
 from __future__ import annotations
 

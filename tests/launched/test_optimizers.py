@@ -1,7 +1,7 @@
 """Optimizers whose update is not elementwise (Muon, Adafactor, LARS-like ones): through real Trainers on 2 and 4
 gloo ranks each trains exactly as under Lightning's DDP or is refused on every rank before the first step (cases in
 `tests/workers/optimizers.py`); the classification and the probe are unit-tested in-process in
-`tests/unit/test_optimizers.py`.
+`tests/unit/optim/test_exactness.py`.
 
 Muon is checked on tall, wide, square and odd matrices under FSDP, TP, HSDP and TP x FSDP against torch's own Muon
 stepped on the same gradients (bit for bit): its bfloat16 Newton-Schulz turns a last-bit difference of the gradient

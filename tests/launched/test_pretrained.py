@@ -2,7 +2,7 @@
 `tests/workers/pretrained.py`): loading into shards under `dpar_fsdp`, `dpar_replicate` and `dpar_2d`, fine-tuning
 parity, strictness, export back with `consolidate --format hf`, and the memory a rank needs to load. Key matching and
 the other in-process tests (and the tiny models and weights directory used here) are in
-`tests/unit/test_pretrained.py`."""
+`tests/unit/hf_weights/test_pretrained.py`."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import re
 import pytest
 import torch
 
-from lightning_dpar.pretrained import checkpoint_shapes
+from lightning_dpar.hf_weights.pretrained import checkpoint_shapes
 from tests.conftest import ROOT, run_script, run_workers
 from tests.support.hf_configs import decoder_settings
 
 transformers = pytest.importorskip("transformers")
 
-from tests.unit import test_pretrained as unit_half  # noqa: E402
-from tests.unit.test_pretrained import save_llama  # noqa: E402
+from tests.unit.hf_weights import test_pretrained as unit_half  # noqa: E402
+from tests.unit.hf_weights.test_pretrained import save_llama  # noqa: E402
 
 shared_dir = unit_half.shared_dir  # the fixture: the tiny models' weights on disk
 

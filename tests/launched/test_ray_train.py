@@ -2,7 +2,7 @@
 parity with one process on 2 and 4 Ray workers, the sharded checkpoint Ray keeps and resuming from it inside Ray,
 under torchrun and in one process (`consolidate`), and a worker killed for real (workers in
 `tests/workers/ray_train.py`). The device/rank check every launcher gets is tested in process in
-`tests/unit/test_devices.py`, `prepare_trainer`'s refusals in `tests/unit/test_ray.py`.
+`tests/unit/launch/test_devices.py`, `prepare_trainer`'s refusals in `tests/unit/test_ray.py`.
 
 One local Ray cluster serves the module; each Ray run trains several strategies on one worker group (starting
 workers and importing Lightning dominate the cost). Without `ray` installed the Ray tests skip.
@@ -163,7 +163,7 @@ def test_ray_keeps_what_torchrun_saves(world2, resumed_outside):
 
 @pytest.mark.slow
 def test_consolidate_rays_checkpoint_in_one_process(world2, tmp_path):
-    from lightning_dpar.consolidate import main
+    from lightning_dpar.checkpoint.consolidate import main
 
     out, _ = world2
     kept = out / "storage" / "world2" / f"dpar_fsdp-epoch=0-step={REPORT_EVERY}"

@@ -1,7 +1,9 @@
 """The runs behind the activation-estimate checks: the example GPT and a tiny transformers Llama trained for a few
 steps through a real Trainer with a meter (`tests.support.activation_meter`) on one step, and the estimate that
-`lightning_dpar.activations.estimate_activations` gives for the same model, layout and batch, computed from the
-model built again on the meta device (as the `plan` dry run does). Shared by `tests/unit/test_activations.py` (one
+`lightning_dpar.estimates.activations.estimate_activations` gives for the same model, layout and batch, computed from
+the
+model built again on the meta device (as the `plan` dry run does). Shared by `tests/unit/estimates/test_activations.py`
+(one
 rank) and `tests/workers/activations.py` (tensor parallel on two ranks).
 
 Sizes: activations dominate (a batch of 8 x 128 tokens against models of 0.1-0.2M parameters), so the comparison is
@@ -14,7 +16,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_dpar.activations import estimate_activations
+from lightning_dpar.estimates.activations import estimate_activations
 from lightning_dpar.examples.gpt import GPT
 
 BATCH, TOKENS, VOCAB = 8, 128, 256

@@ -1,4 +1,5 @@
-"""Measuring one real training step's activation memory, to check `lightning_dpar.activations`' estimate against:
+"""Measuring one real training step's activation memory, to check `lightning_dpar.estimates.activations`' estimate
+against:
 `ActivationMeter` reads the CPU allocator's record, `StorageMeter` follows tensor storages (for tensor parallelism,
 where the allocator's record misses frees made by gloo's threads; see its docstring).
 
@@ -15,7 +16,7 @@ it rebuilds each allocation's lifetime during the step, and counts the ones that
   recomputation, activation gradients, tensor-parallel collectives' outputs, kernels' scratch.
 
 `retained` is what is alive when the forward ends (`on_before_backward`), `peak` the most alive at once during the
-forward and backward: the two numbers `lightning_dpar.activations.Footprint` estimates. Allocator numbers, not
+forward and backward: the two numbers `lightning_dpar.estimates.activations.Footprint` estimates. Allocator numbers, not
 Python-level bookkeeping: the estimate traces tensors on fake storage, the meter counts real malloc'd bytes, so the
 two do not share a mechanism that could hide the same mistake. Deterministic on one rank: one thread allocates and
 frees, and the same program allocates the same sizes in the same order on every run.
@@ -132,7 +133,7 @@ class StorageMeter(L.Callback):
     long as the storage). Not activations, as for `ActivationMeter`: storages that existed before the step
     (parameters, optimizer state, the batch), parameters' gradients, and what FSDP's collectives and copies read or
     write (`c10d.*` and `fsdp.*` operators: all-gathered parameters, unsharded and reduce-scattered gradients).
-    `tests/unit/test_activations.py` checks on one rank that it agrees with `ActivationMeter`.
+    `tests/unit/estimates/test_activations.py` checks on one rank that it agrees with `ActivationMeter`.
     """
 
     def __init__(self, step: int = 1) -> None:

@@ -122,4 +122,78 @@ def test_the_cycle_check_sees_function_local_and_type_checking_imports():
 
 @pytest.mark.parametrize("module", ["lightning_dpar.checkpoint.hf_export"])
 def test_checkpoint_export_does_not_import_pretrained(module):
-    assert "lightning_dpar.pretrained" not in import_graph()[module]
+    assert "lightning_dpar.hf_weights.pretrained" not in import_graph()[module]
+
+
+def package_of(module: str) -> str:
+    """The folder (or top-level module) `module` belongs to: `lightning_dpar.plan.planner` -> `lightning_dpar.plan`."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Folder -> the other folders (and top-level modules) its modules import."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if module == PACKAGE:
+            continue
+        source = package_of(module)
+        edges = packages.setdefault(source, set())
+        edges |= {package_of(target) for target in targets if package_of(target) != source}
+    return packages
+
+
+def test_the_folders_have_no_import_cycle():
+    """Folders are layers: one folder importing another, anywhere, means the other never imports it back."""
+    cycle = find_cycle(package_graph(import_graph()))
+    assert cycle is None, f"import cycle between folders: {' -> '.join(cycle or [])}"
+
+
+def test_the_folder_cycle_check_sees_a_cycle_through_modules_of_different_names():
+    graph = {
+        "lightning_dpar.plan.planner": {"lightning_dpar.parallel.materialize"},
+        "lightning_dpar.parallel.materialize": {"lightning_dpar.plan.ties"},
+        "lightning_dpar.plan.ties": set(),
+    }
+    assert find_cycle(graph) is None
+    assert find_cycle(package_graph(graph)) == [
+        "lightning_dpar.parallel",
+        "lightning_dpar.plan",
+        "lightning_dpar.parallel",
+    ]
+
+
+#: The package's folders and top-level modules from the bottom layer up: each imports only layers before it.
+LAYERS = [
+    "_private_api",
+    "helpers",
+    "progress",
+    "cli",
+    "parallel_dims",
+    "pipeline",
+    "conformance",
+    "plan",
+    "experts",
+    "parallel",
+    "hf_weights",
+    "checkpoint",
+    "optim",
+    "launch",
+    "strategies",
+    "estimates",
+    "layout_search",
+    "fault_tolerance",
+    "performance_monitor",
+    "ray",
+    "examples",
+    "__main__",
+]
+
+
+def test_every_folder_imports_only_the_layers_below_it():
+    packages = package_graph(import_graph())
+    layer = {f"{PACKAGE}.{name}": index for index, name in enumerate(LAYERS)}
+    assert set(packages) <= set(layer), f"folders missing from LAYERS: {sorted(set(packages) - set(layer))}"
+    upward = {
+        (source, target) for source, targets in packages.items() for target in targets if layer[target] > layer[source]
+    }
+    assert upward == set(), f"imports of a layer above: {sorted(upward)}"

@@ -128,8 +128,8 @@ def test_a_drawn_run_equals_one_process(layout_and_draw):
 #:   accumulates as Lightning does (`tests.support.sweep.reference_train`): 0.0.
 #: - then, under the FSDP layouts only, 2.0e-4 again when it ran after the drawn runs (not alone): a parameter of the
 #:   model held a different but equal `DeviceMesh` object, and the gradient clipper grouped gradients by mesh object,
-#:   so it summed the squared norms in another order (fixed in `lightning_dpar/clipping.py`; unit test:
-#:   `tests/unit/test_clipping.py::test_equal_meshes_held_as_different_objects_group_together`). These tests run
+#:   so it summed the squared norms in another order (fixed in `lightning_dpar/optim/clipping.py`; unit test:
+#:   `tests/unit/optim/test_clipping.py::test_equal_meshes_held_as_different_objects_group_together`). These tests run
 #:   after the drawn ones, as they did then.
 MUON_ACCUMULATED = Draw(
     in_dim=14, dim=13, hidden=(14, 5), out_dim=17, bias=False, optimizer="muon", accumulate=3, clip="norm", steps=2,

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 
 from lightning_dpar import AutoParallelStrategy, FSDPTensorParallelStrategy
 from lightning_dpar.examples.gpt import GPT
-from lightning_dpar.layout.isolated import search_anywhere
-from lightning_dpar.layout.profiles import GIB, PRESETS
+from lightning_dpar.layout_search.isolated import search_anywhere
+from lightning_dpar.layout_search.profiles import GIB, PRESETS
 from tests.workers.cases import Case
 from tests.workers.common import BATCH, full_params, trainer_for, world_size
 from tests.workers.hf_models import SEQ, VOCAB, TokenIds, global_batches

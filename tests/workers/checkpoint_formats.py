@@ -106,7 +106,7 @@ class WideModule(L.LightningModule):
 
 _MEASURE_PEAK = """
 import sys
-from lightning_dpar.consolidate import main
+from lightning_dpar.checkpoint.consolidate import main
 def status(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field)) / 1024
 before = status("VmRSS")

@@ -108,7 +108,7 @@ def _chain_a_reference() -> tuple[dict, dict]:
 
 
 def _consolidate(*args: str) -> int:
-    from lightning_dpar.consolidate import main as consolidate
+    from lightning_dpar.checkpoint.consolidate import main as consolidate
 
     return consolidate([str(saved_by("chain_a", "a.ckpt")), *args])
 
@@ -153,7 +153,7 @@ def export_safetensors_case() -> dict:
 
 def export_truncated_case() -> int:
     """`consolidate` on a copy of the 4-rank checkpoint with a truncated shard: its exit status."""
-    from lightning_dpar.consolidate import main as consolidate
+    from lightning_dpar.checkpoint.consolidate import main as consolidate
 
     root = case_dir("export_truncated")
     truncated = root / "truncated.ckpt"

@@ -220,7 +220,7 @@ def group_hf_llama() -> Iterator[Case]:
 
 def group_hf_compile_tp() -> Iterator[Case]:
     """`compile=True` under TP 2 with transformers' own plan: the row-wise token embedding runs eagerly and feeds the
-    first compiled decoder layer (`lightning_dpar.parallelize.wait_before_compiled_units`)."""
+    first compiled decoder layer (`lightning_dpar.parallel.parallelize.wait_before_compiled_units`)."""
     world = world_size()
 
     def compiled_2d(**kwargs):

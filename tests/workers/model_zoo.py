@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
 from lightning_dpar.__main__ import main as dpar_main
-from lightning_dpar.pretrained import checkpoint_shapes, tied_groups
+from lightning_dpar.hf_weights.pretrained import checkpoint_shapes, tied_groups
 from tests.support.hf_configs import decoder_settings
 from tests.workers.cases import Case
 from tests.workers.common import full_params, trainer_for

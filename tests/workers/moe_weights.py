@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_dpar import FullyShardStrategy, PretrainedWeights
-from lightning_dpar.pretrained import PretrainedLoadError, load_pretrained
+from lightning_dpar.hf_weights.pretrained import PretrainedLoadError, load_pretrained
 from tests.support import moe
 from tests.workers.cases import Case, one_case
 from tests.workers.common import full_params, trainer_for, world_size
@@ -126,8 +126,8 @@ def export_case(kind: str) -> dict | None:
     `consolidate --format hf` (several files) and load that with `from_pretrained`."""
     from transformers import AutoModelForCausalLM
 
-    from lightning_dpar.consolidate import main as consolidate
-    from lightning_dpar.pretrained import checkpoint_shapes
+    from lightning_dpar.checkpoint.consolidate import main as consolidate
+    from lightning_dpar.hf_weights.pretrained import checkpoint_shapes
 
     path = layout_dir(kind, "save_pretrained")
     trainer = trainer_for(FullyShardStrategy(pretrained=path), max_steps=2)

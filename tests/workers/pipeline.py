@@ -365,7 +365,7 @@ def back_into_pipeline_case() -> dict:
 
 def consolidate_case() -> dict:
     """The pipelined checkpoint consolidates (one process) into the unsplit model's exact state dict."""
-    from lightning_dpar.consolidate import main as consolidate
+    from lightning_dpar.checkpoint.consolidate import main as consolidate
 
     if dist.get_rank() != 0:
         return None

@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, PretrainedWeights, ReplicateStrategy
-from lightning_dpar.pretrained import PretrainedLoadError, load_pretrained
+from lightning_dpar.hf_weights.pretrained import PretrainedLoadError, load_pretrained
 from tests.support.models import Net, RegressionData
 from tests.workers.cases import Case, one_case
 from tests.workers.common import full_params, trainer_for, world_size
@@ -167,7 +167,7 @@ def tied_auto_plan_case() -> dict | None:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from lightning_dpar.consolidate import main as consolidate
+    from lightning_dpar.checkpoint.consolidate import main as consolidate
 
     trainer, capture, data = fine_tune("2d_auto", attr="model")
     model = trainer.lightning_module.model
@@ -267,7 +267,7 @@ def meta_case() -> dict | None:
         return None
     from safetensors.torch import load_file
 
-    from lightning_dpar.consolidate import main as consolidate
+    from lightning_dpar.checkpoint.consolidate import main as consolidate
 
     head = capture.params["head.weight"]
     stderr = io.StringIO()
@@ -286,7 +286,7 @@ def meta_case() -> dict | None:
 def export_case() -> dict | None:
     """Fine-tune from pretrained weights under FSDP (the model held as `self.net`), save a sharded checkpoint, and
     export it with `consolidate --format hf` and `--format safetensors --strip-prefix net.`."""
-    from lightning_dpar.consolidate import main as consolidate
+    from lightning_dpar.checkpoint.consolidate import main as consolidate
 
     trainer, _, _ = fine_tune("fsdp", attr="net")
     ckpt = workdir() / "export.ckpt"

@@ -20,7 +20,7 @@ from lightning_dpar.checkpoint.adapter_only import (
     required_base,
 )
 from lightning_dpar.checkpoint.errors import CheckpointLoadError
-from lightning_dpar.pretrained import PretrainedWeights, match_pretrained
+from lightning_dpar.hf_weights.pretrained import PretrainedWeights, match_pretrained
 from tests.support.hf_configs import decoder_settings
 
 transformers = pytest.importorskip("transformers")
@@ -134,7 +134,9 @@ def test_trainable_checkpoints_need_pretrained_and_the_option_is_checked(shared_
     with pytest.raises(ValueError, match=r"`checkpoint_weights='adapters'` is invalid; use 'all'"):
         FullyShardStrategy(checkpoint_weights="adapters", pretrained=str(shared_dir / "base"))
     strategy = FullyShardStrategy(checkpoint_weights="trainable", pretrained=str(shared_dir / "base"))
-    assert strategy.checkpoints.adapter_only is not None
+    saves = strategy.checkpoints.adapter_only
+    assert isinstance(saves, AdapterOnlySaves) and saves.pretrained.path == str(shared_dir / "base")
+    assert FullyShardStrategy(pretrained=str(shared_dir / "base")).checkpoints.adapter_only is None  # the default
 
 
 def test_peft_names_of_the_exported_adapter_are_peft_own():
@@ -163,11 +165,12 @@ def test_checkpoint_weights_from_yaml(tmp_path, shared_dir):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 1, "strategy": strategy}}))
     cli = LightningCLI(BoringModel, run=False, args=["--config", str(config)], save_config_callback=None)
-    assert cli.trainer.strategy.checkpoints.adapter_only is not None
+    saves = cli.trainer.strategy.checkpoints.adapter_only
+    assert isinstance(saves, AdapterOnlySaves) and saves.pretrained.path == str(shared_dir / "base")
 
 
 def test_a_wrapped_layer_weight_is_found_under_any_prefix_and_others_keep_their_names():
-    from lightning_dpar import peft_keys
+    from lightning_dpar.hf_weights import peft_keys
 
     class Block(torch.nn.Module):
         def __init__(self) -> None:
@@ -191,7 +194,7 @@ def test_a_wrapped_layer_weight_is_found_under_any_prefix_and_others_keep_their_
 
 
 def test_consolidate_refuses_adapter_options_with_other_formats(capsys):
-    from lightning_dpar.consolidate import main as consolidate
+    from lightning_dpar.checkpoint.consolidate import main as consolidate
 
     for args, message in (
         (["--format", "peft", "--merge-adapters"], "--merge-adapters applies to --format hf only"),

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lightning_dpar import FullyShardStrategy
-from lightning_dpar.consolidate import main as consolidate
+from lightning_dpar.checkpoint.consolidate import main as consolidate
 from tests.support.hf_configs import decoder_config
 from tests.workers.adapter_checkpoints import LoraLM, TokenData
 from tests.workers.common import trainer_for

@@ -7,7 +7,7 @@ They build small real checkpoints with `dcp.save` (no process group) and hostile
 marker appearing. The 2-rank Trainer cases (`fit(ckpt_path=...)`, memory-mapped full-format loads) are in
 `tests/launched/test_checkpoint_safety.py` (workers in `tests/workers/checkpoint_safety.py`). The checkpoints are
 `tests/support/checkpoint_files.py`'s; corrupt (not hostile) ones are `tests/unit/checkpoint/test_safe_io.py`,
-`consolidate` on bad input `tests/unit/test_consolidate.py`.
+`consolidate` on bad input `tests/unit/checkpoint/test_consolidate.py`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from lightning_dpar.fault_tolerance.config import (
     check_lighthouse_reachable,
     check_world_split,
 )
-from lightning_dpar.mesh import ParallelDims
+from lightning_dpar.parallel_dims import ParallelDims
 
 ENV = {"TORCHFT_LIGHTHOUSE": "http://localhost:29510", "REPLICA_GROUP_ID": "1", "NUM_REPLICA_GROUPS": "2"}
 

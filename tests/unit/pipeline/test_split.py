@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dpar.mesh import ParallelDims
+from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.log_relay import LogRecorder
 from lightning_dpar.pipeline.schedule import SCHEDULES, schedule_spec

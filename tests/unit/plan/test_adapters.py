@@ -14,8 +14,8 @@ pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 import lightning_dpar
-from lightning_dpar.dry_run import plan
-from lightning_dpar.memory import estimate_memory
+from lightning_dpar.estimates import plan
+from lightning_dpar.estimates.state_memory import estimate_memory
 from lightning_dpar.plan import parse_tp_plan, resolve_tp_plan
 from lightning_dpar.plan.adapters import AdapterLayoutError, adapter_tp_plan, base_name_prefixes
 from tests.workers.peft import ALL_LINEAR, BASE_NAMES_PLAN, LoraLlama

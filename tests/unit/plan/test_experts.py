@@ -1,5 +1,6 @@
 """Which modules expert parallelism splits, and what it refuses, in-process on meta models (`lightning_dpar.plan.
-experts`, the expert dim of `lightning_dpar.mesh`, and `tp_plan="auto"` on a transformers MoE model). Training on 2
+experts`, the expert dim of `lightning_dpar.parallel_dims`, and `tp_plan="auto"` on a transformers MoE model). Training
+on 2
 and 4 gloo ranks is in `tests/launched/test_moe.py`."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from torch import nn
 import lightning_dpar
 from lightning_dpar.examples.gpt import GPT
 from lightning_dpar.examples.moe import Experts
-from lightning_dpar.mesh import ParallelDims
+from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.plan import plan_modules, transformers_tp_plan
 from lightning_dpar.plan.experts import check_experts_contract, find_experts, pattern_reaches, plan_experts
 from lightning_dpar.plan.planner import PlanOptions

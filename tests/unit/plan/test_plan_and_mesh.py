@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import lightning_dpar
-from lightning_dpar.mesh import ParallelDims
+from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.plan import (
     NamedStyle,
     fqn_matches,
@@ -141,7 +141,7 @@ def test_supported_precision_maps_to_the_package_plugin(precision):
 
 
 def test_parameters_on_the_lightning_module_itself_get_a_unit_on_it():
-    from lightning_dpar.dry_run import ROOT, plan
+    from lightning_dpar.estimates import ROOT, plan
 
     class Direct(L.LightningModule):
         def __init__(self) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lightning_dpar
-from lightning_dpar.dry_run import plan
+from lightning_dpar.estimates import plan
 from lightning_dpar.plan.structure import data_parallel_roots
 from tests.workers.plan_apply import TopLevelBlocks
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import lightning_dpar  # noqa: F401  (the Python fix below is evaluated)
-from lightning_dpar.dry_run import main
+from lightning_dpar.estimates import main
 from lightning_dpar.plan import parse_tp_plan, resolve_tp_plan
 from tests.workers.plan_apply import EmbeddingModel
 
@@ -78,7 +78,8 @@ def test_a_unit_ending_in_a_tensor_parallel_layer_trains_exactly_without_fsdps_v
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from lightning_dpar.parallelize import apply_fully_shard
+    from lightning_dpar.parallel.parallelize import apply_fully_shard
+    from lightning_dpar.plan.structure import data_parallel_roots
 
     torch.manual_seed(0)
     reference = nn.Module()
@@ -92,7 +93,8 @@ def test_a_unit_ending_in_a_tensor_parallel_layer_trains_exactly_without_fsdps_v
     try:
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
         parallelize_module(model.net[1], mesh["tensor_parallel"], ColwiseParallel(output_layouts=Replicate()))
-        apply_fully_shard(model, mesh["data_parallel"], [], lambda top_level: MixedPrecisionPolicy())
+        roots = data_parallel_roots(model)
+        apply_fully_shard(model, mesh["data_parallel"], [], lambda top_level: MixedPrecisionPolicy(), roots)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = model.net(x)

@@ -14,8 +14,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 pytest.importorskip("transformers")
 
 import lightning_dpar
-from lightning_dpar.dry_run import plan
-from lightning_dpar.materialize import materialize_meta_tensors
+from lightning_dpar.estimates import plan
+from lightning_dpar.parallel.materialize import materialize_meta_tensors
 from lightning_dpar.plan import HF_STYLES, STYLE_NAMES, parse_tp_plan, resolve_tp_plan, transformers_tp_plan
 from tests.workers.hf_models import LlamaModule, TiedLlamaModule, initialised_like_materialisation
 
@@ -87,7 +87,7 @@ def test_tied_modules_with_layouts_that_cannot_share_one_tensor_are_refused(tp_p
 @pytest.mark.parametrize("pipeline", [1, 2])
 def test_compile_with_tensor_parallelism_on_a_transformers_model_is_planned(pipeline):
     """Once refused (compiled decoder layers under TP trained 0.19 away from one process; the cause, the embedding's
-    lost gradient, is fixed in `lightning_dpar.parallelize.wait_before_compiled_units`): the plan has both the
+    lost gradient, is fixed in `lightning_dpar.parallel.parallelize.wait_before_compiled_units`): the plan has both the
     tensor-parallel modules and the compiled decoder layers."""
     with torch.device("meta"):
         module = LlamaModule(build_seed=None)

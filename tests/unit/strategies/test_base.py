@@ -17,7 +17,9 @@ from tests.workers.common import BATCH, full_params, trainer_for
 
 STRATEGIES = {
     "fsdp": lambda **kw: FullyShardStrategy(**kw),
-    "2d": lambda **kw: FSDPTensorParallelStrategy(tensor_parallel_size=1, tp_plan=TP_PLAN, **kw),
+    # One rank holds no tensor-parallel peer: this is the 2-D strategy's own setup with its TP plan on a mesh whose
+    # tensor-parallel dim has size 1 (the TP parity on 2 and 4 ranks is `tests/launched/test_parity.py`).
+    "2d_on_one_rank": lambda **kw: FSDPTensorParallelStrategy(tensor_parallel_size=1, tp_plan=TP_PLAN, **kw),
     "replicate": lambda **kw: ReplicateStrategy(**kw),
     "fsdp_checkpointed": lambda **kw: FullyShardStrategy(activation_checkpointing=True, **kw),
 }
@@ -54,7 +56,7 @@ class _Predicting(ParityModule):
         self.log("test_loss", F.mse_loss(self(x), y), sync_dist=True)
 
 
-@pytest.mark.parametrize("name", ["fsdp", "2d", "replicate"])
+@pytest.mark.parametrize("name", ["fsdp", "2d_on_one_rank", "replicate"])
 def test_validate_test_and_predict_use_the_trained_weights(gloo_world, name):
     trainer, module = _fit(STRATEGIES[name](), module=_Predicting())
     reference = ParityModule()
@@ -110,8 +112,9 @@ def test_replicate_trains_direct_and_late_unfrozen_parameters_like_one_process(g
 
 
 def test_collectives_of_a_one_rank_world(gloo_world):
-    trainer, _ = _fit(STRATEGIES["2d"](), steps=1)
+    trainer, _ = _fit(STRATEGIES["2d_on_one_rank"](), steps=1)
     strategy = trainer.strategy
+    assert strategy.data_parallel_group is strategy.meshes.data_parallel.get_group()
     assert strategy.broadcast({"a": 1}) == {"a": 1}
     assert strategy.reduce(torch.tensor(3.0), reduce_op="mean").item() == 3.0
     assert strategy.all_gather(torch.tensor([1.0, 2.0])).tolist() == [[1.0, 2.0]]
@@ -119,3 +122,18 @@ def test_collectives_of_a_one_rank_world(gloo_world):
     strategy.barrier("after")
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
     assert strategy.device_mesh.mesh_dim_names is not None and strategy.device_mesh.size() == 1
+
+
+@pytest.mark.parametrize(("rank", "dp_rank"), [(0, 0), (1, 0), (2, 1), (3, 1)])
+def test_the_data_parallel_group_is_not_the_world_under_tensor_parallelism(fake_world, rank, dp_rank):
+    """On one rank the data-parallel group is the world's; on 4 ranks with TP 2 (a fake process group: mesh logic
+    only) it holds the 2 ranks of other batches, and the sampler and metric reductions use it, not the world."""
+    import torch.distributed as dist
+
+    fake_world(4, rank)
+    strategy = FSDPTensorParallelStrategy(tensor_parallel_size=2)
+    strategy.meshes = strategy.resolve_dims(4, 4, 1).build_meshes(torch.device("cpu"))
+    group = strategy.data_parallel_group
+    assert group is not dist.group.WORLD and dist.get_world_size(group) == 2
+    assert dist.get_process_group_ranks(group) == ([0, 2] if rank % 2 == 0 else [1, 3])
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": dp_rank}

@@ -1,0 +1,380 @@
+"""One training step of a model run on fake tensors, recording the life of every tensor storage it creates: when it
+is created and freed, which pipeline unit created it, and whether tensor parallelism splits it over the ranks.
+
+`lightning_dpar.estimates.activations` turns such a trace into activation bytes per rank; this module only runs and
+records.
+
+Why a fake run, not a formula: autograd, the user's `training_step` and activation checkpointing decide what stays
+alive for backward, and running them is the one way that holds for any model (the example GPT, a transformers
+model, a user's own). The model is copied with every parameter and buffer replaced by a `FakeTensor` on the CPU
+device, so nothing is allocated or computed, yet the dispatcher picks kernels as on a real device: on the meta
+device `scaled_dot_product_attention` falls back to its math kernel, which saves the (tokens x tokens) attention
+probabilities, where the fused kernels of CPU and CUDA save only q, k, v, the output and the log-sum-exp.
+Activation checkpointing is the strategy's own (`checkpoint_activations`), applied to the copy, so its recomputation
+in backward is traced too.
+
+Tensor parallelism is traced on the unsplit model without a process group: each storage carries a flag, "split over
+the tensor-parallel ranks", set where a style's layouts say so (a column-wise Linear's output, the local chunk of a
+`Replicate -> Shard` redistribution, a reduce-scatter's output) and cleared where they say the rank holds the whole
+tensor (a row-wise Linear's partial output, an all-reduce or all-gather, which make new full-size tensors); every other
+op's outputs are split when one of its inputs is (a scalar never is). The redistributions are traced as the new
+tensors they are (a clone on the fake device), so an all-gathered input saved by a Linear counts whole, as DTensor
+keeps it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from lightning_dpar._private_api import (
+    FakeTensorMode,
+    TorchDispatchMode,
+    checkpoint_activations,
+    storage_key,
+    trainer_and_mesh,
+    tree_leaves,
+    tree_map,
+)
+from lightning_dpar.experts.tracing_stand_in import replace_experts_for_tracing
+from lightning_dpar.helpers import key_value_cache_configs, without_key_value_cache
+
+__all__ = ["StepTrace", "StorageLife", "trace_step", "training_loss"]
+
+
+@dataclass
+class StorageLife:
+    """One storage the step created: its size, the clock ticks it was created at and freed at (`None`: alive at the
+    end), the index of the unit that created it (-1 without units), whether tensor parallelism splits it, and
+    whether it ended as a parameter's gradient (not an activation)."""
+
+    nbytes: int
+    created: int
+    freed: int | None
+    unit: int
+    split: bool
+    gradient: bool = False
+
+    def alive_at(self, tick: int) -> bool:
+        return self.created <= tick and (self.freed is None or self.freed > tick)
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """The storages of one forward and backward; `forward_end` is the tick between them. `unit_inputs[i]` is the
+    size and split flag of unit i's first tensor input (what a pipeline stage starting at unit i receives and keeps
+    per microbatch). `unmodelled` names tensor-parallel styles the trace does not know (their tensors count whole)."""
+
+    storages: tuple[StorageLife, ...]
+    forward_end: int
+    units: tuple[str, ...]
+    unit_inputs: tuple[tuple[int, bool] | None, ...]
+    unmodelled: tuple[str, ...] = ()
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError):  # a tensor subclass without storage
+        return None
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every storage an op outputs for the first time, and the tick it dies at.
+
+    A storage's Python object lives exactly as long as the storage (torch keeps it alive while any tensor or autograd
+    holds the storage), so a weak reference's callback says when it dies: no polling.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = 0
+        self.lives: dict[int, StorageLife] = {}  # live storages by StorageImpl address
+        self.refs: dict[int, weakref.ref] = {}
+        self.done: list[StorageLife] = []
+        self.known: set[int] = set()  # storages that exist before the step: parameters, buffers, the batch
+        self.unit = lambda: -1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        split = any(life.split for life in map(self.life, inputs) if life is not None)
+        for tensor in tree_leaves(out):
+            storage = _storage(tensor) if isinstance(tensor, torch.Tensor) else None
+            if (
+                storage is not None
+                and storage_key(storage) not in self.lives
+                and storage_key(storage) not in self.known
+            ):
+                key = storage_key(storage)
+                split_here = split and tensor.dim() > 0  # a scalar from a shard (a partial loss) is whole everywhere
+                self.lives[key] = StorageLife(storage.nbytes(), self.clock, None, self.unit(), split_here)
+                self.refs[key] = weakref.ref(storage, functools.partial(self._died, key))
+        self.clock += 1
+        return out
+
+    def _died(self, key: int, ref: weakref.ref) -> None:
+        life = self.lives.pop(key)
+        del self.refs[key]
+        life.freed = self.clock
+        self.done.append(life)
+
+    def life(self, tensor: torch.Tensor) -> StorageLife | None:
+        storage = _storage(tensor)
+        return None if storage is None else self.lives.get(storage_key(storage))
+
+    def mark(self, tensor: torch.Tensor, split: bool) -> None:
+        life = self.life(tensor)
+        if life is not None:
+            life.split = split
+
+    def tick(self) -> int:
+        """The tick that separates what came before from what comes after."""
+        self.clock += 1
+        return self.clock - 1
+
+
+class _Redistribution:
+    """A tensor-parallel style's layouts applied to the traced tensors: a redistribution that makes a new tensor is
+    traced as a clone whose split flag is the target layout's."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        self.recorder = recorder
+
+    def __call__(self, value: Any, source: Any, target: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or source is None or target is None or source == target:
+            return value
+        if isinstance(source, (Shard, Partial)) or isinstance(target, Shard):  # all-gather, all-reduce, chunk, ...
+            new = value.clone()
+            self.recorder.mark(new, isinstance(target, Shard))
+            return new
+        return value  # Replicate -> Replicate/Partial: the rank's tensor as it is
+
+    def output(self, output: Any, split: bool) -> None:
+        """The flag of what the module's own computation produced."""
+        for tensor in tree_leaves(output):
+            if isinstance(tensor, torch.Tensor):
+                self.recorder.mark(tensor, split)
+
+
+def _hook_style(module: nn.Module, style: ParallelStyle, redistribute: _Redistribution) -> bool:
+    """Hooks that trace `style` on `module`; False for a style the trace does not know."""
+
+    def first_input(source: Any, target: Any) -> Callable:
+        def hook(mod, args):
+            return (redistribute(args[0], source, target), *args[1:]) if args else args
+
+        return hook
+
+    def output(split: bool, source: Any, target: Any) -> Callable:
+        def hook(mod, args, out):
+            redistribute.output(out, split)
+            return tree_map(lambda t: redistribute(t, source, target), out)
+
+        return hook
+
+    if isinstance(style, ColwiseParallel):
+        module.register_forward_pre_hook(first_input(style.input_layouts[0], Replicate()))
+        module.register_forward_hook(output(True, Shard(-1), style.output_layouts[0]))
+    elif isinstance(style, RowwiseParallel):
+        wanted = Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
+        module.register_forward_pre_hook(first_input(style.input_layouts[0], wanted))
+        module.register_forward_hook(output(False, Partial(), style.output_layouts[0]))
+    elif isinstance(style, SequenceParallel):
+        pass  # it computes on the sequence shard it is given, whose flag the tensor carries already
+    elif isinstance(style, (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)):
+        prepare_in = getattr(style, "prepare_module_input", style)
+        prepare_out = getattr(style, "prepare_module_output", style)
+        if isinstance(prepare_in, PrepareModuleInput):
+            layouts = list(zip(prepare_in.input_layouts or (), prepare_in.desired_input_layouts or ()))
+            kwarg_layouts = prepare_in.input_kwarg_layouts
+            desired_kwargs = prepare_in.desired_input_kwarg_layouts
+
+            def prepare(mod, args, kwargs):
+                args = tuple(redistribute(a, *layouts[i]) if i < len(layouts) else a for i, a in enumerate(args))
+                kwargs = {k: redistribute(v, kwarg_layouts.get(k), desired_kwargs.get(k)) for k, v in kwargs.items()}
+                return args, kwargs
+
+            module.register_forward_pre_hook(prepare, with_kwargs=True)
+        if isinstance(prepare_out, PrepareModuleOutput):
+            pairs = list(zip(prepare_out.output_layouts, prepare_out.desired_output_layouts))
+
+            def prepare_output(mod, args, out):
+                if isinstance(out, torch.Tensor):
+                    return redistribute(out, *pairs[0])
+                if isinstance(out, tuple):
+                    return tuple(redistribute(o, *pairs[i]) if i < len(pairs) else o for i, o in enumerate(out))
+                return out
+
+            module.register_forward_hook(prepare_output)
+    else:
+        return False
+    return True
+
+
+class _Units:
+    """Which unit is computing: the innermost unit whose forward is running; between units, the next one (code
+    between units computes that unit's input); in backward, the unit whose output's gradient was last reached."""
+
+    def __init__(self, root: nn.Module, units: Sequence[str], recorder: _Recorder) -> None:
+        self.stack: list[int] = []
+        self.last_done = -1
+        self.backward_unit: int | None = None
+        self.in_backward = False
+        self.count = len(units)
+        self.inputs: list[tuple[int, bool] | None] = [None] * len(units)
+        for index, fqn in enumerate(units):
+            module = root.get_submodule(fqn)
+            module.register_forward_pre_hook(self._enter(index, recorder), with_kwargs=True)
+            module.register_forward_hook(self._leave(index))
+        recorder.unit = self.current
+
+    def current(self) -> int:
+        if not self.count:
+            return -1
+        if self.stack:
+            return self.stack[-1]
+        if self.in_backward:
+            return self.count - 1 if self.backward_unit is None else self.backward_unit
+        return min(self.last_done + 1, self.count - 1)
+
+    def _enter(self, index: int, recorder: _Recorder) -> Callable:
+        def hook(mod, args, kwargs):
+            self.stack.append(index)
+            first = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
+            if first is not None and self.inputs[index] is None:
+                life = recorder.life(first)
+                self.inputs[index] = (first.untyped_storage().nbytes(), bool(life and life.split))
+
+        return hook
+
+    def _leave(self, index: int) -> Callable:
+        def hook(mod, args, out):
+            self.stack.pop()
+            if self.in_backward:
+                return
+            self.last_done = index
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+                    tensor.grad_fn.register_prehook(self._reached(index))
+
+        return hook
+
+    def _reached(self, index: int) -> Callable:
+        def hook(grad_outputs):
+            self.backward_unit = index
+
+        return hook
+
+
+def training_loss(module: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss of `module.training_step(batch, 0)` (a tensor, or a dict's `"loss"`); for a plain module, its
+    output's sum."""
+    step = getattr(module, "training_step", None)
+    with without_key_value_cache(key_value_cache_configs(module)):  # as the strategies train (`StepHooks`)
+        output = step(batch, 0) if step is not None else module(batch)
+    if isinstance(output, Mapping):
+        output = output["loss"]
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"the training step returned {type(output).__name__}, not a loss tensor")
+    return output if output.dim() == 0 else output.float().sum()
+
+
+def _fake_copy(module: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None) -> nn.Module:
+    """A copy of `module` whose parameters and buffers are fake CPU tensors (tied ones stay tied); floating-point
+    parameters cast to `dtype` when given (what FSDP2's mixed-precision policy computes with)."""
+    keep = {id(v): v for v in trainer_and_mesh(module) if v is not None}  # shared, not copied
+    params = {id(p): p for p in module.parameters()} | {id(b): b for b in module.buffers()}
+    buffers = {id(b) for b in module.buffers()}
+    memo: dict[int, Any] = dict(keep)
+    fakes: dict[int, torch.Tensor] = {}
+    with mode:
+        for key, tensor in params.items():
+            cast = dtype if dtype is not None and tensor.is_floating_point() and key not in buffers else None
+            fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=cast or tensor.dtype, device="cpu")
+            fakes[key] = nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
+    memo.update(fakes)
+    return copy.deepcopy(module, memo)
+
+
+def _fake_batch(batch: Any, mode: FakeTensorMode) -> Any:
+    """A shape tuple -> token ids of that shape; any pytree of tensors -> zeros of their shapes and dtypes."""
+    with mode:
+        if isinstance(batch, (tuple, torch.Size)) and all(isinstance(d, int) for d in batch):
+            return torch.zeros(tuple(batch), dtype=torch.long)
+        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def trace_step(
+    module: nn.Module,
+    batch: Any,
+    *,
+    tensor_parallel: Mapping[str, ParallelStyle] | None = None,
+    activation_checkpointing: Sequence[str] = (),
+    units: Sequence[str] = (),
+    compute_dtype: torch.dtype | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    loss: Callable[[nn.Module, Any], torch.Tensor] = training_loss,
+) -> StepTrace:
+    """Run `loss(module, batch)` and its backward once on a fake copy of `module` (on any device, meta included),
+    with `tensor_parallel` styles traced and `activation_checkpointing` applied to the named modules.
+
+    `batch` is the shape of a token-id batch or a pytree of tensors (only shapes and dtypes are read). `units` are
+    the pipeline units in call order: each storage records which one created it. `compute_dtype` casts floating
+    parameters (FSDP2's mixed precision); `autocast_dtype` runs under CPU autocast (the `replicate` wrapper's).
+    """
+    mode = FakeTensorMode()
+    fake = _fake_copy(module, mode, compute_dtype)
+    replace_experts_for_tracing(fake)  # MoE layers: their dense equivalent (`lightning_dpar.experts.tracing_stand_in`)
+    recorder = _Recorder()
+    redistribute = _Redistribution(recorder)
+    unmodelled = [
+        f"{fqn}: {type(style).__name__}"
+        for fqn, style in (tensor_parallel or {}).items()
+        if not _hook_style(fake.get_submodule(fqn), style, redistribute)
+    ]
+    for fqn in activation_checkpointing:
+        checkpoint_activations(fake.get_submodule(fqn))
+    tracker = _Units(fake, units, recorder)
+    fake_batch = _fake_batch(batch, mode)
+    existing = [*fake.parameters(), *fake.buffers(), *tree_leaves(fake_batch)]
+    recorder.known = {storage_key(t.untyped_storage()) for t in existing if isinstance(t, torch.Tensor)}
+    autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+    with ExitStack() as stack, warnings.catch_warnings():
+        # A training step that logs warns that no Trainer is attached: nothing is logged in a trace.
+        warnings.filterwarnings("ignore", message=".*self.log.*")
+        stack.enter_context(mode)
+        stack.enter_context(recorder)
+        with autocast:
+            output = loss(fake, fake_batch)
+        forward_end = recorder.tick()
+        tracker.in_backward = True
+        output.backward()
+        del output
+        recorder.tick()
+        gradients = {storage_key(p.grad.untyped_storage()) for p in fake.parameters() if p.grad is not None}
+        for key in gradients & set(recorder.lives):
+            recorder.lives[key].gradient = True
+    recorder.refs.clear()  # what is still alive is alive at the end: no callback changes the trace later
+    storages = (*recorder.done, *recorder.lives.values())
+    return StepTrace(tuple(storages), forward_end, tuple(units), tuple(tracker.inputs), tuple(unmodelled))

@@ -1,0 +1,297 @@
+"""What the dry run reports, and how it prints: the report types (`PlanReport`, with `PipelineReport` and its
+`StageRow`s under pipeline parallelism) and their `render()`, which groups repeated blocks (`blocks.*.x  xN`) into
+aligned tables. Filled in by `lightning_dpar.estimates.dry_run`."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lightning_dpar.estimates import state_memory as memory
+from lightning_dpar.estimates.activations import ActivationEstimate
+from lightning_dpar.parallel_dims import ParallelDims
+from lightning_dpar.pipeline.schedule import schedule_spec
+
+__all__ = ["ROOT", "ParamRow", "PipelineReport", "PlanReport", "StageRow", "group_modules"]
+
+
+@dataclass
+class ParamRow:
+    """One parameter as the shown rank holds it: its shape whole and local, its placement on the mesh, its dtype."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    placement: str
+    local_shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class StageRow:
+    """One pipeline stage: where it runs, what it holds, and what each of its ranks stores for it."""
+
+    stage: int
+    pipeline_rank: int
+    ranks: range  # the global ranks holding this stage (one pipeline rank's group)
+    units: tuple[str, ...]
+    num_params: int  # the stage's parameters, whole (before tensor-parallel and FSDP sharding)
+    memory: memory.MemoryEstimate  # on one of `ranks`: the one at the shown rank's data/tensor-parallel coordinate
+
+
+@dataclass
+class PipelineReport:
+    """The schedule and the stages, with per-stage memory."""
+
+    schedule: str
+    microbatches: int
+    microbatches_by_default: bool  # one per stage, as `pipeline_microbatches=None` gives
+    stages_per_rank: int
+    split: str
+    stages: list[StageRow]
+    num_ranks: int
+
+    @property
+    def bubble(self) -> float | None:
+        """The idle fraction of an ideal step, where the schedule has a known closed form
+        (`ScheduleSpec.bubble`)."""
+        return schedule_spec(self.schedule).bubble(self.num_ranks, self.microbatches, self.stages_per_rank)
+
+    def render(self, activations: ActivationEstimate | None = None) -> list[str]:
+        default = " (default: one per stage)" if self.microbatches_by_default else ""
+        stages = f"{self.stages_per_rank} stage{'s' if self.stages_per_rank > 1 else ''}"
+        lines = [
+            f"Pipeline: schedule {self.schedule}, {self.microbatches} microbatches per batch{default},"
+            f" {stages} per pipeline rank, split {self.split}",
+            f"  each data-parallel rank's batch size must be a multiple of {self.microbatches}",
+        ]
+        if self.bubble is not None:
+            lines.append(
+                f"  bubble (idle fraction of an ideal step): {self.bubble:.0%}; more microbatches make it smaller"
+            )
+        rows = [
+            (
+                str(row.stage),
+                str(row.pipeline_rank),
+                _ranks(row.ranks),
+                _describe_units(row.units),
+                f"{row.num_params:,}",
+                memory.format_bytes(row.memory.parameters),
+                memory.format_bytes(row.memory.gradients),
+                memory.format_bytes(row.memory.optimizer) if row.memory.optimizer is not None else "unknown",
+                memory.format_bytes(row.memory.total),
+                *([memory.format_bytes(activations.peak(row.pipeline_rank))] if activations is not None else []),
+            )
+            for row in self.stages
+        ]
+        header = ("stage", "pipeline rank", "ranks", "units", "parameters", "params/rank", "grads/rank")
+        header += ("optimizer/rank", "total/rank", *(["activations/rank"] if activations is not None else []))
+        lines += _table(rows, header)
+        if self.stages_per_rank > 1:
+            for pipeline_rank in range(self.num_ranks):
+                held = [row for row in self.stages if row.pipeline_rank == pipeline_rank]
+                total = sum(row.memory.total for row in held)
+                lines.append(
+                    f"  pipeline rank {pipeline_rank} holds stages {', '.join(str(r.stage) for r in held)}:"
+                    f" {memory.format_bytes(total)} per rank"
+                )
+        return lines
+
+
+@dataclass
+class PlanReport:
+    """Everything `plan` prints; `render()` formats it."""
+
+    strategy: str
+    dims: ParallelDims
+    num_nodes: int
+    rank: int
+    coordinate: dict[str, int]
+    precision: str
+    modules: dict[str, list[str]]  # fqn -> what is applied to it
+    params: list[ParamRow]
+    total_params: int
+    memory: memory.MemoryEstimate
+    optimizers: list[str]
+    largest_unit: tuple[str, int] | None  # (fqn, bytes all-gathered for compute)
+    notes: list[str] = field(default_factory=list)
+    pipeline: PipelineReport | None = None
+    model_params: int | None = None  # the whole model's, when this rank holds only some pipeline stages
+    tied: list[str] = field(default_factory=list)  # one line per parameter reachable under several names
+    optimizer_exactness: list[str] = field(default_factory=list)  # per optimizer: exact here, or refused and why
+    experts: list[str] = field(default_factory=list)  # with expert parallelism: who holds which experts
+    activations: ActivationEstimate | None = None
+    activation_source: str = ""  # where the batch shape came from
+    activation_note: str = ""  # why there is no estimate
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.rank // (self.dims.world_size // self.dims.pipeline)
+
+    def render(self, all_params: bool = False) -> str:
+        d = self.dims
+        lines = [
+            f"{self.strategy} on {d.world_size} ranks ({self.num_nodes} node(s) x {d.world_size // self.num_nodes}"
+            f" devices), precision {self.precision}, showing rank {self.rank}",
+            "",
+            "Mesh",
+            f"  {d.describe()}; data_parallel = {d.data_parallel} (ranks that see different batches)",
+            f"  rank {self.rank} is at " + ", ".join(f"{k}={v}" for k, v in self.coordinate.items()),
+        ]
+        if self.pipeline is not None:
+            lines += ["", *self.pipeline.render(self.activations)]
+            lines += ["", f"Modules on rank {self.rank} (its pipeline stages only)"]
+        else:
+            lines += ["", "Modules"]
+        lines += _table(
+            [(name, ", ".join(what), f"x{n}" if n > 1 else "") for name, what, n in group_modules(self.modules)],
+            ("module", "applied", ""),
+        ) or ["  (nothing: every parameter stays whole on every rank)"]
+        if self.experts:
+            lines += ["", f"Experts (expert parallel {d.expert}: the experts of each MoE layer split between ranks)"]
+            lines += self.experts
+        if self.tied:
+            lines += ["", "Tied parameters (one parameter under several names, listed once below)", *self.tied]
+        held = f"{self.total_params:,} in total"
+        if self.model_params is not None:
+            held = f"{self.total_params:,} of the model's {self.model_params:,}"
+        lines += ["", f"Parameters on rank {self.rank} ({held})"]
+        rows = [(r.name, _shape(r.global_shape), r.placement, _shape(r.local_shape), r.dtype, "") for r in self.params]
+        if not all_params:
+            rows = _group_params(self.params)
+        lines += _table(rows, ("parameter", "global shape", "placement", "local shape", "dtype", ""))
+        m = self.memory
+        optimizer = (
+            memory.format_bytes(m.optimizer)
+            if m.optimizer is not None
+            else f"unknown ({', '.join(m.unknown_optimizers)} not in"
+            " lightning_dpar.estimates.state_memory.STATES_PER_PARAMETER)"
+        )
+        lines += [
+            "",
+            f"Estimated memory on rank {self.rank} (see lightning_dpar.estimates.state_memory and"
+            " lightning_dpar.estimates.activations)",
+            f"  parameters  {memory.format_bytes(m.parameters)}{memory.frozen_note(m)}",
+            f"  gradients   {memory.format_bytes(m.gradients)}",
+            f"  optimizer   {optimizer}   [{'; '.join(self.optimizers) or 'no optimizer'}]",
+            f"  total       {memory.format_bytes(m.total)}",
+        ]
+        peak = m.total
+        if self.largest_unit:
+            fqn, size = self.largest_unit
+            lines.append(f"  + the largest FSDP unit all-gathered for compute: {memory.format_bytes(size)} ({fqn})")
+            peak += size
+        if self.activations is None:
+            lines.append(f"  activations {self.activation_note}")
+            lines.append("  not included: activations, communication buffers, allocator overhead")
+        else:
+            a = self.activations
+            active = "with" if a.checkpointing else "without"
+            lines.append(
+                f"  + activations at their peak: {memory.format_bytes(a.peak(self.pipeline_rank))}"
+                f" ({active} activation checkpointing; below)"
+            )
+            peak += a.peak(self.pipeline_rank)
+            lines.append(f"  peak        {memory.format_bytes(peak)}")
+            lines.append("  not included: communication buffers, allocator overhead")
+            lines += ["", *_render_activations(a, self.pipeline_rank, self.activation_source)]
+        if self.optimizer_exactness:
+            lines += ["", "Optimizers under this layout (exact as under DDP, or refused before training)"]
+            lines += [f"  {line}" for line in self.optimizer_exactness]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source: str) -> list[str]:
+    """Per microbatch, without and with activation checkpointing (the plan's marked), then the microbatches in
+    flight."""
+    rank = estimate.rank(pipeline_rank)
+    where = f"pipeline rank {pipeline_rank}'s ranks" if len(estimate.ranks) > 1 else "each rank"
+    lines = [
+        f"Activations on {where}, per microbatch: {estimate.microbatch}" + (f" ({source})" if source else ""),
+    ]
+    rows = []
+    for checkpointing in (False, True):
+        footprint = rank.per_microbatch(checkpointing)
+        rows.append(
+            (
+                f"{'with' if checkpointing else 'without'} activation checkpointing",
+                memory.format_bytes(footprint.retained),
+                memory.format_bytes(footprint.peak),
+                "<- the plan" if checkpointing == estimate.checkpointing else "",
+            )
+        )
+    lines += _table(rows, ("", "kept for backward", "peak in the step", ""))
+    groups = group_modules({fqn: [] for fqn in estimate.checkpointed})
+    described = ", ".join(name + (f" x{n}" if n > 1 else "") for name, _, n in groups)
+    lines.append(f"  checkpointing {described or 'nothing (no repeated blocks)'}")
+    if estimate.tensor_parallel > 1:
+        lines.append(f"  tensor parallel: sharded activations split over {estimate.tensor_parallel} ranks")
+    if estimate.schedule is not None:
+        per_stage = ", ".join(str(n) for n in rank.in_flight)
+        bound = "" if rank.in_flight_known else " (not modelled for this schedule: every microbatch, an upper bound)"
+        lines.append(
+            f"  {estimate.schedule} over {estimate.microbatches} microbatches keeps up to {per_stage} in flight on"
+            f" this rank{bound}, and a receive buffer per microbatch for the activation in and the gradient back"
+            f" ({memory.format_bytes(rank.receive_buffers)}): in flight x kept + buffers + (peak - kept) ="
+            f" {memory.format_bytes(rank.peak(estimate.checkpointing))}"
+        )
+    lines += [f"  note: {note}" for note in estimate.notes]
+    return lines
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
+    if not rows:
+        return []
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return ["  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+def _ranks(ranks: range) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def _describe_units(units: Sequence[str]) -> str:
+    """`model.emb, model.blocks.0, model.blocks.1, model.blocks.2` -> `model.emb, model.blocks.0-2`."""
+    runs: list[tuple[str, int, int] | str] = []
+    for fqn in units:
+        prefix, _, index = fqn.rpartition(".")
+        last = runs[-1] if runs else None
+        if prefix and index.isdigit():
+            if isinstance(last, tuple) and last[0] == prefix and last[2] == int(index) - 1:
+                runs[-1] = (prefix, last[1], int(index))
+            else:
+                runs.append((prefix, int(index), int(index)))
+        else:
+            runs.append(fqn)
+    return ", ".join(
+        run if isinstance(run, str) else f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] > run[1] else "")
+        for run in runs
+    )
+
+
+#: How the report names the LightningModule itself.
+ROOT = "(the LightningModule)"
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def group_modules(modules: dict[str, list[str]]) -> list[tuple[str, list[str], int]]:
+    """Collapse `blocks.0.x`, `blocks.1.x`, ... that get the same treatment into `blocks.*.x  xN`."""
+    groups: dict[tuple[str, tuple[str, ...]], int] = {}
+    for fqn, what in modules.items():
+        key = (_INDEX.sub("*", fqn), tuple(what))
+        groups[key] = groups.get(key, 0) + 1
+    return [(name, list(what), n) for (name, what), n in groups.items()]
+
+
+def _group_params(params: list[ParamRow]) -> list[tuple[str, ...]]:
+    groups: dict[tuple[str, ...], int] = {}
+    for r in params:
+        key = (_INDEX.sub("*", r.name), _shape(r.global_shape), r.placement, _shape(r.local_shape), r.dtype)
+        groups[key] = groups.get(key, 0) + 1
+    return [(*key, f"x{n}" if n > 1 else "") for key, n in groups.items()]

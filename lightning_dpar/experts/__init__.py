@@ -1,0 +1,12 @@
+"""Mixture-of-Experts: everything the package does for experts modules, beside their plan step
+(`lightning_dpar.plan.experts`, which finds them and decides their layout) and their estimate
+(`lightning_dpar.estimates.experts`).
+
+- `parallel`: expert parallelism, each rank holding whole experts and exchanging tokens with an all-to-all;
+- `router_loss`: the router's auxiliary load-balancing loss, averaged the way one process would;
+- `keys`: the checkpoint and Hugging Face key arithmetic of stacked and per-expert weights;
+- `reader`: reading per-expert Hugging Face tensors into a fused (stacked) parameter's shards;
+- `tracing_stand_in`: the dense stand-in an experts module runs as when activations are traced on fake tensors.
+"""
+
+__all__: list[str] = []

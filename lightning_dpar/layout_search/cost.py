@@ -1,0 +1,232 @@
+"""The cost model: one layout's per-rank peak memory and step time, from the model's facts, the dry run's numbers and
+a hardware profile. Pure functions of data.
+
+Step time (seconds, one optimizer step of every data-parallel rank's batch) is split into:
+
+- compute: `flops_per_token x tokens per data-parallel rank / (tp x pp) / matmul_flops` (6 x active parameters per
+  token, 8 x with activation checkpointing; `ModelFacts.flops_per_token`);
+- pipeline bubble: `compute x bubble / (1 - bubble)`, the bubble fraction from `ScheduleSpec.bubble`;
+- exposed communication: each collective's bytes per rank over the link its group crosses (`Link.seconds`, the
+  latency paid per ring step; `HardwareProfile.collective_link` uses measured numbers when the profile has them):
+  - FSDP: all-gather of each stage's parameters (compute dtype, TP and expert shards kept) in forward and again in
+    backward (`reshard_after_forward=True`), per microbatch with pipelining; reduce-scatter of the gradients
+    (parameter dtype) once per step; HSDP adds an all-reduce of the shard over the replicas. The profile's
+    `fsdp_overlap` of it hides behind compute (never more than the compute time);
+  - TP: 4 all-reduces of one microbatch's activations per layer (2 forward, 2 backward; 6 with checkpointing), on
+    the critical path;
+  - PP: one activation forward and one gradient backward per microbatch and stage boundary;
+  - EP: 4 all-to-alls per MoE layer and microbatch (dispatch and combine, forward and backward; 6 with
+    checkpointing) of each token's `k` chosen hidden states.
+  Ring collectives move `(n - 1) / n` of the buffer per rank (all-gather, reduce-scatter, all-to-all) and twice that
+  for all-reduce. A group crosses nodes when its ranks span more than one node (ranks are laid out row-major as
+  pipeline, replicate, shard, tensor parallel; see `mesh.build_device_mesh`).
+
+Per-rank peak memory, on the pipeline rank whose peak is highest, is split into parameters, gradients and optimizer
+state (the dry run's), activations (the dry run's traced estimate, `lightning_dpar.estimates.activations`: one training
+step
+run on fake tensors with the layout's tensor-parallel styles, pipeline stages, schedule and checkpointing; the formula
+of `layout.activations` only when the step cannot be traced) and communication buffers: the FSDP unit being computed
+and the one prefetched, all-gathered (2 x the dry run's largest unit), plus a reduce-scatter buffer of one unit's
+gradients; and the profile's `runtime_memory`. The step time adds the profile's `step_overhead`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_dpar.estimates.activation_formula import activation_bytes
+from lightning_dpar.layout_search.candidates import Layout
+from lightning_dpar.layout_search.model_facts import ModelFacts
+from lightning_dpar.layout_search.profiles import HardwareProfile
+from lightning_dpar.pipeline.schedule import schedule_spec
+
+__all__ = ["Estimate", "MemorySplit", "MeshMemory", "RankMemory", "TimeSplit", "estimate"]
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """The dry run's bytes on one pipeline rank (on every rank, without pipelining): what lives for the whole run,
+    and the activation peak of a step without and with activation checkpointing (`None`: the training step could not
+    be traced on fake tensors, and the formula of `layout.activations` stands in)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int | None = None
+    activations_checkpointed: int | None = None
+
+    def activation_peak(self, checkpointing: bool) -> int | None:
+        return self.activations_checkpointed if checkpointing else self.activations
+
+
+@dataclass(frozen=True)
+class MeshMemory:
+    """The dry run's numbers for one layout (but its activation checkpointing): each pipeline rank's memory, and the
+    largest FSDP unit all-gathered for compute."""
+
+    ranks: tuple[RankMemory, ...]
+    gathered_unit: int
+
+
+@dataclass(frozen=True)
+class MemorySplit:
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    buffers: int
+    runtime: int = 0  # the profile's `runtime_memory`
+    activations_traced: bool = True  # False: the formula of `layout.activations` stood in
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers + self.runtime
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    compute: float
+    exposed_communication: float
+    bubble: float
+    communication: float  # all of it, hidden or not
+    overhead: float = 0.0  # the profile's `step_overhead`
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed_communication + self.bubble + self.overhead
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One layout's predicted per-rank peak memory and step time; `samples_per_step` is the global batch."""
+
+    layout: Layout
+    memory: MemorySplit
+    time: TimeSplit
+    samples_per_step: int
+
+    @property
+    def seconds_per_sample(self) -> float:
+        """What the search ranks by: step time over the global batch (layouts with fewer data-parallel ranks train
+        fewer samples per step, the loaders' batch size being per rank)."""
+        return self.time.total / self.samples_per_step
+
+
+def _crosses(span: int, profile: HardwareProfile) -> bool:
+    return span > profile.devices_per_node
+
+
+def _ring(
+    profile: HardwareProfile, collective: str, n: int, nbytes: float, span: int, all_reduce: bool = False
+) -> float:
+    """Seconds for one ring collective over `n` ranks of an `nbytes` buffer (the whole, unsharded size)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    link = profile.collective_link(collective, n, _crosses(span, profile))
+    factor = 2 if all_reduce else 1
+    return link.seconds(factor * nbytes * (n - 1) / n, steps=factor * (n - 1))
+
+
+def _fsdp_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfile) -> float:
+    d = layout.dims
+    units = -(-facts.layers // d.pipeline) + 1
+    gathers = 2 * (layout.microbatches if d.pipeline > 1 else 1)
+    dense = (facts.params - facts.expert_params) / d.pipeline / d.tensor_parallel
+    experts = facts.expert_params / d.pipeline / d.expert
+    seconds = 0.0
+    span = d.shard * d.tensor_parallel
+    for params, n in ((dense, d.shard), (experts, d.expert_shard)):
+        if params <= 0:
+            continue
+        per_unit = params / units
+        seconds += units * gathers * _ring(profile, "all_gather", n, per_unit * facts.activation_bytes, span)
+        seconds += units * _ring(profile, "reduce_scatter", n, per_unit * facts.param_bytes, span)
+        if d.replicate > 1:
+            shard_bytes = per_unit * facts.param_bytes / n
+            seconds += units * _ring(profile, "all_reduce", d.replicate, shard_bytes, span * d.replicate, True)
+    return seconds
+
+
+def _critical_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfile) -> tuple[float, float, float]:
+    """TP all-reduces, PP sends and EP all-to-alls per step: none of them overlaps compute here."""
+    d = layout.dims
+    microbatch = facts.batch_size // layout.microbatches
+    activation = microbatch * facts.seq_len * facts.hidden * facts.activation_bytes
+    stage_layers = -(-facts.layers // d.pipeline)
+    passes = 6 if layout.activation_checkpointing else 4
+    tp = stage_layers * layout.microbatches * passes
+    tp *= _ring(profile, "all_reduce", d.tensor_parallel, activation, d.tensor_parallel, True)
+    pp = 0.0
+    if d.pipeline > 1:
+        link = profile.collective_link("send_recv", 2, _crosses(d.world_size, profile))
+        pp = 2 * layout.microbatches * layout.stages_per_rank * link.seconds(activation)
+    ep = 0.0
+    if facts.experts and d.expert > 1:
+        moe_layers = -(-facts.moe_layers // d.pipeline)
+        routed = activation * facts.experts_per_token
+        span = d.expert * d.tensor_parallel
+        ep = moe_layers * layout.microbatches * passes * _ring(profile, "all_to_all", d.expert, routed, span)
+    return tp, pp, ep
+
+
+def _formula_activations(layout: Layout, facts: ModelFacts) -> int:
+    """Peak activation bytes of the first pipeline rank by the formula of `layout.activations`."""
+    d = layout.dims
+    return activation_bytes(
+        layers=facts.layers,
+        hidden=facts.hidden,
+        heads=facts.heads,
+        vocab=facts.vocab,
+        seq_len=facts.seq_len,
+        microbatch_size=facts.batch_size // layout.microbatches,
+        element_size=facts.activation_bytes,
+        tensor_parallel=d.tensor_parallel,
+        pipeline=d.pipeline,
+        microbatches=layout.microbatches,
+        schedule=layout.schedule,
+        stages_per_rank=layout.stages_per_rank,
+        checkpointing=layout.activation_checkpointing,
+    )
+
+
+def _peak_rank(layout: Layout, facts: ModelFacts, mesh: MeshMemory) -> tuple[RankMemory, int | None]:
+    """The pipeline rank with the highest peak under `layout`, and its activation bytes: the traced peak of each
+    rank; without a trace, the rank holding the most parameters and `None` (the formula's first-stage peak goes on
+    it, an upper bound: the two need not be the same rank)."""
+    checkpointing = layout.activation_checkpointing
+    if all(rank.activation_peak(checkpointing) is not None for rank in mesh.ranks):
+
+        def total(rank: RankMemory) -> int:
+            return rank.parameters + rank.gradients + rank.optimizer + (rank.activation_peak(checkpointing) or 0)
+
+        rank = max(mesh.ranks, key=total)
+        return rank, rank.activation_peak(checkpointing)
+    return max(mesh.ranks, key=lambda r: r.parameters + r.gradients + r.optimizer), None
+
+
+def estimate(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: HardwareProfile) -> Estimate:
+    """The predicted per-rank peak memory and step time of `layout` (see the module docstring)."""
+    d = layout.dims
+    compute = facts.flops_per_token(layout.activation_checkpointing) * facts.tokens_per_rank
+    compute /= d.tensor_parallel * d.pipeline * profile.matmul_flops
+    bubble = 0.0
+    if layout.schedule is not None:
+        fraction = schedule_spec(layout.schedule).bubble(d.pipeline, layout.microbatches, layout.stages_per_rank)
+        assert fraction is not None, f"{layout.schedule} has no closed-form bubble; candidates exclude it"
+        bubble = compute * fraction / (1 - fraction)
+    fsdp = _fsdp_seconds(layout, facts, profile)
+    tp, pp, ep = _critical_seconds(layout, facts, profile)
+    exposed = fsdp - min(fsdp * profile.fsdp_overlap, compute) + tp + pp + ep
+    rank, traced = _peak_rank(layout, facts, mesh)
+    reduce_buffer = mesh.gathered_unit * facts.param_bytes // max(facts.activation_bytes, 1)
+    memory = MemorySplit(
+        parameters=rank.parameters,
+        gradients=rank.gradients,
+        optimizer=rank.optimizer,
+        activations=traced if traced is not None else _formula_activations(layout, facts),
+        buffers=2 * mesh.gathered_unit + reduce_buffer,
+        runtime=profile.runtime_memory,
+        activations_traced=traced is not None,
+    )
+    time = TimeSplit(compute, exposed, bubble, fsdp + tp + pp + ep, profile.step_overhead)
+    return Estimate(layout, memory, time, facts.batch_size * d.data_parallel)

@@ -1,0 +1,159 @@
+"""Gradient clipping that is correct when parameters live on different meshes, and cheap enough to run every step.
+
+With 2D parallelism some gradients are sharded over `(shard, tensor_parallel)`, others over `shard` only, and plain
+tensors are whole on every rank. `torch.nn.utils.clip_grad_norm_` stacks per-parameter norms into one tensor, which
+fails when they are DTensors on different meshes (Lightning's `ModelParallelStrategy` crashes there). Here each
+group of gradients sharing a layout is reduced over exactly the mesh dims it is sharded on, so nothing is counted
+twice and nothing is missed.
+
+Speed: which parameters form which group, and over which process groups each group reduces, depends only on the
+parameters (their meshes and placements are fixed once the model is parallelised), so `GradientClipper` works it
+out once and reuses it while the same parameters have gradients; a different set (another model, a second `fit`
+with new parameters, a parameter without a gradient this step) rebuilds it. Each step then runs one fused
+`foreach` norm and one fused `foreach` scale per group on the local shards, and one all-reduce per sharded mesh
+dim, instead of a Python loop of per-parameter kernels and DTensor dispatches.
+
+`torch._foreach_norm` / `_foreach_mul_` / `_foreach_clamp_min_` / `_foreach_clamp_max_` are the documented
+"foreach" operations (torch docs, "Foreach Operations", beta) that `torch.nn.utils.clip_grad_norm_` itself uses.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_dpar.parallel_dims import is_sharded
+
+__all__ = ["GradientClipper", "clip_grad_norm_", "clip_grad_value_", "total_grad_norm"]
+
+
+def _local(grad: Tensor) -> Tensor:
+    # Under `no_grad` (all callers here) `to_local` returns the local shard without an autograd node.
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Positions (in the list of parameters with gradients) of gradients that share device, mesh and placements,
+    and the process groups of the mesh dims they are sharded on (empty: whole on every rank)."""
+
+    positions: tuple[int, ...]
+    reduce_over: tuple[dist.ProcessGroup, ...]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How the gradients of one exact list of parameters group; valid while those same parameters have gradients."""
+
+    params: tuple[weakref.ref, ...]
+    groups: tuple[_Group, ...]
+
+    @classmethod
+    def of(cls, params: Sequence[Tensor]) -> _Layout:
+        positions: dict[tuple, list[int]] = {}
+        reduce_over: dict[tuple, tuple[dist.ProcessGroup, ...]] = {}
+        for position, param in enumerate(params):
+            grad = param.grad
+            assert grad is not None
+            if isinstance(grad, DTensor):
+                mesh = grad.device_mesh
+                # The mesh by value, not by object: parameters of one mesh may hold different but equal `DeviceMesh`
+                # objects (which ones depends on what ran before in the process); split into groups, their norms
+                # would be summed in another order, and the same run would clip differently.
+                key: tuple = (_local(grad).device, mesh, grad.placements)
+                if key not in reduce_over:
+                    reduce_over[key] = tuple(
+                        mesh.get_group(dim)
+                        for dim, placement in enumerate(grad.placements)
+                        if is_sharded(placement) and mesh.size(dim) > 1
+                    )
+            else:
+                key = (grad.device, None, None)
+                reduce_over.setdefault(key, ())
+            positions.setdefault(key, []).append(position)
+        groups = tuple(_Group(tuple(positions[key]), reduce_over[key]) for key in positions)
+        return cls(tuple(weakref.ref(p) for p in params), groups)
+
+    def matches(self, params: Sequence[Tensor]) -> bool:
+        return len(params) == len(self.params) and all(ref() is p for ref, p in zip(self.params, params))
+
+
+class GradientClipper:
+    """Mesh-aware gradient norm and clipping, with the grouping of the parameters cached between steps."""
+
+    def __init__(self, across: Sequence[dist.ProcessGroup] = (), device: torch.device | None = None) -> None:
+        self._layout: _Layout | None = None
+        #: Groups whose ranks hold different parameters altogether (pipeline stages): the norm adds up over them, on
+        #: `device` (the rank's own: a stage without gradients still takes part, and NCCL reduces device tensors).
+        self.across = tuple(across)
+        self.device = device
+
+    def _grouped_local_grads(self, parameters: Iterable[Tensor]) -> list[tuple[list[Tensor], _Group]]:
+        params = [p for p in parameters if p.grad is not None]
+        if not params:
+            return []
+        if self._layout is None or not self._layout.matches(params):
+            self._layout = _Layout.of(params)
+        grads = [_local(p.grad) for p in params]  # type: ignore[arg-type]
+        return [([grads[i] for i in group.positions], group) for group in self._layout.groups]
+
+    @torch.no_grad()
+    def total_norm(self, parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+        """The norm of all gradients as if they were one full, unsharded vector; identical on every rank."""
+        return self._total_norm(self._grouped_local_grads(parameters), float(norm_type))
+
+    def _total_norm(self, grouped: list[tuple[list[Tensor], _Group]], norm_type: float) -> Tensor:
+        if not grouped and not self.across:
+            return torch.tensor(0.0)
+        is_inf = math.isinf(norm_type)
+        device = grouped[0][0][0].device if grouped else (self.device or torch.device("cpu"))
+        total = torch.zeros((), device=device, dtype=torch.float32)
+        for grads, group in grouped:
+            # Per-tensor norms in fp32 (bf16 gradients too), in one fused kernel per group.
+            norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32)).to(device)
+            part = norms.max() if is_inf else norms.pow(norm_type).sum()
+            for process_group in group.reduce_over:
+                dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=process_group)
+            total = torch.maximum(total, part) if is_inf else total + part
+        for process_group in self.across:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=process_group)
+        return total if is_inf else total.pow(1.0 / norm_type)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Scale gradients in place so their global norm is at most `max_norm`; returns the norm before clipping."""
+        grouped = self._grouped_local_grads(parameters)
+        total = self._total_norm(grouped, float(norm_type))
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads, _ in grouped:
+            torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
+        return total
+
+    @torch.no_grad()
+    def clip_grad_value_(self, parameters: Iterable[Tensor], clip_value: float) -> None:
+        """Clamp every gradient element to `[-clip_value, clip_value]` (elementwise, so shards clip independently)."""
+        for grads, _ in self._grouped_local_grads(parameters):
+            torch._foreach_clamp_min_(grads, -clip_value)
+            torch._foreach_clamp_max_(grads, clip_value)
+
+
+def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+    """One-off `GradientClipper().total_norm` (no cache kept)."""
+    return GradientClipper().total_norm(parameters, norm_type)
+
+
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """One-off `GradientClipper().clip_grad_norm_` (no cache kept)."""
+    return GradientClipper().clip_grad_norm_(parameters, max_norm, norm_type)
+
+
+def clip_grad_value_(parameters: Iterable[Tensor], clip_value: float) -> None:
+    """One-off `GradientClipper().clip_grad_value_`."""
+    GradientClipper().clip_grad_value_(parameters, clip_value)

@@ -1,0 +1,356 @@
+"""Applying a parallelism plan: one small function per concern, and `apply_plan`, which applies them in the fixed
+order pipeline split -> tensor parallel -> expert parallel -> activation checkpointing -> compile -> data-parallel
+wrapper (`fully_shard` or `replicate`) -> meta-device materialisation. Training and the `plan` dry run both go through
+`apply_plan`.
+
+Wrappers are applied to the LightningModule's children: Lightning calls `training_step` directly (not `forward`), so
+forward hooks on the LightningModule would never fire. A child that is only a container (`nn.ModuleList`,
+`nn.ModuleDict`: no `forward` of its own) is never wrapped either; its items are. Parameters registered on the
+LightningModule itself get a `fully_shard` unit on it whose forward methods are the step methods
+(`shard_direct_parameters`); under DDP the strategy all-reduces their gradients itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, waited
+from lightning_dpar.experts.parallel import apply_expert_parallel
+from lightning_dpar.parallel.fsdp_units import fully_shard_unit
+from lightning_dpar.parallel.materialize import materialize_meta_tensors
+from lightning_dpar.parallel_dims import ParallelMeshes
+from lightning_dpar.pipeline.stage import PipelinedModel, split_into_stages
+from lightning_dpar.plan import ModulePlan
+from lightning_dpar.plan.structure import direct_parameters
+from lightning_dpar.plan.ties import SharedOwners, TiedGroup, retie
+
+__all__ = [
+    "AppliedPlan",
+    "DataParallelWrapper",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "apply_ddp_replicate",
+    "apply_expert_parallel",
+    "apply_fully_shard",
+    "apply_plan",
+    "apply_tensor_parallel",
+    "ignored_parameters",
+    "materialize_meta_tensors",
+    "wait_before_compiled_units",
+]
+
+#: Applies the data-parallel wrapper for a plan, given the pipeline stages' root modules (none without pipelining);
+#: returns the modules whose gradient sync `no_sync` controls.
+DataParallelWrapper = Callable[[nn.Module, ModulePlan, Sequence[nn.Module]], list[nn.Module]]
+
+
+@dataclass(frozen=True)
+class AppliedPlan:
+    """What applying `plan` to `module` produced: the modules whose gradient sync the strategy controls (`no_sync`),
+    every FSDP unit (resharded between steps), and with pipeline parallelism this rank's stages."""
+
+    plan: ModulePlan
+    module: nn.Module
+    grad_sync_modules: list[nn.Module]
+    fsdp_modules: list[FSDPModule]
+    pipeline: PipelinedModel | None = None
+
+
+def apply_plan(
+    root: nn.Module,
+    plan: ModulePlan,
+    meshes: ParallelMeshes,
+    wrap_data_parallel: DataParallelWrapper,
+    *,
+    compile_options: Mapping[str, Any] | None = None,
+    materialize: bool = True,
+) -> AppliedPlan:
+    """Apply `plan` to `root` on `meshes`, in the fixed order, reading each step's mesh from `meshes`.
+
+    `materialize=False` leaves meta-device tensors on the meta device (the `plan` dry run); otherwise each rank
+    allocates and initialises only its own shards on `meshes.device` (see `lightning_dpar.parallel.materialize`).
+    With pipeline parallelism the other stages' units are dropped first, so no rank ever allocates them.
+    """
+    pipelined = None
+    if plan.pipeline is not None:
+        device = meshes.device if materialize else torch.device("meta")
+        pipelined = split_into_stages(root, plan.pipeline, plan.pipeline_rank, device)
+    if plan.tensor_parallel:
+        apply_tensor_parallel(root, meshes.tensor_parallel, plan.tensor_parallel, plan.tied)
+    if plan.experts:
+        assert meshes.expert is not None, "an expert-parallel plan needs the expert mesh"
+        apply_expert_parallel(root, meshes.expert, plan.experts)
+    apply_activation_checkpointing(root, plan.activation_checkpointing)
+    if compile_options is not None:
+        apply_compile(root, plan.compile_units, compile_options)
+        if meshes.dims.tensor_parallel > 1:
+            wait_before_compiled_units(root, plan.compile_units)
+    stage_roots = list(pipelined.stages.values()) if pipelined is not None else []
+    wrapped = wrap_data_parallel(root, plan, stage_roots)
+    if pipelined is not None:
+        pipelined.install_unit_hooks()
+    if materialize:
+        materialize_meta_tensors(root, meshes.device)
+    fsdp_modules = [module for module in root.modules() if isinstance(module, FSDPModule)]
+    return AppliedPlan(plan, root, wrapped, fsdp_modules, pipelined)
+
+
+def apply_tensor_parallel(
+    root: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle], tied: Sequence[TiedGroup] = ()
+) -> None:
+    """Shard the planned modules over the tensor-parallel mesh (plan already resolved to concrete names).
+
+    `parallelize_module` gives each module a new parameter of its own, which would untie `tied` names (an embedding
+    and the head sharing its weight); they are tied again, one DTensor serving both (the plan checked their layouts
+    agree, `lightning_dpar.plan.ties.check_tied_layouts`)."""
+    if plan and tp_mesh.size() > 1:
+        parallelize_module(root, tp_mesh, dict(plan))
+        retie(root, tied)
+
+
+def apply_activation_checkpointing(root: nn.Module, fqns: Sequence[str]) -> None:
+    """Recompute each listed block's activations in backward instead of storing them."""
+    for fqn in fqns:
+        checkpoint_activations(root.get_submodule(fqn))
+
+
+def apply_compile(root: nn.Module, fqns: Sequence[str], options: Mapping[str, Any]) -> None:
+    """Compile each listed block in place (`nn.Module.compile`): names and state-dict keys stay unchanged."""
+    for fqn in fqns:
+        root.get_submodule(fqn).compile(**options)
+
+
+def wait_before_compiled_units(root: nn.Module, compiled: Sequence[str]) -> None:
+    """Make each module that runs eagerly (outside every compiled unit, enclosing none) return plain tensors.
+
+    torch's column- and row-wise styles end with an asynchronous collective (the all-gather or all-reduce of the
+    module's output) and hand on its result as an `AsyncCollectiveTensor`. Where that is the input of a compiled unit
+    (a transformers model's row-wise token embedding feeding the first decoder layer), torch 2.13 compiles the unit as
+    if its input needed no gradient, so the embedding never gets one: measured on a tiny Llama under TP 2, its
+    gradient was exactly zero and the run ended 0.19 away from one process. A forward hook waits for the collective
+    there instead, keeping the autograd history (`_private_api.waited`; no copy). Every eager module gets it, not only
+    the plan's tensor-parallel ones: a model parallelised in its own `configure_model` (adopted, with no plan of
+    ours) may end any module with such a collective; on a plain output the hook is one type check. Inside a compiled
+    unit the styles' hooks are traced with the unit and need nothing; a module enclosing compiled units returns what
+    they computed."""
+    if "" in compiled:
+        return
+    inside = tuple(f"{fqn}." for fqn in compiled)
+    for fqn, module in root.named_modules():
+        encloses = fqn == "" or any(unit.startswith(f"{fqn}.") for unit in compiled)
+        if fqn in compiled or fqn.startswith(inside) or encloses:
+            continue
+        module.register_forward_hook(lambda module, args, output: waited(output))
+
+
+def reshard(modules: Sequence[FSDPModule]) -> None:
+    """Free the unsharded parameters of FSDP `modules`, registering their shards again (a no-op for those sharded).
+
+    An FSDP root (or a unit with `reshard_after_forward=False`) keeps its parameters unsharded after forward
+    (backward follows at once in training) until its post-backward hook reshards them, which never runs after an
+    evaluation step, nor for a unit whose parameters are all frozen. Between steps, `parameters()` must yield the
+    shards: callbacks pair them with averaged shards (weight averaging) or add them to the optimizer (finetuning),
+    and an unsharded parameter would be a whole plain tensor that the next all-gather overwrites."""
+    for module in modules:
+        module.reshard()
+
+
+def apply_fully_shard(
+    root: nn.Module,
+    mesh: DeviceMesh,
+    units: Sequence[str],
+    mp_policy: Callable[[bool], MixedPrecisionPolicy],
+    top_level_units: Sequence[str],
+    reshard_after_forward: bool | int = True,
+    cpu_offload: bool = False,
+    ignored_params: set[nn.Parameter] | None = None,
+    stage_roots: Sequence[nn.Module] = (),
+    final_unit: str | None = None,
+    tied: Sequence[TiedGroup] = (),
+    expert_units: Sequence[str] = (),
+    expert_mesh: DeviceMesh | None = None,
+) -> list[FSDPModule]:
+    """`fully_shard` each unit (innermost first), then each top-level unit (`ModulePlan.data_parallel_roots`);
+    returns the top-level units.
+
+    `mp_policy(is_top_level)` gives each unit's mixed-precision policy. With pipeline parallelism the units are the
+    stages' units, each stage's root module (`stage_roots`) is the FSDP root over them instead, and `final_unit` is
+    the unit computing the model's output. A `tied` parameter used in several units goes to the innermost unit
+    enclosing them all (the LightningModule's own unit if need be), as FSDP2 requires: each parameter has one unit.
+    The `expert_units` (experts modules split by expert parallelism) are units of their own on `expert_mesh`, the
+    ranks holding the same experts, sharded first so the blocks around them leave their parameters alone.
+    """
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    for fqn in expert_units:
+        assert expert_mesh is not None, "expert units are sharded over the expert FSDP mesh"
+        fully_shard_unit(
+            root.get_submodule(fqn),
+            mesh=expert_mesh,
+            offload_policy=offload,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy(False),
+        )
+    if stage_roots:
+        return _fully_shard_stages(
+            root, mesh, units, mp_policy, reshard_after_forward, cpu_offload, stage_roots, final_unit
+        )
+    top_level_names = list(top_level_units)
+    # The top-level units are FSDP roots. `reshard_after_forward=True` on a root frees its parameters after forward
+    # only to all-gather them again at once for backward (the loss is the last thing forward computes); torch's
+    # default (`None`) keeps a root's parameters unsharded instead and reshards every other unit, which is what
+    # `True` means for the blocks. Explicit `False` or an int still apply to the roots as given.
+    root_reshard = None if reshard_after_forward is True else reshard_after_forward
+    owners = SharedOwners(root, tied, [*units, *top_level_names, ""], ignored_params or set())
+
+    def shard(fqn: str, top_level: bool) -> None:
+        fully_shard_unit(
+            root.get_submodule(fqn),
+            mesh=mesh,
+            offload_policy=offload,
+            reshard_after_forward=root_reshard if top_level else reshard_after_forward,
+            mp_policy=mp_policy(top_level),
+            **owners.ignored_kwargs(fqn),
+        )
+
+    top_level_set = set(top_level_names)
+    # A unit holding a parameter shared by several units below it goes first, while it can still reach the
+    # parameter (`fully_shard` does not look inside units already applied); the units below leave it alone.
+    for fqn in owners.hoisting_units():
+        if fqn == "":
+            shard_direct_parameters(root, mp_policy(True), {"mesh": mesh, "offload_policy": offload}, owners)
+        else:
+            shard(fqn, top_level=fqn in top_level_set)
+    # Deepest first (a stable sort by depth): nested `fully_shard` must wrap descendants before their ancestors.
+    for fqn in sorted(units, key=_depth, reverse=True):
+        if not isinstance(root.get_submodule(fqn), FSDPModule):
+            shard(fqn, top_level=False)
+    top_level = []
+    for name in top_level_names:
+        child = root.get_submodule(name)
+        if not isinstance(child, FSDPModule):
+            shard(name, top_level=True)
+        top_level.append(child)
+    if isinstance(root, FSDPModule):
+        return [root]
+    if direct_parameters(root):
+        return [shard_direct_parameters(root, mp_policy(True), {"mesh": mesh, "offload_policy": offload}, owners)]
+    return top_level  # type: ignore[return-value]
+
+
+def _fully_shard_stages(
+    root: nn.Module,
+    mesh: DeviceMesh,
+    units: Sequence[str],
+    mp_policy: Callable[[bool], MixedPrecisionPolicy],
+    reshard_after_forward: bool | int,
+    cpu_offload: bool,
+    stage_roots: Sequence[nn.Module],
+    final_unit: str | None,
+) -> list[FSDPModule]:
+    """`fully_shard` each unit of this rank's pipeline stages, then each stage's root module over them.
+
+    The model's final unit (the head) returns fp32 under bf16-mixed, as the top-level unit does unpipelined, so
+    the loss is computed in fp32. Each stage root holds no parameters of its own; it is the FSDP root torch's
+    pipeline schedules drive (gradients are reduced once per step, after the last microbatch's backward). Batch
+    inputs are not cast by it: units cast their own.
+    """
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    for fqn in sorted(units, key=_depth, reverse=True):
+        if isinstance(root.get_submodule(fqn), FSDPModule):  # an experts unit, sharded already
+            continue
+        fully_shard_unit(
+            root.get_submodule(fqn),
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy(fqn == final_unit),
+            offload_policy=offload,
+        )
+    for stage_root in stage_roots:
+        policy = replace(mp_policy(False), cast_forward_inputs=False)
+        fully_shard_unit(stage_root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, offload_policy=offload)
+    return list(stage_roots)  # type: ignore[arg-type]
+
+
+#: The LightningModule methods Lightning calls instead of `forward`.
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def shard_direct_parameters(
+    root: nn.Module, policy: MixedPrecisionPolicy, common: Mapping[str, Any], owners: SharedOwners
+) -> FSDPModule:
+    """Shard the parameters registered on the LightningModule itself, and those shared by several top-level units,
+    with a `fully_shard` unit on it.
+
+    Lightning calls the step methods, not `forward`, so they are registered as FSDP forward methods: the unit's
+    parameters are gathered for each step and their gradients reduce-scattered after its backward. The unit is the
+    root of all others and keeps its parameters gathered from forward to backward (FSDP's rule for the root); batch
+    inputs are not cast (`cast_forward_inputs=False`), the children cast their own.
+    """
+    fully_shard(
+        root,
+        mp_policy=replace(policy, cast_forward_inputs=False),
+        reshard_after_forward=False,
+        **common,
+        **owners.ignored_kwargs(""),
+    )
+    for name in STEP_METHODS:
+        if callable(getattr(root, name, None)):
+            register_fsdp_forward_method(root, name)
+    return root  # type: ignore[return-value]
+
+
+def _depth(fqn: str) -> int:
+    return fqn.count(".")
+
+
+def apply_ddp_replicate(
+    root: nn.Module,
+    process_group: dist.ProcessGroup,
+    roots: Sequence[str],
+    ignored_modules: Sequence[str],
+    ddp_kwargs: Mapping[str, Any],
+    comm_hook: Callable[..., Any] | None,
+    device: torch.device,
+) -> list[nn.Module]:
+    """Composable DDP on each top-level unit (`roots`: `ModulePlan.data_parallel_roots`); gradients of
+    `ignored_modules` (FQNs) are not synchronised. A unit whose parameters are all frozen is left out (DDP refuses
+    it); the strategy averages the gradients of parameters frozen here once they require them (a finetuning callback
+    unfreezing a backbone)."""
+    ignored = {root.get_submodule(fqn) for fqn in ignored_modules}
+    replicated = []
+    for name in roots:
+        child = root.get_submodule(name)
+        if child in ignored or not any(p.requires_grad for p in child.parameters()):
+            continue
+        child_ignored = [m for m in child.modules() if m in ignored]
+        ddp_replicate(
+            child,
+            ignored_modules=child_ignored,
+            process_group=process_group,
+            device_id=device,
+            **ddp_kwargs,
+        )
+        if comm_hook is not None:
+            child.register_comm_hook(process_group, comm_hook)
+        replicated.append(child)
+    return replicated
+
+
+def ignored_parameters(root: nn.Module, patterns: Sequence[str]) -> set[nn.Parameter]:
+    return {p for fqn in patterns for p in root.get_submodule(fqn).parameters()}
