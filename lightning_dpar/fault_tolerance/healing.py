@@ -5,7 +5,8 @@ every group), so the payload is this rank's local shards only, as plain tensors 
 names this group's process groups and cannot travel):
 
 - the parameters and buffers of the model (local shards);
-- every optimizer's state (its `DTensor` entries as their local shards, put back on the receiving parameter's mesh);
+- the optimizer's state (its `DTensor` entries as their local shards, put back on the receiving parameter's mesh)
+  and the learning-rate schedulers' state;
 - the training position: Lightning's fit-loop progress and the data position of the sampler as they were before the
   batch about to be trained, so the recovering group's loop continues at that batch (as a mid-epoch resume does);
 - this rank's RNG streams at the same moment (with `seed_everything` every rank of a data-parallel run draws the

@@ -144,9 +144,12 @@ class _FaultTolerant:
 
     def _healing_payload(self) -> dict[str, Any]:
         """What this rank sends a recovering peer (see `lightning_dpar.fault_tolerance.healing`)."""
+        trainer = attached_trainer(self.lightning_module)  # type: ignore[attr-defined]
+        schedulers = trainer.lr_scheduler_configs if trainer is not None else []
         return {
             "model": model_state(self.lightning_module),  # type: ignore[attr-defined]
             "optimizer": optimizer_state(self.optimizers[0]),  # type: ignore[attr-defined]
+            "schedulers": [config.scheduler.state_dict() for config in schedulers],
             "position": self._heal_position,
         }
 
@@ -158,6 +161,14 @@ class _FaultTolerant:
         apply_optimizer_state(self.optimizers[0], payload["optimizer"])  # type: ignore[attr-defined]
         position = payload["position"]
         trainer = attached_trainer(self.lightning_module)  # type: ignore[attr-defined]
+        schedulers = trainer.lr_scheduler_configs if trainer is not None else []
+        if len(schedulers) != len(payload["schedulers"]):
+            raise RuntimeError(
+                f"The healing peer has {len(payload['schedulers'])} learning-rate schedulers, this group"
+                f" {len(schedulers)}: every replica group must run the same `configure_optimizers`."
+            )
+        for config, state in zip(schedulers, payload["schedulers"]):
+            config.scheduler.load_state_dict(state)
         batch_idx = position["batch_idx"] if position is not None else None
         if position is not None and trainer is not None:
             if self._joining:

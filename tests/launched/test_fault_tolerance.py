@@ -26,10 +26,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from tests.conftest import ROOT, subprocess_env
-from tests.support.models import RegressionData, global_batches, reference_train
+from tests.support.models import Net, RegressionData, global_batches, make_optimizer, reference_train
+from tests.workers.fault_tolerance import SCHEDULE
 
 coordination = pytest.importorskip("torchft.coordination")
 
@@ -165,6 +167,7 @@ KILL_ENV = {
     "DPAR_FT_PAUSE": "0.3",
     "DPAR_FT_TIMEOUT": "20",
     "DPAR_FT_CKPT_EVERY": str(EVERY),
+    "DPAR_FT_SCHEDULER": "1",  # StepLR stepped every batch: scheduler state the heal must copy
 }
 
 
@@ -213,25 +216,35 @@ def _step_log(out: Path) -> dict[int, list[dict]]:
 
 
 def _reference_from_log(
-    steps: dict[int, list[dict]], data: RegressionData, group_size: int = GROUP_SIZE
+    steps: dict[int, list[dict]], data: RegressionData, group_size: int = GROUP_SIZE, schedule_until: int | None = None
 ) -> dict[str, torch.Tensor]:
     """The documented definition: at each committed batch `b`, one process trains on the shards of batch `b` of
     exactly the groups that committed it (group `g`'s shard: data-parallel ranks `g * 2` and `g * 2 + 1` of a
-    4-rank sampler, with groups of 2)."""
+    4-rank sampler, with groups of 2). With `schedule_until`, the worker's StepLR steps after every batch up to that
+    one, committed or not (Lightning steps it per batch)."""
     ranks = GROUPS * group_size
     per_rank = [list(DistributedSampler(data, num_replicas=ranks, rank=r, shuffle=True, seed=0)) for r in range(ranks)]
-    batches = []
-    for b in sorted(steps):
-        groups = sorted({e["group"] for e in steps[b]})
-        assert all(e["participants"] == len(groups) for e in steps[b]), (b, steps[b])  # no group's record missing
-        idx = [
-            i
-            for g in groups
-            for r in range(g * group_size, (g + 1) * group_size)
-            for i in per_rank[r][b * BATCH : (b + 1) * BATCH]
-        ]
-        batches.append((data.x[idx], data.y[idx]))
-    return reference_train("sgd_momentum", batches)
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = make_optimizer("sgd_momentum", model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, **SCHEDULE) if schedule_until is not None else None
+    last = schedule_until if schedule_until is not None else max(steps)
+    for b in range(last + 1):
+        if b in steps:
+            groups = sorted({e["group"] for e in steps[b]})
+            assert all(e["participants"] == len(groups) for e in steps[b]), (b, steps[b])  # no record missing
+            idx = [
+                i
+                for g in groups
+                for r in range(g * group_size, (g + 1) * group_size)
+                for i in per_rank[r][b * BATCH : (b + 1) * BATCH]
+            ]
+            optimizer.zero_grad()
+            F.mse_loss(model(data.x[idx]), data.y[idx]).backward()
+            optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def test_killed_group_survives_heals_and_matches_the_reference(killed_run):
@@ -247,7 +260,9 @@ def test_killed_group_survives_heals_and_matches_the_reference(killed_run):
     # Afterwards every rank holds the same weights, bitwise (the full parameters gather each group's shards).
     assert all(torch.equal(survivor["params"][k], relaunched["params"][k]) for k in survivor["params"])
     steps = _step_log(out)
-    diff = _max_diff(survivor["params"], _reference_from_log(steps, RegressionData(n=SAMPLES)))
+    diff = _max_diff(
+        survivor["params"], _reference_from_log(steps, RegressionData(n=SAMPLES), schedule_until=STEPS - 1)
+    )
     downtime_steps = rejoined["batch_idx"] - (KILL_AT + 1)
     measurements = {
         "max_abs_diff_vs_reference": diff,
@@ -336,7 +351,7 @@ def test_checkpoints_written_by_the_quorum(killed_run):
             writers.setdefault(entry["step"], set()).add(entry["group"])
     assert all(len(groups) == 1 for groups in writers.values()), writers
     steps = _step_log(out)
-    down = [s for s in written if len(steps.get(s - 1, [])) == 1]
+    down = [s for s in written if s > KILL_AT + 1 and len(steps.get(s - 1, [])) == 1]  # after the kill
     assert down and all(writers[s] == {SURVIVOR} for s in down), (down, writers)
 
 
@@ -345,7 +360,7 @@ def test_full_job_restart_resumes_exactly(killed_run, tmp_path):
     steps: equal to the reference of the logged steps up to the checkpoint, then both groups for every step."""
     out, _ = killed_run
     steps = _step_log(out)
-    down = [s for s in range(EVERY, STEPS + 1, EVERY) if len(steps.get(s - 1, [])) == 1]
+    down = [s for s in range(EVERY, STEPS + 1, EVERY) if s > KILL_AT + 1 and len(steps.get(s - 1, [])) == 1]
     resume_at = down[0]
     ckpt = out / "ckpt" / f"epoch=0-step={resume_at}.ckpt"
     restart = tmp_path / "restart"
@@ -363,7 +378,7 @@ def test_full_job_restart_resumes_exactly(killed_run, tmp_path):
     expected = {b: entries for b, entries in steps.items() if b < resume_at}
     for b in range(resume_at, resume_at + 20):
         expected[b] = [{"group": g, "participants": GROUPS} for g in range(GROUPS)]
-    want = _reference_from_log(expected, RegressionData(n=SAMPLES))
+    want = _reference_from_log(expected, RegressionData(n=SAMPLES), schedule_until=resume_at + 19)
     for g in range(GROUPS):
         record = _rank0(restart, f"ft_g{g}")
         assert [h["batch_idx"] for h in record["history"]] == list(range(resume_at, resume_at + 20))
@@ -417,8 +432,10 @@ def test_ray_restarts_the_killed_group_only_and_it_heals(ray_run):
     survivors, relaunched = _records(out, "ray_g0"), _records(out, "ray_g1")
     assert len(survivors) == 1 and len(relaunched) == 1, (list(survivors), list(relaunched))
     survivor, healed = next(iter(survivors.values())), next(iter(relaunched.values()))
-    # Group 0 never stopped: one process trained every batch.
-    assert survivor["batches"] == list(range(RAY_STEPS))
+    # Group 0 never stopped: one process trained every batch from the one it joined at (the first quorum can form
+    # before the other worker has started) to the end.
+    first = survivor["batches"][0]
+    assert first < RAY_KILL_AT and survivor["batches"] == list(range(first, RAY_STEPS)), survivor["batches"]
     assert len(list(out.glob("pid_0_*"))) == 1 and len(list(out.glob("pid_1_*"))) == 2
     alone = [h for h in survivor["history"] if h["committed"] and h["participants"] == 1 and h["wall_time"] > killed_at]
     (heal,) = healed["heals"]

@@ -20,18 +20,27 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[0] = str(ROOT)
+if __name__ == "__main__":  # run by torchrun: the repository, not this directory, on the path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_dpar import FaultTolerance, FaultTolerantFullyShardStrategy, FullyShardStrategy  # noqa: E402
-from tests.support.models import ParityModule, RegressionData, loader  # noqa: E402
-from tests.workers.common import full_params, trainer_for  # noqa: E402
+from lightning_dpar import FaultTolerance, FaultTolerantFullyShardStrategy, FullyShardStrategy
+from tests.support.models import ParityModule, RegressionData, loader
+from tests.workers.common import full_params, trainer_for
 
 BATCH = 4
+#: The learning-rate schedule of `DPAR_FT_SCHEDULER=1` runs: StepLR, stepped every batch (its state must heal too).
+SCHEDULE = {"step_size": 10, "gamma": 0.7}
+
+
+class ScheduledModule(ParityModule):
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, **SCHEDULE)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def _env_int(name: str, default: int) -> int:
@@ -110,7 +119,8 @@ def main(mode: str, out: Path) -> None:
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=every, save_top_k=-1))
     trainer = trainer_for(strategy, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(every))
     resume = os.environ.get("DPAR_FT_RESUME")
-    trainer.fit(ParityModule(optimizer=optimizer), loader(data, BATCH), ckpt_path=resume)
+    module_class = ScheduledModule if os.environ.get("DPAR_FT_SCHEDULER") == "1" else ParityModule
+    trainer.fit(module_class(optimizer=optimizer), loader(data, BATCH), ckpt_path=resume)
     _save(trainer, pace, out, mode, group)
 
 
