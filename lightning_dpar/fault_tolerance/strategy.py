@@ -88,6 +88,8 @@ class _FaultTolerant:
         self._heal_position: dict[str, Any] | None = None
         self._joining = False
         self._rng_after_heal: dict[str, Any] | None = None
+        #: The live groups' batch this group joined at by healing (None: it started with the others).
+        self._joined_at_batch: int | None = None
 
     @property
     def fault_tolerance(self) -> FaultTolerance:
@@ -172,6 +174,7 @@ class _FaultTolerant:
         batch_idx = position["batch_idx"] if position is not None else None
         if position is not None and trainer is not None:
             if self._joining:
+                self._joined_at_batch = batch_idx
                 trainer.fit_loop.load_state_dict(position["fit_loop"])
                 self.checkpoints.resume.pending.update(position["record"])  # type: ignore[attr-defined]
                 self._rng_after_heal = position["rng"]
@@ -238,6 +241,18 @@ class _FaultTolerant:
             super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
             if groups is not None:
                 groups.saved.append(checkpoint.get("global_step", -1))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Refused after this group joined a running job by healing: the checkpoint is older than the state it
+        healed, and loading it would put this group out of step with the others (a relaunched group needs none)."""
+        if self._joined_at_batch is not None:
+            raise RuntimeError(
+                f"This replica group healed from a live group and joined training at batch {self._joined_at_batch};"
+                f" `fit(ckpt_path={checkpoint_path!r})` would load an older state over it. Relaunch a failed group"
+                " without `ckpt_path`: only a restart of every group resumes from a checkpoint."
+            )
+        return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

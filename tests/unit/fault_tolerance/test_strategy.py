@@ -103,3 +103,10 @@ def test_a_ray_group_size_that_does_not_divide_the_workers():
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
     with pytest.raises(ValueError, match="A replica group of 3 ranks does not divide the world of 4 ranks"):
         prepare_replica_group(trainer, torch.device("cpu"), world_rank=0, world_size=4)
+
+
+def test_a_group_that_joined_by_healing_refuses_a_checkpoint():
+    strategy = lightning_dpar.FaultTolerantFullyShardStrategy(fault_tolerance=FaultTolerance())
+    strategy._joined_at_batch = 60  # what `_heal` records when a relaunched group joins a running job
+    with pytest.raises(RuntimeError, match=r"joined training at batch 60; `fit\(ckpt_path='last'\)` would load an"):
+        strategy.load_checkpoint("last")
