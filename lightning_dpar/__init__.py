@@ -24,13 +24,14 @@ See `docs/architecture.md`. The folders, in layers (none imports one below it; t
 - `layout_search/`: the automatic layout search and `dpar_auto`;
 - `fault_tolerance/`: per-step fault tolerance across torchft replica groups (`dpar_ft_hsdp`, optional extra `ft`);
 - `cli`, `__main__`, `progress`, `performance_monitor`, `ray`, `examples/`: the command line and user-facing tools;
-- `_private_api`: every private torch / Lightning API; `helpers`: small shared helpers, a leaf.
+- `_private_api`: every private torch / Lightning API; `helpers`: small shared helpers; `agreement`: ranks agree on
+  the first problem before a collective (all three leaves).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dpar.checkpoint import CheckpointLoadError
-from lightning_dpar.checkpoint.inference import load_from_checkpoint
+from lightning_dpar.checkpoint.module_from_checkpoint import load_from_checkpoint
 from lightning_dpar.fault_tolerance import (
     FaultTolerance,
     FaultTolerantFSDPTensorParallelStrategy,

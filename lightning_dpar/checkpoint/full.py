@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
 from lightning_dpar._private_api import local_shape_and_offset
-from lightning_dpar.checkpoint.agreement import first_problem
+from lightning_dpar.agreement import first_problem
 from lightning_dpar.checkpoint.atomic import publish, remove_leftovers, with_per_rank
 from lightning_dpar.checkpoint.contents import (
     DPAR_KEY,

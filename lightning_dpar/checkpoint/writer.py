@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from lightning_dpar.checkpoint.agreement import first_problem
+from lightning_dpar.agreement import first_problem
 from lightning_dpar.checkpoint.atomic import (
     point_link,
     prepare_partial_directory,

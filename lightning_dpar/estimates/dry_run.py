@@ -30,12 +30,12 @@ from lightning_dpar.estimates import state_memory as memory
 from lightning_dpar.estimates.activations import ActivationEstimate, TraceCache, estimate_activations
 from lightning_dpar.estimates.experts import describe_experts
 from lightning_dpar.estimates.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow
-from lightning_dpar.optim.exactness import ParameterLayout, exactness_summary
+from lightning_dpar.optim.exactness import exactness_summary
 from lightning_dpar.parallel import parallelize
 from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, init_fake_process_group
 from lightning_dpar.pipeline.split import PipelineSplit
 from lightning_dpar.plan import ModulePlan
-from lightning_dpar.plan.ties import describe_layout
+from lightning_dpar.plan.ties import describe_tp_placement
 from lightning_dpar.strategies.base import DparStrategy
 
 __all__ = ["describe_style", "plan", "strategy_activations"]
@@ -223,7 +223,7 @@ def _plan_on_fake_world(
         model_params=model_params if pipeline is not None else None,
         tied=[_describe_tie(module, group, module_plan) for group in module_plan.tied],
         optimizer_exactness=exactness_summary(
-            optimizers, ParameterLayout.of(dims), type(strategy).__name__, strategy._computes_whole_updates
+            optimizers, strategy.parameter_layout(dims), type(strategy).__name__, strategy._computes_whole_updates
         ),
         activations=activations,
         activation_source=batch_source if activations is not None else "",
@@ -265,7 +265,7 @@ def _describe_tie(module: nn.Module, group: Sequence[str], module_plan: ModulePl
     parameter (the innermost FSDP unit enclosing all its names holds it)."""
     parts = []
     if module_plan.tensor_parallel:
-        parts.append(f"tensor parallel {describe_layout(module, group[0], module_plan.tensor_parallel)}")
+        parts.append(f"tensor parallel {describe_tp_placement(module, group[0], module_plan.tensor_parallel)}")
     units = [
         fqn or ROOT
         for fqn, sub in module.named_modules()

@@ -3,7 +3,7 @@
 - `profiles`: hardware profiles (presets, and JSON files `calibrate` writes);
 - `model_facts`: what the cost model reads off a model (parameters, layers, width, experts, batch);
 - `candidates`: every layout considered for a world, and those refused by arithmetic, with the reason;
-- `activations`: the activation-memory formula;
+- (the activation-memory formula it falls back on is `lightning_dpar.estimates.activation_formula`);
 - `cost`: one layout's per-rank peak memory and step time;
 - `search`: all layouts priced and ranked, and what would fit when nothing does (pure, given a dry-run probe);
 - `probe`: the dry run's per-rank numbers for a layout's mesh (the real planning and wrapping, on meta tensors);

@@ -49,14 +49,14 @@ class _Group:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _GradientGroups:
     """How the gradients of one exact list of parameters group; valid while those same parameters have gradients."""
 
     params: tuple[weakref.ref, ...]
     groups: tuple[_Group, ...]
 
     @classmethod
-    def of(cls, params: Sequence[Tensor]) -> _Layout:
+    def of(cls, params: Sequence[Tensor]) -> _GradientGroups:
         positions: dict[tuple, list[int]] = {}
         reduce_over: dict[tuple, tuple[dist.ProcessGroup, ...]] = {}
         for position, param in enumerate(params):
@@ -89,7 +89,7 @@ class GradientClipper:
     """Mesh-aware gradient norm and clipping, with the grouping of the parameters cached between steps."""
 
     def __init__(self, across: Sequence[dist.ProcessGroup] = (), device: torch.device | None = None) -> None:
-        self._layout: _Layout | None = None
+        self._layout: _GradientGroups | None = None
         #: Groups whose ranks hold different parameters altogether (pipeline stages): the norm adds up over them, on
         #: `device` (the rank's own: a stage without gradients still takes part, and NCCL reduces device tensors).
         self.across = tuple(across)
@@ -100,7 +100,7 @@ class GradientClipper:
         if not params:
             return []
         if self._layout is None or not self._layout.matches(params):
-            self._layout = _Layout.of(params)
+            self._layout = _GradientGroups.of(params)
         grads = [_local(p.grad) for p in params]  # type: ignore[arg-type]
         return [([grads[i] for i in group.positions], group) for group in self._layout.groups]
 

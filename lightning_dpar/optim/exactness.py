@@ -100,20 +100,25 @@ def declare_update_kind(optimizer_class: type[Optimizer], kind: UpdateKind | str
 
 @dataclass(frozen=True)
 class ParameterLayout:
-    """How a layout splits parameters: across ranks (`split_by`, e.g. FSDP shards), and across pipeline stages."""
+    """How a layout splits parameters: across ranks (`split_by`, e.g. FSDP shards), and across pipeline stages; and
+    whether every rank holds every parameter as a plain tensor (`plain_tensors`: no sharding wrapper, tensor or
+    pipeline parallelism), which callbacks that re-register parameters need (`conformance.callback_checks`)."""
 
     split_by: tuple[str, ...]
     pipelined: bool
+    plain_tensors: bool = False
 
     @classmethod
-    def of(cls, dims: ParallelDims) -> ParameterLayout:
-        """From the mesh sizes alone, so every rank decides alike (a rank's own parameters could differ)."""
+    def of(cls, dims: ParallelDims, wrapper_shards: bool = True) -> ParameterLayout:
+        """From the mesh sizes alone, so every rank decides alike (a rank's own parameters could differ);
+        `wrapper_shards`: the data-parallel wrapper is FSDP (its parameters are DTensors even on one rank)."""
         split_by = []
         if dims.shard > 1:
             split_by.append(f"FSDP shards over {dims.shard} ranks")
         if dims.tensor_parallel > 1:
             split_by.append(f"tensor parallelism over {dims.tensor_parallel} ranks")
-        return cls(tuple(split_by), dims.pipeline > 1)
+        plain = not wrapper_shards and dims.tensor_parallel == 1 and dims.pipeline == 1
+        return cls(tuple(split_by), dims.pipeline > 1, plain)
 
     def allows(self, kind: UpdateKind) -> bool:
         if kind is UpdateKind.ELEMENTWISE:

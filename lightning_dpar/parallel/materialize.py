@@ -20,6 +20,8 @@ largest single module's own tensors (e.g. the token embedding), never the model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -32,25 +34,29 @@ from lightning_dpar.plan.initialisers import (
     own_meta_tensors,
     post_order,
 )
-from lightning_dpar.plan.ties import retie, tied_parameters
+from lightning_dpar.plan.ties import TiedGroup, retie, tied_parameters
 
 __all__ = ["materialize_meta_tensors"]
 
 
-def materialize_meta_tensors(root: nn.Module, device: torch.device) -> None:
-    """Allocate `root`'s meta tensors on `device` (local shards only) and initialise them as described above."""
-    plan = initialisers(root)
-    if not plan:
+def materialize_meta_tensors(root: nn.Module, device: torch.device, tied: Sequence[TiedGroup] | None = None) -> None:
+    """Allocate `root`'s meta tensors on `device` (local shards only) and initialise them as described above.
+
+    `tied`: the plan's tied parameters (`ModulePlan.tied`, found once before any parallelism); looked up on `root`
+    when not given. The planner refused a model that nothing would initialise before any collective; the same
+    refusal here covers a direct call."""
+    found = initialisers(root)
+    if not found:
         return
-    check_initialisable(root)
-    meta_names = {module: own_meta_tensors(module) for module in plan}
-    tied = tied_parameters(root)
+    check_initialisable(root, found)
+    meta_names = {module: own_meta_tensors(module) for module in found}
+    tied = tied_parameters(root) if tied is None else tied
     root.to_empty(device=device)  # FSDP2 and DTensor allocate each rank's local shard only
     retie(root, tied)  # `to_empty` gives each module holding a tied (non-DTensor) parameter a tensor of its own
     written: set[int] = set()
     with torch.no_grad():
         for module in post_order(root):
-            init = plan.get(module)
+            init = found.get(module)
             if init is not None:
                 _initialise_whole_then_slice(module, meta_names[module], init, written)
 

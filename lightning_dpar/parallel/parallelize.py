@@ -52,6 +52,7 @@ __all__ = [
     "apply_tensor_parallel",
     "ignored_parameters",
     "materialize_meta_tensors",
+    "outermost_fsdp_modules",
     "wait_before_compiled_units",
 ]
 
@@ -102,13 +103,24 @@ def apply_plan(
         if meshes.dims.tensor_parallel > 1:
             wait_before_compiled_units(root, plan.compile_units)
     stage_roots = list(pipelined.stages.values()) if pipelined is not None else []
-    wrapped = wrap_data_parallel(root, plan, stage_roots)
+    # A model whose `configure_model` applied `fully_shard` itself is adopted as it is: its outermost units are the
+    # ones whose gradient sync the strategy controls.
+    wrapped = outermost_fsdp_modules(root) if plan.adopted_sharded else wrap_data_parallel(root, plan, stage_roots)
     if pipelined is not None:
         pipelined.install_unit_hooks()
     if materialize:
-        materialize_meta_tensors(root, meshes.device)
+        materialize_meta_tensors(root, meshes.device, plan.tied)
     fsdp_modules = [module for module in root.modules() if isinstance(module, FSDPModule)]
     return AppliedPlan(plan, root, wrapped, fsdp_modules, pipelined)
+
+
+def outermost_fsdp_modules(root: nn.Module) -> list[nn.Module]:
+    """The FSDP units of `root` that no other unit encloses."""
+    outermost: list[nn.Module] = []
+    for module in root.modules():
+        if isinstance(module, FSDPModule) and not any(module in set(o.modules()) for o in outermost):
+            outermost.append(module)
+    return outermost
 
 
 def apply_tensor_parallel(

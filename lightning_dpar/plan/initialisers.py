@@ -49,11 +49,12 @@ def initialisers(root: nn.Module) -> dict[nn.Module, Initialiser | None]:
     return found
 
 
-def check_initialisable(root: nn.Module) -> None:
-    """Refuse a meta model with tensors that nothing would initialise (they would hold garbage)."""
+def check_initialisable(root: nn.Module, found: dict[nn.Module, Initialiser | None] | None = None) -> None:
+    """Refuse a meta model with tensors that nothing would initialise (they would hold garbage); `found`: its
+    `initialisers`, when computed already."""
     missing = {
         f"{class_name(module)} ({', '.join(own_meta_tensors(module))})"
-        for module, init in initialisers(root).items()
+        for module, init in (initialisers(root) if found is None else found).items()
         if init is None
     }
     if missing:

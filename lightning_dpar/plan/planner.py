@@ -105,9 +105,9 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
     if parallelized:
         _check_adoptable(module, dims, options)
         shard_units = _shard_units(module, options, blocks)
-        units = compile_units(module, shard_units, blocks)
         sharded = has_fully_shard(module)  # the wrapper adds no units of its own, so needs no top-level units
         roots = [] if sharded else data_parallel_roots(module)
+        units = compile_units(module, shard_units, blocks, roots or None)
         return ModulePlan({}, [], shard_units, units, adopted=True, adopted_sharded=sharded, data_parallel_roots=roots)
     tied = tied_parameters(module)
     experts = plan_experts(module, dims.expert, dims.shard, _expert_selectors(module, options))
@@ -175,7 +175,7 @@ def _whole_plan(
             module, options.activation_checkpointing, shard_units, blocks
         ),
         shard_units=shard_units,
-        compile_units=compile_units(module, shard_units, blocks),
+        compile_units=compile_units(module, shard_units, blocks, data_parallel_roots or None),
         tied=tied,
         experts=list(experts),
         data_parallel_roots=list(data_parallel_roots),

@@ -27,7 +27,7 @@ __all__ = [
     "TiedGroup",
     "check_each_in_one_unit",
     "check_tied_layouts",
-    "describe_layout",
+    "describe_tp_placement",
     "parameter_owners",
     "retie",
     "tied_parameters",
@@ -79,7 +79,7 @@ def _style_over(name: str, styles: Mapping[str, ParallelStyle]) -> tuple[str, Pa
     return (max(candidates, key=len), styles[max(candidates, key=len)]) if candidates else None
 
 
-def describe_layout(root: nn.Module, name: str, styles: Mapping[str, ParallelStyle]) -> str | None:
+def describe_tp_placement(root: nn.Module, name: str, styles: Mapping[str, ParallelStyle]) -> str | None:
     """What tensor parallelism makes of parameter `name`: `"Shard(0)"`, `"Replicate()"` (a DTensor, as
     `SequenceParallel` gives), `WHOLE` (untouched), or `None` when the style's effect on it is unknown (a custom
     style, or a parameter other than a Linear's or Embedding's weight)."""
@@ -108,7 +108,7 @@ def check_tied_layouts(root: nn.Module, groups: Sequence[TiedGroup], styles: Map
     """Refuse tied names that tensor parallelism would lay out differently: one tensor cannot serve both. Pure, so it
     fails on every rank before any collective, and in the `plan` dry run, with the same message."""
     for group in groups:
-        layouts = {name: describe_layout(root, name, styles) for name in group}
+        layouts = {name: describe_tp_placement(root, name, styles) for name in group}
         if len(set(layouts.values())) == 1 and None not in layouts.values():
             continue
         described = "; ".join(

@@ -58,7 +58,7 @@ from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.runtime import PipelineRuntime
 from lightning_dpar.plan import AUTO, ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec, parse_tp_plan, plan_modules
-from lightning_dpar.plan.structure import is_parallelized, module_structure
+from lightning_dpar.plan.structure import module_structure
 from lightning_dpar.strategies.checkpoint_hooks import CheckpointHooks
 from lightning_dpar.strategies.collectives import Collectives
 from lightning_dpar.strategies.data_loading import DataLoaderHooks
@@ -236,11 +236,12 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         if module is not None:
             self._check_layer_sync(module)
             check_anomaly_detection(trainer, dims.tensor_parallel)
-            if not is_overridden("configure_model", module) and not is_parallelized(module) and has_parameters(module):
-                self._plan_for(module, dims)  # `is_parallelized`: e.g. `validate` after `fit`, applied already
+            applied_here = self.applied is not None and self.applied.module is module  # `validate` after `fit`
+            if not is_overridden("configure_model", module) and not applied_here and has_parameters(module):
+                self._plan_for(module, dims)
         if trainer is not None:
-            whole_parameters = self.holds_whole_parameters(dims)
-            refuse_unsupported_callbacks(trainer.callbacks, type(self).__name__, whole_parameters, dims.tensor_parallel)
+            plain = self.parameter_layout(dims).plain_tensors
+            refuse_unsupported_callbacks(trainer.callbacks, type(self).__name__, plain, dims.tensor_parallel)
 
     def _plan_for(self, module: nn.Module, dims: ParallelDims) -> ModulePlan:
         """This run's plan of `module`: the one already computed if the model's structure is unchanged since (the
@@ -257,10 +258,10 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         if layer_sync_requested(self) and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             check_sync_batchnorm_supported(module, self.root_device)
 
-    def holds_whole_parameters(self, dims: ParallelDims) -> bool:
-        """Whether every rank holds every parameter as a plain tensor on a world of `dims` (no sharding, tensor or
-        pipeline parallelism): what callbacks that re-register parameters need (`callback_checks`)."""
-        return False
+    def parameter_layout(self, dims: ParallelDims) -> ParameterLayout:
+        """How this strategy lays parameters out on a world of `dims`: what decides which optimizers and callbacks
+        run exactly (`optim.exactness`, `conformance.callback_checks`), in training and in the `plan` dry run."""
+        return ParameterLayout.of(dims, self.plan_options.shards)
 
     # ------------------------------------------------------------------ model setup
     @contextmanager
@@ -361,7 +362,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             self.setup_optimizers(trainer)
             # Before the first step, alike on every rank (the shard probe too): updates needing whole tensors refused.
             assert self.dims is not None
-            layout = ParameterLayout.of(self.dims)
+            layout = self.parameter_layout(self.dims)
             on_shards = shard_probe.agreed(shard_probe.probe_on_shards)
             check_optimizers(self.optimizers, layout, type(self).__name__, self._computes_whole_updates, on_shards)
             for optimizer in self.optimizers:

@@ -7,7 +7,6 @@ from dataclasses import replace
 from typing import Any
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -187,17 +186,6 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
         """A `ModelParallelStrategy`-style `configure_model` runs unchanged; FSDP is added if it only applied TP."""
         return replace(super().plan_options, adopts_parallelized=True)
 
-    @override
-    def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:
-        fully_shard_units = super().data_parallel_wrapper(meshes)
-
-        def wrap(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
-            if plan.adopted_sharded:
-                return _outermost_fsdp_modules(module)
-            return fully_shard_units(module, plan, stage_roots)
-
-        return wrap
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
@@ -211,11 +199,3 @@ class FSDPTensorParallelStrategy(FullyShardStrategy):
             tensor_parallel_size=2,
         )
         cls.register_class_names(strategy_registry)
-
-
-def _outermost_fsdp_modules(root: nn.Module) -> list[nn.Module]:
-    outermost: list[nn.Module] = []
-    for module in root.modules():
-        if isinstance(module, FSDPModule) and not any(module in set(o.modules()) for o in outermost):
-            outermost.append(module)
-    return outermost

@@ -127,10 +127,6 @@ class ReplicateStrategy(DparStrategy):
         return replace(super().plan_options, ddp_units=True, ignored_modules=tuple(self._ignored_modules))
 
     @override
-    def holds_whole_parameters(self, dims: ParallelDims) -> bool:
-        return dims.tensor_parallel == 1
-
-    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.dims is not None
         if self.dims.tensor_parallel == 1:

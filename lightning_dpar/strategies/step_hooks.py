@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dpar.checkpoint.agreement import first_problem
+from lightning_dpar.agreement import first_problem
 from lightning_dpar.conformance.buffers import BufferSync
 from lightning_dpar.conformance.callback_checks import optimizer_problem
 from lightning_dpar.experts.router_loss import GlobalRouterLoss

@@ -313,3 +313,16 @@ def test_gpu_check_repetitions_rotate_stop_at_the_budget_and_survive_a_failed_la
         and merged["repeats"] == 1
         and notes == ["Stopped after 1 of 3 repetitions: the next would pass --budget-s."]
     )
+
+
+def test_one_setup_pass_computes_each_fact_of_the_plan_once(gloo_world):
+    """`python -m benchmarks.setup_pass`: the plan, its top-level units, the tied parameters and the meshes each once
+    per pass (before issue 33: the plan twice, the top-level units five times), through folders in layers."""
+    from benchmarks.setup_pass import modules_touched
+
+    touched, facts = modules_touched("dpar_fsdp")
+    assert facts["planner.plan_modules"] == 1
+    assert facts["structure.data_parallel_roots"] == 1
+    assert facts["ties.tied_parameters"] == 1
+    assert facts["parallel_dims.build"] == 1
+    assert "lightning_dpar.parallel.parallelize" in touched and "lightning_dpar.estimates.dry_run" not in touched

@@ -166,6 +166,7 @@ def test_the_folder_cycle_check_sees_a_cycle_through_modules_of_different_names(
 LAYERS = [
     "_private_api",
     "helpers",
+    "agreement",
     "progress",
     "cli",
     "parallel_dims",

@@ -13,7 +13,7 @@ from lightning_dpar.plan.ties import (
     WHOLE,
     check_each_in_one_unit,
     check_tied_layouts,
-    describe_layout,
+    describe_tp_placement,
     parameter_owners,
     retie,
     tied_parameters,
@@ -59,7 +59,7 @@ def test_retie_makes_every_name_the_first_names_parameter_again():
     ],
 )
 def test_describe_layout_names_the_dim_each_style_splits(name, styles, want):
-    assert describe_layout(_TiedLM(), name, styles) == want
+    assert describe_tp_placement(_TiedLM(), name, styles) == want
 
 
 def test_tied_embeddings_with_layouts_that_agree_pass_and_others_are_refused_naming_both():

@@ -137,3 +137,34 @@ def test_the_data_parallel_group_is_not_the_world_under_tensor_parallelism(fake_
     assert group is not dist.group.WORLD and dist.get_world_size(group) == 2
     assert dist.get_process_group_ranks(group) == ([0, 2] if rank % 2 == 0 else [1, 3])
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": dp_rank}
+
+
+class _GrowsInSetup(ParityModule):
+    """Adds a layer in `LightningModule.setup`, after the strategy planned the model it was given."""
+
+    def setup(self, stage: str) -> None:
+        self.extra = nn.Linear(5, 5)
+
+    def forward(self, x):
+        return self.extra(self.model(x))
+
+
+@pytest.mark.parametrize(("module_class", "plans"), [(ParityModule, 1), (_GrowsInSetup, 2)])
+def test_the_plan_is_computed_once_unless_the_model_changed(gloo_world, monkeypatch, module_class, plans):
+    """Planned before the process group and carried into `setup`; planned again only when a hook changed the model's
+    structure in between, and then the plan applied is the new model's."""
+    import lightning_dpar.strategies.base as base
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return plan_modules(*args, **kwargs)
+
+    plan_modules = base.plan_modules
+    monkeypatch.setattr(base, "plan_modules", counted)
+    trainer, module = _fit(STRATEGIES["fsdp"](), steps=1, module=module_class())
+    assert len(calls) == plans and all(c is module for c in calls)
+    assert trainer.strategy.applied is not None and trainer.strategy.applied.plan is trainer.strategy.plan
+    if plans == 2:
+        assert isinstance(module.extra.weight, DTensor)  # the layer added in `setup` was planned and sharded
