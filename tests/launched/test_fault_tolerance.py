@@ -260,6 +260,13 @@ def test_killed_group_survives_heals_and_matches_the_reference(killed_run):
     heals = [r["heals"][-1] for r in _records(out, f"ft_g{KILLED}").values()]
     assert alone, "the survivor took no step while the other group was down"
     assert all(h["batch_idx"] == rejoined["batch_idx"] for h in heals), (heals, rejoined)
+    # The healed group continues the live group's RNG stream: the same draw at every batch both logged.
+    draws: dict[int, dict[int, int]] = {}
+    for path in out.glob("steps_g*_*.jsonl"):
+        for entry in map(json.loads, path.read_text().splitlines()):
+            draws.setdefault(entry["batch_idx"], {})[entry["group"]] = entry["draw"]
+    after_heal = [b for b in draws if b >= rejoined["batch_idx"] and len(draws[b]) == GROUPS]
+    assert after_heal and all(len(set(draws[b].values())) == 1 for b in after_heal)
     # Afterwards every rank holds the same weights, bitwise (the full parameters gather each group's shards).
     assert all(torch.equal(survivor["params"][k], relaunched["params"][k]) for k in survivor["params"])
     steps = _step_log(out)

@@ -68,9 +68,13 @@ class Pace(L.Callback):
             if batch_idx == self.mark_at and trainer.global_rank == 0 and not (self.out / "mark").exists():
                 (self.out / "mark").write_text(str(time.time()))
             return
+        # One draw from the torch RNG per batch on every rank: a healed rank continues the peer's stream, so the
+        # groups draw the same numbers at the same batches (the test compares them).
+        draw = int(torch.randint(0, 2**31, (1,)).item())
         if trainer.global_rank == 0 and groups.history:  # flushed per step: a killed launch's steps stay logged
             with open(self.out / f"steps_g{config.replica_group}_{os.getpid()}.jsonl", "a") as log:
-                log.write(json.dumps({"group": config.replica_group, **asdict(groups.history[-1])}) + "\n")
+                entry = {"group": config.replica_group, "draw": draw, **asdict(groups.history[-1])}
+                log.write(json.dumps(entry) + "\n")
         self.log_saves(trainer)
         if batch_idx == self.mark_at and config.replica_group == self.mark_group and trainer.global_rank == 0:
             if not (self.out / "mark").exists():  # once: not again in the relaunched group
