@@ -127,3 +127,13 @@ def test_trainer_settings_the_step_protocol_cannot_run():
         check_trainer(_Trainer(automatic=False))
     with pytest.raises(ValueError, match="exactly one optimizer; `configure_optimizers` returned 2"):
         check_trainer(_Trainer(), [object(), object()])
+
+
+def test_expert_parallelism_stays_inside_a_group(monkeypatch):
+    """Expert parallelism borrows ranks from the shard dim, which lies inside a replica group: accepted."""
+    pytest.importorskip("torchft")
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    dims = ParallelDims.resolve(world_size=4, devices_per_node=4, expert_parallel_size=2)
+    assert dims.expert == 2
+    assert check_fault_tolerance(FaultTolerance(), dims, reach_lighthouse=False).num_replica_groups == 2
