@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim import Optimizer
 
 from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
-from lightning_dpar.estimates import state_memory as memory
+from lightning_dpar.estimates import state_memory
 from lightning_dpar.estimates.activations import ActivationEstimate, TraceCache, estimate_activations
 from lightning_dpar.estimates.experts import describe_experts
 from lightning_dpar.estimates.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow
@@ -180,11 +180,11 @@ def _plan_on_fake_world(
     precision = strategy.precision_plugin.precision
     compute_dtype = torch.bfloat16 if precision in ("bf16-mixed", "bf16-true") else None
     if pipeline is not None and strategy.pipeline_config.schedule.defers_weight_gradients:
-        gathered = sum(size for _, size in memory.gathered_fsdp_units(module, compute_dtype))
+        gathered = sum(size for _, size in state_memory.gathered_fsdp_units(module, compute_dtype))
         notes.append(
             f"{strategy.pipeline_config.schedule.name} keeps every FSDP unit of a stage unsharded from forward to"
-            f" backward: rank {rank}'s stages all-gathered, {memory.format_bytes(gathered)}, stay in memory during"
-            " a step, in place of the one unit above"
+            f" backward: rank {rank}'s stages all-gathered, {state_memory.format_bytes(gathered)}, stay in memory"
+            " during a step, in place of the one unit above"
         )
     activations, activation_note = None, "not estimated: give the batch shape with --batch-size and --seq-len"
     if batch is not None:
@@ -210,14 +210,14 @@ def _plan_on_fake_world(
             for name, p in module.named_parameters()
         ],
         total_params=sum(p.numel() for p in module.parameters()),
-        memory=memory.estimate_memory(module, optimizers),
+        memory=state_memory.estimate_memory(module, optimizers),
         optimizers=sorted(
             {
                 f"{e.optimizer}: {e.states} states/param" if e.states is not None else e.optimizer
-                for e in memory.optimizer_states(optimizers)
+                for e in state_memory.optimizer_states(optimizers)
             }
         ),
-        largest_unit=memory.largest_fsdp_unit(module, compute_dtype),
+        largest_unit=state_memory.largest_fsdp_unit(module, compute_dtype),
         notes=notes,
         pipeline=pipeline,
         model_params=model_params if pipeline is not None else None,
@@ -332,7 +332,7 @@ def _pipeline_report(
                     ranks=ranks,
                     units=units,
                     num_params=sum(p.numel() for unit in units for p in unsplit.get_submodule(unit).parameters()),
-                    memory=memory.estimate_memory(stage_module, optimizers),
+                    memory=state_memory.estimate_memory(stage_module, optimizers),
                 )
             )
     assert split is not None

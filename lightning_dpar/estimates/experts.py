@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_dpar.estimates import state_memory as memory
+from lightning_dpar.estimates import state_memory
 from lightning_dpar.estimates.report import group_modules
 from lightning_dpar.experts.parallel import local_expert_range
 from lightning_dpar.helpers import is_under
@@ -44,13 +44,13 @@ def describe_experts(
         )
     expert_bytes = other_bytes = 0
     for name, param in module.named_parameters():
-        size = memory.local_numel(param) * param.element_size()
+        size = state_memory.local_numel(param) * param.element_size()
         if is_under(name, plan.experts):
             expert_bytes += size
         else:
             other_bytes += size
     lines.append(
-        f"  parameters on rank {rank}: experts {memory.format_bytes(expert_bytes)}, other"
-        f" {memory.format_bytes(other_bytes)}"
+        f"  parameters on rank {rank}: experts {state_memory.format_bytes(expert_bytes)}, other"
+        f" {state_memory.format_bytes(other_bytes)}"
     )
     return lines

@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_dpar.estimates import state_memory as memory
+from lightning_dpar.estimates import state_memory
 from lightning_dpar.estimates.activations import ActivationEstimate
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.schedule import schedule_spec
@@ -36,7 +36,9 @@ class StageRow:
     ranks: range  # the global ranks holding this stage (one pipeline rank's group)
     units: tuple[str, ...]
     num_params: int  # the stage's parameters, whole (before tensor-parallel and FSDP sharding)
-    memory: memory.MemoryEstimate  # on one of `ranks`: the one at the shown rank's data/tensor-parallel coordinate
+    memory: (
+        state_memory.MemoryEstimate
+    )  # on one of `ranks`: the one at the shown rank's data/tensor-parallel coordinate
 
 
 @dataclass
@@ -76,11 +78,11 @@ class PipelineReport:
                 _ranks(row.ranks),
                 _describe_units(row.units),
                 f"{row.num_params:,}",
-                memory.format_bytes(row.memory.parameters),
-                memory.format_bytes(row.memory.gradients),
-                memory.format_bytes(row.memory.optimizer) if row.memory.optimizer is not None else "unknown",
-                memory.format_bytes(row.memory.total),
-                *([memory.format_bytes(activations.peak(row.pipeline_rank))] if activations is not None else []),
+                state_memory.format_bytes(row.memory.parameters),
+                state_memory.format_bytes(row.memory.gradients),
+                state_memory.format_bytes(row.memory.optimizer) if row.memory.optimizer is not None else "unknown",
+                state_memory.format_bytes(row.memory.total),
+                *([state_memory.format_bytes(activations.peak(row.pipeline_rank))] if activations is not None else []),
             )
             for row in self.stages
         ]
@@ -93,7 +95,7 @@ class PipelineReport:
                 total = sum(row.memory.total for row in held)
                 lines.append(
                     f"  pipeline rank {pipeline_rank} holds stages {', '.join(str(r.stage) for r in held)}:"
-                    f" {memory.format_bytes(total)} per rank"
+                    f" {state_memory.format_bytes(total)} per rank"
                 )
         return lines
 
@@ -111,7 +113,7 @@ class PlanReport:
     modules: dict[str, list[str]]  # fqn -> what is applied to it
     params: list[ParamRow]
     total_params: int
-    memory: memory.MemoryEstimate
+    memory: state_memory.MemoryEstimate
     optimizers: list[str]
     largest_unit: tuple[str, int] | None  # (fqn, bytes all-gathered for compute)
     notes: list[str] = field(default_factory=list)
@@ -162,7 +164,7 @@ class PlanReport:
         lines += _table(rows, ("parameter", "global shape", "placement", "local shape", "dtype", ""))
         m = self.memory
         optimizer = (
-            memory.format_bytes(m.optimizer)
+            state_memory.format_bytes(m.optimizer)
             if m.optimizer is not None
             else f"unknown ({', '.join(m.unknown_optimizers)} not in"
             " lightning_dpar.estimates.state_memory.STATES_PER_PARAMETER)"
@@ -171,15 +173,17 @@ class PlanReport:
             "",
             f"Estimated memory on rank {self.rank} (see lightning_dpar.estimates.state_memory and"
             " lightning_dpar.estimates.activations)",
-            f"  parameters  {memory.format_bytes(m.parameters)}{memory.frozen_note(m)}",
-            f"  gradients   {memory.format_bytes(m.gradients)}",
+            f"  parameters  {state_memory.format_bytes(m.parameters)}{state_memory.frozen_note(m)}",
+            f"  gradients   {state_memory.format_bytes(m.gradients)}",
             f"  optimizer   {optimizer}   [{'; '.join(self.optimizers) or 'no optimizer'}]",
-            f"  total       {memory.format_bytes(m.total)}",
+            f"  total       {state_memory.format_bytes(m.total)}",
         ]
         peak = m.total
         if self.largest_unit:
             fqn, size = self.largest_unit
-            lines.append(f"  + the largest FSDP unit all-gathered for compute: {memory.format_bytes(size)} ({fqn})")
+            lines.append(
+                f"  + the largest FSDP unit all-gathered for compute: {state_memory.format_bytes(size)} ({fqn})"
+            )
             peak += size
         if self.activations is None:
             lines.append(f"  activations {self.activation_note}")
@@ -188,11 +192,11 @@ class PlanReport:
             a = self.activations
             active = "with" if a.checkpointing else "without"
             lines.append(
-                f"  + activations at their peak: {memory.format_bytes(a.peak(self.pipeline_rank))}"
+                f"  + activations at their peak: {state_memory.format_bytes(a.peak(self.pipeline_rank))}"
                 f" ({active} activation checkpointing; below)"
             )
             peak += a.peak(self.pipeline_rank)
-            lines.append(f"  peak        {memory.format_bytes(peak)}")
+            lines.append(f"  peak        {state_memory.format_bytes(peak)}")
             lines.append("  not included: communication buffers, allocator overhead")
             lines += ["", *_render_activations(a, self.pipeline_rank, self.activation_source)]
         if self.optimizer_exactness:
@@ -216,8 +220,8 @@ def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source
         rows.append(
             (
                 f"{'with' if checkpointing else 'without'} activation checkpointing",
-                memory.format_bytes(footprint.retained),
-                memory.format_bytes(footprint.peak),
+                state_memory.format_bytes(footprint.retained),
+                state_memory.format_bytes(footprint.peak),
                 "<- the plan" if checkpointing == estimate.checkpointing else "",
             )
         )
@@ -233,8 +237,8 @@ def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source
         lines.append(
             f"  {estimate.schedule} over {estimate.microbatches} microbatches keeps up to {per_stage} in flight on"
             f" this rank{bound}, and a receive buffer per microbatch for the activation in and the gradient back"
-            f" ({memory.format_bytes(rank.receive_buffers)}): in flight x kept + buffers + (peak - kept) ="
-            f" {memory.format_bytes(rank.peak(estimate.checkpointing))}"
+            f" ({state_memory.format_bytes(rank.receive_buffers)}): in flight x kept + buffers + (peak - kept) ="
+            f" {state_memory.format_bytes(rank.peak(estimate.checkpointing))}"
         )
     lines += [f"  note: {note}" for note in estimate.notes]
     return lines
