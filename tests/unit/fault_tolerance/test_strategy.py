@@ -7,7 +7,6 @@ import socket
 
 import lightning as L
 import pytest
-import torch
 import torch.distributed as dist
 import yaml
 from lightning.pytorch.cli import LightningCLI
@@ -81,28 +80,6 @@ def test_gradient_accumulation_fails_before_any_process_group(monkeypatch):
         with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\)` is not supported"):
             trainer.fit(BoringModel())
     assert not dist.is_initialized()
-
-
-def test_a_ray_worker_becomes_its_replica_group():
-    from lightning_dpar.fault_tolerance.ray_groups import ReplicaGroupEnvironment, prepare_replica_group
-
-    strategy = lightning_dpar.FaultTolerantFullyShardStrategy(fault_tolerance=FaultTolerance(group_size=2))
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
-    prepare_replica_group(trainer, torch.device("cpu"), world_rank=3, world_size=4)
-    config = trainer.strategy.fault_tolerance
-    assert (config.replica_group, config.num_replica_groups, config.group_size) == (1, 2, 2)
-    environment = trainer.strategy.cluster_environment
-    assert isinstance(environment, ReplicaGroupEnvironment)
-    assert (environment.global_rank(), environment.world_size(), trainer.strategy.num_nodes) == (1, 2, 1)
-
-
-def test_a_ray_group_size_that_does_not_divide_the_workers():
-    from lightning_dpar.fault_tolerance.ray_groups import prepare_replica_group
-
-    strategy = lightning_dpar.FaultTolerantFullyShardStrategy(fault_tolerance=FaultTolerance(group_size=3))
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
-    with pytest.raises(ValueError, match="A replica group of 3 ranks does not divide the world of 4 ranks"):
-        prepare_replica_group(trainer, torch.device("cpu"), world_rank=0, world_size=4)
 
 
 def test_a_group_that_joined_by_healing_refuses_a_checkpoint():
