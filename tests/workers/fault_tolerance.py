@@ -28,12 +28,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dpar import FaultTolerance, FaultTolerantFullyShardStrategy, FullyShardStrategy
+from tests.support.fault_tolerance import SCHEDULE
 from tests.support.models import ParityModule, RegressionData, loader
 from tests.workers.common import full_params, trainer_for
 
 BATCH = 4
-#: The learning-rate schedule of `DPAR_FT_SCHEDULER=1` runs: StepLR, stepped every batch (its state must heal too).
-SCHEDULE = {"step_size": 10, "gamma": 0.7}
 
 
 class ScheduledModule(ParityModule):
