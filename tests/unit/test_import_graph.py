@@ -182,6 +182,7 @@ LAYERS = [
     "strategies",
     "estimates",
     "layout_search",
+    "fault_tolerance",
     "performance_monitor",
     "ray",
     "examples",
