@@ -22,6 +22,7 @@ See `docs/architecture.md`. The folders, in layers (none imports one below it; t
 - `strategies/`: the Lightning strategies (`fully_shard`, `replicate` on `base`) and their hooks by concern;
 - `estimates/`: state and activation memory, and the `plan` dry run;
 - `layout_search/`: the automatic layout search and `dpar_auto`;
+- `fault_tolerance/`: per-step fault tolerance across torchft replica groups (`dpar_ft_hsdp`, optional extra `ft`);
 - `cli`, `__main__`, `progress`, `performance_monitor`, `ray`, `examples/`: the command line and user-facing tools;
 - `_private_api`: every private torch / Lightning API; `helpers`: small shared helpers; `agreement`: ranks agree on
   the first problem before a collective (all three leaves).
@@ -31,6 +32,12 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dpar.checkpoint import CheckpointLoadError
 from lightning_dpar.checkpoint.module_from_checkpoint import load_from_checkpoint
+from lightning_dpar.fault_tolerance import (
+    FaultTolerance,
+    FaultTolerantFSDPTensorParallelStrategy,
+    FaultTolerantFullyShardStrategy,
+    FaultTolerantReplicateStrategy,
+)
 from lightning_dpar.hf_weights.pretrained import PretrainedWeights
 from lightning_dpar.layout_search.strategy import AutoParallelStrategy
 from lightning_dpar.optim.exactness import OptimizerLayoutError, declare_update_kind
@@ -46,7 +53,15 @@ from lightning_dpar.strategies import (
 
 __version__ = "0.1.0"
 
-for _strategy in (ReplicateStrategy, FullyShardStrategy, FSDPTensorParallelStrategy, AutoParallelStrategy):
+for _strategy in (
+    ReplicateStrategy,
+    FullyShardStrategy,
+    FSDPTensorParallelStrategy,
+    AutoParallelStrategy,
+    FaultTolerantFullyShardStrategy,
+    FaultTolerantReplicateStrategy,
+    FaultTolerantFSDPTensorParallelStrategy,
+):
     _strategy.register_strategies(StrategyRegistry)
 
 __all__ = [
@@ -55,6 +70,10 @@ __all__ = [
     "DparPrecision",
     "DparStrategy",
     "FSDPTensorParallelStrategy",
+    "FaultTolerance",
+    "FaultTolerantFSDPTensorParallelStrategy",
+    "FaultTolerantFullyShardStrategy",
+    "FaultTolerantReplicateStrategy",
     "FullyShardStrategy",
     "OptimizerLayoutError",
     "ParallelDims",

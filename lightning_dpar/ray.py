@@ -64,6 +64,11 @@ def prepare_trainer(trainer: pl.Trainer) -> pl.Trainer:
             " and reports that directory, or `checkpoint_format='full'`."
         )
     context = ray.train.get_context()
+    if hasattr(strategy, "fault_tolerance"):  # one torchft replica group of a `TorchftConfig` run
+        from lightning_dpar.fault_tolerance.ray_groups import prepare_replica_group
+
+        prepare_replica_group(trainer, ray.train.torch.get_device(), context.get_world_rank(), context.get_world_size())
+        return trainer
     world_size, local_world_size = context.get_world_size(), context.get_local_world_size()
     rank, local_rank, node_rank = context.get_world_rank(), context.get_local_rank(), context.get_node_rank()
     if world_size % local_world_size or rank != node_rank * local_world_size + local_rank:

@@ -80,7 +80,7 @@ class CheckpointHooks(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
         trainer = attached_trainer(self.lightning_module)
-        data_parallel = self.dims.data_parallel if self.dims is not None else None
+        data_parallel = self.sampler_shards()
         record = self.checkpoints.record(trainer, type(self).__name__, self.world_size, data_parallel)
         checkpoint.update(hf_model_record(self.lightning_module))  # for `consolidate --format hf`
         checkpoint.update(peft_model_record(self.lightning_module))  # for `consolidate --format peft`

@@ -48,6 +48,11 @@ class DataLoaderHooks(ParallelStrategy):
         assert mesh is not None, "the data-parallel mesh is built in `setup_environment`"
         return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 
+    def sampler_shards(self) -> int | None:
+        """Into how many shards the training sampler splits the data (the data-parallel size; more when other
+        launches train other shards, as fault-tolerant replica groups do); None before the mesh sizes are known."""
+        return self.dims.data_parallel if self.dims is not None else None
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Make the training loader resumable mid-epoch and position it if a checkpoint was just loaded."""
@@ -56,7 +61,7 @@ class DataLoaderHooks(ParallelStrategy):
             return dataloader
         if self._pipeline is not None:
             self._pipeline.check_batches(dataloader)  # before training, not at the epoch's last batch
-        data_parallel = self.dims.data_parallel if self.dims is not None else None
+        data_parallel = self.sampler_shards()
         if data_parallel is not None:
             check_sampler_shards(dataloader, data_parallel, self.world_size)
         if self.checkpoints.resumes_mid_epoch():

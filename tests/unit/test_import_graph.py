@@ -183,6 +183,7 @@ LAYERS = [
     "strategies",
     "estimates",
     "layout_search",
+    "fault_tolerance",
     "performance_monitor",
     "ray",
     "examples",

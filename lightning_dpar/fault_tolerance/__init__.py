@@ -1,0 +1,34 @@
+"""Per-step fault tolerance with torchft (optional extra `ft`): the replica groups of a run keep training while one
+is down, and a relaunched group heals from a live peer and rejoins. See docs/fault_tolerance.md.
+
+- `config`: `FaultTolerance`, resolved from arguments and the environment; `checks`: refusals before any collective;
+- `replica_group`: the torchft `Manager` and the per-step protocol (quorum, average across groups, commit);
+- `healing`: what a live group sends a recovering one, and how it is applied;
+- `strategy`: the strategies (`dpar_ft_hsdp`, `dpar_ft_replicate`, `dpar_ft_2d`).
+
+Importing this package needs no torchft; building a `Manager` does.
+"""
+
+from lightning_dpar.fault_tolerance.config import (
+    LIGHTHOUSE_ENV,
+    NUM_REPLICA_GROUPS_ENV,
+    REPLICA_GROUP_ENV,
+    FaultTolerance,
+    LighthouseUnreachableError,
+)
+from lightning_dpar.fault_tolerance.strategy import (
+    FaultTolerantFSDPTensorParallelStrategy,
+    FaultTolerantFullyShardStrategy,
+    FaultTolerantReplicateStrategy,
+)
+
+__all__ = [
+    "LIGHTHOUSE_ENV",
+    "NUM_REPLICA_GROUPS_ENV",
+    "REPLICA_GROUP_ENV",
+    "FaultTolerance",
+    "FaultTolerantFSDPTensorParallelStrategy",
+    "FaultTolerantFullyShardStrategy",
+    "FaultTolerantReplicateStrategy",
+    "LighthouseUnreachableError",
+]

@@ -1,0 +1,168 @@
+"""What the fault-tolerance launched tests share (`tests/launched/test_fault_tolerance.py`): the launches of replica
+groups with a torchft lighthouse (`Job`), the records the workers (`tests/workers/fault_tolerance.py`) write, and the
+documented reference a run with a failure must equal (`reference_from_log`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+from tests.conftest import ROOT, subprocess_env
+from tests.support.models import Net, RegressionData, make_optimizer
+
+#: The learning-rate schedule of the workers' `DPAR_FT_SCHEDULER=1` runs: StepLR, stepped every batch.
+SCHEDULE = {"step_size": 10, "gamma": 0.7}
+
+WORKER = ROOT / "tests" / "workers" / "fault_tolerance.py"
+GROUPS, GROUP_SIZE, BATCH = 2, 2, 4
+TIMEOUT = 420
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """Torchrun launches (each in a session of its own) and the lighthouse; everything is killed on `close`."""
+
+    def __init__(self, out: Path, min_replicas: int) -> None:
+        self.out = out
+        from torchft.coordination import LighthouseServer
+
+        self.lighthouse = LighthouseServer(
+            bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000, heartbeat_timeout_ms=2000
+        )
+        self.procs: list[subprocess.Popen] = []
+
+    def launch(self, mode: str, nproc: int, name: str, **env: str) -> subprocess.Popen:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(free_port()), str(WORKER), mode, str(self.out),
+        ]  # fmt: skip
+        full_env = {**subprocess_env(), "TORCHFT_LIGHTHOUSE": self.lighthouse.address(), **env}
+        full_env["NUM_REPLICA_GROUPS"] = str(GROUPS)
+        log = open(self.out / f"log_{name}", "w")
+        proc = subprocess.Popen(
+            cmd, env=full_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.procs.append(proc)
+        return proc
+
+    def wait(self, proc: subprocess.Popen, name: str, deadline: float) -> None:
+        try:
+            proc.wait(timeout=max(deadline - time.time(), 1))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"launch {name} did not finish in time:\n{self.tail(name)}")
+        assert proc.returncode == 0, f"launch {name} failed ({proc.returncode}):\n{self.tail(name)}"
+
+    def tail(self, name: str) -> str:
+        lines = (self.out / f"log_{name}").read_text().splitlines()
+        return "\n".join(line for line in lines if "[INFO]" not in line)[-6000:]
+
+    def kill_group(self, group: int, proc: subprocess.Popen) -> float:
+        """SIGKILL every worker of `group` (torchrun starts them in sessions of their own) and its torchrun."""
+        pids = [int(f.name.split("_")[2]) for f in self.out.glob(f"pid_{group}_*")]
+        assert len(pids) == GROUP_SIZE, pids
+        killed_at = time.time()
+        for pid in pids:
+            kill_quietly(pid, os.kill)
+        kill_quietly(proc.pid, os.killpg)
+        proc.wait(timeout=30)
+        for f in self.out.glob(f"pid_{group}_*"):
+            f.unlink()
+        return killed_at
+
+    def close(self) -> None:
+        for f in self.out.glob("pid_*"):
+            kill_quietly(int(f.name.split("_")[2]), os.kill)
+        for proc in self.procs:
+            kill_quietly(proc.pid, os.killpg)
+        self.lighthouse.shutdown()
+
+
+def kill_quietly(pid: int, kill) -> None:
+    try:
+        kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def records(out: Path, prefix: str) -> dict[str, dict]:
+    return {f.name: torch.load(f, weights_only=False) for f in sorted(out.glob(f"{prefix}_r*_*.pt"))}
+
+
+def rank0(out: Path, prefix: str) -> dict:
+    (record,) = [r for name, r in records(out, prefix).items() if name.startswith(f"{prefix}_r0_")]
+    return record
+
+
+def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+def rejoin_step(history: list[dict], killed_at: float) -> dict:
+    """The survivor's first committed step with every group again, after it stepped alone."""
+    alone = next(h for h in history if h["wall_time"] > killed_at and h["committed"] and h["participants"] == 1)
+    return next(
+        h for h in history if h["batch_idx"] > alone["batch_idx"] and h["committed"] and h["participants"] == GROUPS
+    )
+
+
+def step_log(out: Path) -> dict[int, list[dict]]:
+    """Every committed step any group's rank 0 logged (the killed launch's too: a line per step, flushed), by batch."""
+    steps: dict[int, list[dict]] = {}
+    for path in out.glob("steps_g*_*.jsonl"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            if entry["committed"]:
+                steps.setdefault(entry["batch_idx"], []).append(entry)
+    return steps
+
+
+def reference_from_log(
+    steps: dict[int, list[dict]], data: RegressionData, group_size: int = GROUP_SIZE, schedule_until: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The documented definition: at each committed batch `b`, one process trains on the shards of batch `b` of
+    exactly the groups that committed it (group `g`'s shard: data-parallel ranks `g * 2` and `g * 2 + 1` of a
+    4-rank sampler, with groups of 2). With `schedule_until`, the worker's StepLR steps after every batch up to that
+    one, committed or not (Lightning steps it per batch)."""
+    ranks = GROUPS * group_size
+    per_rank = [list(DistributedSampler(data, num_replicas=ranks, rank=r, shuffle=True, seed=0)) for r in range(ranks)]
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = make_optimizer("sgd_momentum", model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, **SCHEDULE) if schedule_until is not None else None
+    last = schedule_until if schedule_until is not None else max(steps)
+    for b in range(last + 1):
+        if b in steps:
+            # A step with every group in its quorum averaged every group's shard, also when a group was killed after
+            # its all-reduce but before it logged the step; otherwise the groups that committed it are the quorum.
+            everyone = any(e["participants"] == GROUPS for e in steps[b])
+            groups = list(range(GROUPS)) if everyone else sorted({e["group"] for e in steps[b]})
+            assert all(e["participants"] == len(groups) for e in steps[b]), (b, steps[b])  # no record missing
+            idx = [
+                i
+                for g in groups
+                for r in range(g * group_size, (g + 1) * group_size)
+                for i in per_rank[r][b * BATCH : (b + 1) * BATCH]
+            ]
+            optimizer.zero_grad()
+            F.mse_loss(model(data.x[idx]), data.y[idx]).backward()
+            optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}

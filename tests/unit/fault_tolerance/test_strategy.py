@@ -1,0 +1,89 @@
+"""The fault-tolerant strategies by registered name, class and LightningCLI YAML, and their refusals through a real
+`Trainer`, raised before any process group exists."""
+
+from __future__ import annotations
+
+import socket
+
+import lightning as L
+import pytest
+import torch.distributed as dist
+import yaml
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import lightning_dpar
+from lightning_dpar.fault_tolerance import FaultTolerance, LighthouseUnreachableError
+
+pytestmark = pytest.mark.usefixtures("no_pytest_argv")
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("dpar_ft_hsdp", lightning_dpar.FaultTolerantFullyShardStrategy),
+        ("dpar_ft_replicate", lightning_dpar.FaultTolerantReplicateStrategy),
+        ("dpar_ft_2d", lightning_dpar.FaultTolerantFSDPTensorParallelStrategy),
+    ],
+)
+def test_registered_names(name, cls):
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=name, logger=False)
+    assert type(trainer.strategy) is cls
+    assert trainer.strategy.fault_tolerance == FaultTolerance()  # everything from the environment, when it starts
+
+
+def test_lightning_cli_takes_the_config(tmp_path):
+    config = tmp_path / "config.yaml"
+    strategy = {
+        "class_path": "lightning_dpar.FaultTolerantFullyShardStrategy",
+        "init_args": {
+            "fault_tolerance": {"replica_group": 1, "num_replica_groups": 3, "lighthouse": "http://lh:29510"},
+            "reshard_after_forward": False,
+        },
+    }
+    config.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 1, "strategy": strategy}}))
+    cli = LightningCLI(BoringModel, run=False, args=["--config", str(config)], save_config_callback=None)
+    got = cli.trainer.strategy
+    assert isinstance(got, lightning_dpar.FaultTolerantFullyShardStrategy)
+    assert got.fault_tolerance == FaultTolerance(replica_group=1, num_replica_groups=3, lighthouse="http://lh:29510")
+
+
+def test_a_config_of_another_type_is_refused():
+    with pytest.raises(TypeError, match=r"`fault_tolerance=\{'replica_group': 0\}` is invalid: expected a"):
+        lightning_dpar.FaultTolerantFullyShardStrategy(fault_tolerance={"replica_group": 0})
+
+
+def test_no_lighthouse_fails_before_any_process_group(monkeypatch):
+    pytest.importorskip("torchft")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="dpar_ft_hsdp", logger=False, max_steps=1)
+    with pytest.raises(LighthouseUnreachableError, match=rf"at http://127.0.0.1:{port} .*TORCHFT_LIGHTHOUSE"):
+        trainer.fit(BoringModel())
+    assert not dist.is_initialized()
+
+
+def test_gradient_accumulation_fails_before_any_process_group(monkeypatch):
+    pytest.importorskip("torchft")
+    with socket.socket() as server:  # a lighthouse address that answers: the refusal comes first anyway
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        config = FaultTolerance(
+            replica_group=0, num_replica_groups=2, lighthouse=f"http://127.0.0.1:{server.getsockname()[1]}"
+        )
+        strategy = lightning_dpar.FaultTolerantFullyShardStrategy(fault_tolerance=config)
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, accumulate_grad_batches=2)
+        with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\)` is not supported"):
+            trainer.fit(BoringModel())
+    assert not dist.is_initialized()
+
+
+def test_a_group_that_joined_by_healing_refuses_a_checkpoint():
+    strategy = lightning_dpar.FaultTolerantFullyShardStrategy(fault_tolerance=FaultTolerance())
+    strategy._joined_at_batch = 60  # what `_heal` records when a relaunched group joins a running job
+    with pytest.raises(RuntimeError, match=r"joined training at batch 60; `fit\(ckpt_path='last'\)` would load an"):
+        strategy.load_checkpoint("last")
