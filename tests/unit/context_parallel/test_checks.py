@@ -133,3 +133,20 @@ def test_context_parallel_size_from_lightning_cli_yaml(tmp_path, config, expecte
     path.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 1, "strategy": config}}))
     cli = LightningCLI(BoringModel, run=False, args=["--config", str(path)], save_config_callback=None)
     assert cli.trainer.strategy._context_parallel_size == expected
+
+
+def test_the_8b_128k_worked_example_dry_runs_with_context_parallel_8(capsys, monkeypatch):
+    """docs/context_parallel.md's worked example: Llama 3 8B's real shapes planned on CP 8 (FSDP over all 8 ranks,
+    one distinct batch)."""
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from lightning_dpar.estimates.cli import main
+
+    root = Path(__file__).resolve().parents[3]
+    monkeypatch.syspath_prepend(str(root / "examples" / "finetune"))
+    assert main(["--config", str(root / "examples" / "plan" / "llama3_8b_128k.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "world=8 = replicate 1 x shard 8 (data_shard 1 x context 8) x tensor_parallel 1" in out
+    assert "data_parallel = 1" in out
+    assert "Parameters on rank 0 (8,030,261,248 in total)" in out  # Llama 3 8B's published count
