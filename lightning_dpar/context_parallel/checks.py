@@ -28,7 +28,8 @@ def check_settings(
         if value is not None:
             raise ValueError(
                 f"`{strategy}(context_parallel_size={context}, {name}={value!r})` is not supported yet: context"
-                f" parallelism splits the sequence with hooks on the eager blocks. Drop `{name}`, or set"
+                f" parallelism splits the sequence with hooks on the eager blocks, and intercepts their attention in"
+                f" ways these settings bypass (docs/context_parallel.md, Limits). Drop `{name}`, or set"
                 " `context_parallel_size=1`."
             )
 
