@@ -87,7 +87,10 @@ class ContextParallel:
         seq_len = self.attention.seq_len
         if isinstance(value, (tuple, list)):
             items = [self._split(v) for v in value]
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple too
+            if all(new is old for new, old in zip(items, value)):
+                return value  # nothing spans the sequence (a `torch.Size`, say): kept as it is
+            # a plain tuple or list from its items; a tuple subclass (a namedtuple) from them as arguments
+            return type(value)(items) if type(value) in (tuple, list) else type(value)(*items)
         if not isinstance(value, Tensor):
             return value
         dim = 1 if value.dim() >= 2 else 0
