@@ -92,6 +92,7 @@ __all__ = [
     "sync_ddp_if_available",
     "trainer_and_mesh",
     "training_data_source",
+    "transformers_attention_implementation",
     "transformers_module_initialiser",
     "transformers_tp_plan_attribute",
     "tree_leaves",
@@ -296,6 +297,14 @@ def transformers_tp_plan_attribute(model: Any) -> Any:
     """The whole-model tensor-parallel plan transformers merges in `post_init` (`_tp_plan`); read-only, and the
     only place the plans of the model's heads (e.g. `lm_head`) are combined with the base model's."""
     return getattr(model, "_tp_plan", None)
+
+
+def transformers_attention_implementation(module: Any) -> str | None:
+    """The attention implementation a transformers model runs (`config._attn_implementation`: `"sdpa"`, `"eager"`,
+    `"flash_attention_2"`, `"flex_attention"`, ...), or None for a module without a transformers config. transformers
+    has no public reader; `_attn_implementation` is what its own attention layers dispatch on (checked on
+    transformers 5.24)."""
+    return getattr(getattr(module, "config", None), "_attn_implementation", None)
 
 
 def adopt_metric_state(metric: Any, states: dict[str, Any], update_count: int, step_value: Any = None) -> None:

@@ -22,7 +22,9 @@ from lightning_dpar._private_api import flatten_mesh, unflatten_mesh
 from lightning_dpar.helpers import divisors
 
 __all__ = [
+    "CONTEXT",
     "DATA_PARALLEL",
+    "DATA_SHARD",
     "EXPERT",
     "EXPERT_SHARD",
     "PIPELINE",
@@ -47,6 +49,10 @@ PIPELINE = "pipeline"
 #: of each MoE layer (and exchange tokens), `expert_shard` ranks FSDP-shard the same experts (torchtitan's
 #: `dp_shard_mod_ep`). Every other parameter is sharded over the whole shard dim as without experts.
 EXPERT, EXPERT_SHARD = "expert", "expert_shard"
+#: With context parallelism the shard dim is viewed as `(data_shard, context)`: `context` ranks hold different parts
+#: of the same sequences (`lightning_dpar.context_parallel`), `data_shard` ranks see different batches. FSDP still
+#: shards over the whole shard dim (torchtitan's `dp_shard_cp`), so context parallelism adds no parameter memory.
+CONTEXT, DATA_SHARD = "context_parallel", "data_shard"
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -66,6 +72,7 @@ class ParallelDims:
     tensor_parallel: int
     pipeline: int = 1
     expert: int = 1
+    context: int = 1
 
     @property
     def expert_shard(self) -> int:
@@ -74,8 +81,8 @@ class ParallelDims:
 
     @property
     def data_parallel(self) -> int:
-        """Number of distinct batches per step: ranks that see different data."""
-        return self.replicate * self.shard
+        """Number of distinct batches per step: ranks that see different data (context-parallel peers share one)."""
+        return self.replicate * self.shard // self.context
 
     @classmethod
     def resolve(
@@ -88,13 +95,16 @@ class ParallelDims:
         num_nodes: int = 1,
         pipeline_parallel_size: int = 1,
         expert_parallel_size: SizeArg = 1,
+        context_parallel_size: SizeArg = 1,
     ) -> ParallelDims:
         """Resolve `"auto"` sizes and check that they tile the world exactly.
 
         `tensor_parallel_size="auto"` means one node (TP wants the fastest links); `replicate_size="auto"` means one
         replica per node (HSDP: shard within a node, replicate across nodes); `data_parallel_size="auto"` takes
         what is left once the pipeline stages are set apart; `expert_parallel_size="auto"` means the shard dim's
-        ranks within one node (the all-to-all that moves tokens to their experts wants the fastest links).
+        ranks within one node (the all-to-all that moves tokens to their experts wants the fastest links);
+        `context_parallel_size="auto"` means one node's ranks left by tensor parallelism. Context-parallel ranks share
+        each batch (split along the sequence), so `data_parallel_size` is world / (tensor x context parallel size).
         """
         world_size = _positive_int("world_size", world_size)
         pipeline = _positive_int("pipeline_parallel_size", pipeline_parallel_size)
@@ -117,10 +127,12 @@ class ParallelDims:
                 f" {world_size}{stage_ranks}. Choose a tensor-parallel size among {divisors(world_size)} or change"
                 " the number of devices."
             )
-        dp = world_size // tp
+        cp = _context_parallel_size(context_parallel_size, world_size, tp, devices_per_node, stage_ranks)
+        dp = world_size // (tp * cp)
         if data_parallel_size != "auto" and _positive_int("data_parallel_size", data_parallel_size) != dp:
             raise ValueError(
-                f"`data_parallel_size={data_parallel_size}` x `tensor_parallel_size={tp}` must equal the"
+                f"`data_parallel_size={data_parallel_size}` x `tensor_parallel_size={tp}`"
+                f"{f' x `context_parallel_size={cp}`' if cp > 1 else ''} must equal the"
                 f" {'ranks per stage' if pipeline > 1 else 'world size'} {world_size}{stage_ranks}. Set"
                 f" `data_parallel_size={dp}` or 'auto'."
             )
@@ -129,8 +141,13 @@ class ParallelDims:
                 f"`replicate_size={replicate}` must divide the data-parallel size {dp} (world size {world_size} /"
                 f" tensor_parallel_size {tp}). Valid replicate sizes: {divisors(dp)}."
             )
-        shard = dp // replicate
+        shard = dp // replicate * cp
         expert = _expert_parallel_size(expert_parallel_size, shard, max(devices_per_node // tp, 1), dp, replicate)
+        if expert > 1 and cp > 1:
+            raise ValueError(
+                f"`expert_parallel_size={expert}` with `context_parallel_size={cp}` is not supported yet: both would"
+                " borrow the shard dim's ranks. Use one of them (set the other to 1)."
+            )
         return cls(
             world_size=full_world,
             replicate=replicate,
@@ -138,6 +155,7 @@ class ParallelDims:
             tensor_parallel=tp,
             pipeline=pipeline,
             expert=expert,
+            context=cp,
         )
 
     def describe(self) -> str:
@@ -145,6 +163,8 @@ class ParallelDims:
         shard = (
             f"shard {self.shard} (expert_shard {self.expert_shard} x expert {self.expert})"
             if self.expert > 1
+            else f"shard {self.shard} (data_shard {self.shard // self.context} x context {self.context})"
+            if self.context > 1
             else f"shard {self.shard}"
         )
         return (
@@ -155,6 +175,19 @@ class ParallelDims:
     def build_meshes(self, device: torch.device, device_type: str | None = None) -> ParallelMeshes:
         """Every mesh of a world of these sizes, on the current process group (`ParallelMeshes.build`)."""
         return ParallelMeshes.build(self, device, device_type)
+
+
+def _context_parallel_size(size: SizeArg, world_size: int, tp: int, devices_per_node: int, stage_ranks: str) -> int:
+    """The context-parallel size: `"auto"` is one node's ranks left by tensor parallelism; any size times the
+    tensor-parallel size must divide the ranks of a stage."""
+    cp = max(devices_per_node // tp, 1) if size == "auto" else _positive_int("context_parallel_size", size)
+    if (world_size // tp) % cp:
+        raise ValueError(
+            f"`context_parallel_size={cp}` does not divide the ranks left by `tensor_parallel_size={tp}`:"
+            f" {world_size // tp} (world size {world_size}{stage_ranks}). Choose a context-parallel size among"
+            f" {divisors(world_size // tp)} or change the number of devices."
+        )
+    return cp
 
 
 def _expert_parallel_size(size: SizeArg, shard: int, shard_ranks_per_node: int, dp: int, replicate: int) -> int:
@@ -203,7 +236,9 @@ class ParallelMeshes:
     sends one activation per microbatch, the least traffic of all dims). `data_parallel` is that flattened dim as a
     1-D mesh (this rank's stage), kept rather than looked up because torch deprecates slicing a flattened dim from the
     world mesh (it warns on every lookup). With expert parallelism, `expert_view` is the world mesh with its shard dim
-    viewed as `(expert_shard, expert)`; else `None`.
+    viewed as `(expert_shard, expert)`; else `None`. With context parallelism, `context` is the 1-D `context_parallel`
+    mesh (the shard dim viewed as `(data_shard, context_parallel)`) and `data_parallel` flattens
+    `(replicate, data_shard)`: context-parallel peers share a batch; else `None`.
     """
 
     dims: ParallelDims
@@ -211,6 +246,7 @@ class ParallelMeshes:
     data_parallel: DeviceMesh
     device: torch.device
     expert_view: DeviceMesh | None = None
+    context: DeviceMesh | None = None
 
     @classmethod
     def build(cls, dims: ParallelDims, device: torch.device, device_type: str | None = None) -> ParallelMeshes:
@@ -221,6 +257,10 @@ class ParallelMeshes:
         if dims.pipeline > 1:
             sizes, names = (dims.pipeline, *sizes), (PIPELINE, *names)
         world = init_device_mesh(device_type or device.type, sizes, mesh_dim_names=names)
+        if dims.context > 1:  # context-parallel peers (adjacent shard ranks) share a batch
+            view = unflatten_mesh(world, SHARD, (dims.shard // dims.context, dims.context), (DATA_SHARD, CONTEXT))
+            data_parallel = flatten_mesh(view[REPLICATE, DATA_SHARD], DATA_PARALLEL)
+            return cls(dims, world, data_parallel, device, None, view[CONTEXT])
         data_parallel = flatten_mesh(world[REPLICATE, SHARD], DATA_PARALLEL)
         expert_view = None
         if dims.expert > 1:  # no expert view otherwise: it would only create process groups nothing uses

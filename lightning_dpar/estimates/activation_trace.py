@@ -55,6 +55,7 @@ from lightning_dpar._private_api import (
     tree_leaves,
     tree_map,
 )
+from lightning_dpar.context_parallel.runtime import ContextParallel
 from lightning_dpar.experts.tracing_stand_in import replace_experts_for_tracing
 from lightning_dpar.helpers import key_value_cache_configs, without_key_value_cache
 
@@ -335,9 +336,12 @@ def trace_step(
     compute_dtype: torch.dtype | None = None,
     autocast_dtype: torch.dtype | None = None,
     loss: Callable[[nn.Module, Any], torch.Tensor] = training_loss,
+    context_parallel: int = 1,
 ) -> StepTrace:
     """Run `loss(module, batch)` and its backward once on a fake copy of `module` (on any device, meta included),
-    with `tensor_parallel` styles traced and `activation_checkpointing` applied to the named modules.
+    with `tensor_parallel` styles traced and `activation_checkpointing` applied to the named modules; with
+    `context_parallel > 1`, as one context-parallel rank runs it (the sequence split at the blocks, keys and values
+    gathered: `lightning_dpar.context_parallel.ContextParallel.simulate`).
 
     `batch` is the shape of a token-id batch or a pytree of tensors (only shapes and dtypes are read). `units` are
     the pipeline units in call order: each storage records which one created it. `compute_dtype` casts floating
@@ -356,6 +360,7 @@ def trace_step(
     for fqn in activation_checkpointing:
         checkpoint_activations(fake.get_submodule(fqn))
     tracker = _Units(fake, units, recorder)
+    context = ContextParallel.simulate(fake, context_parallel) if context_parallel > 1 else None
     fake_batch = _fake_batch(batch, mode)
     existing = [*fake.parameters(), *fake.buffers(), *tree_leaves(fake_batch)]
     recorder.known = {storage_key(t.untyped_storage()) for t in existing if isinstance(t, torch.Tensor)}
@@ -365,6 +370,8 @@ def trace_step(
         warnings.filterwarnings("ignore", message=".*self.log.*")
         stack.enter_context(mode)
         stack.enter_context(recorder)
+        if context is not None:
+            stack.enter_context(context.active())
         with autocast:
             output = loss(fake, fake_batch)
         forward_end = recorder.tick()

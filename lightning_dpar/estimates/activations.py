@@ -287,7 +287,7 @@ def estimate_activations(
     checkpointed = whole.activation_checkpointing or _what_true_checkpoints(module, whole, units)
 
     def trace(checkpoint: Sequence[str]) -> StepTrace:
-        key = _trace_key(microbatch, tensor_parallel, checkpoint, units, compute_dtype, autocast_dtype)
+        key = (*_trace_key(microbatch, tensor_parallel, checkpoint, units, compute_dtype, autocast_dtype), dims.context)
         if traces is not None and key in traces:
             return traces[key]
         traced = trace_step(
@@ -299,12 +299,15 @@ def estimate_activations(
             compute_dtype=compute_dtype,
             autocast_dtype=autocast_dtype,
             loss=loss,
+            context_parallel=dims.context,
         )
         if traces is not None:
             traces[key] = traced
         return traced
 
-    without, with_ = trace(()), trace(checkpointed)
+    without = trace(())
+    # Context parallelism does not compose with activation checkpointing yet (refused before training).
+    with_ = trace(checkpointed) if dims.context == 1 else without
     notes = [f"tensor parallelism not traced for {name}: its activations count whole" for name in without.unmodelled]
     if whole.adopted:
         notes.append("the model parallelised itself in configure_model: activations are counted as unsplit")

@@ -9,6 +9,9 @@ the pipeline schedule, microbatches and stages per rank (when pipelining), and a
 - replicate sizes (HSDP): 1, and on a single node every divisor of the data-parallel size; across nodes the ones
   whose shard groups are whole nodes (HSDP's reason to exist: shard within, replicate across);
 - expert-parallel sizes, for an MoE model: every divisor of the shard dim;
+- context-parallel sizes, when the sequence length is known: every divisor of the shard dim that `2 x` divides the
+  sequence length (or one token more), without pipelining, expert parallelism or activation checkpointing (which CP
+  does not compose with yet); CP ranks share one batch, so the batch rule is read at the data-parallel size over CP;
 - the per-rank batch of each data-parallel size (a `BatchRule`: fixed per rank, or a global batch split over the
   data-parallel ranks); a size that gets no batch (a global batch that does not split evenly) is refused;
 - with pipelining: `1F1B` and `GPipe` with 1 and 2 microbatches per stage, `Interleaved1F1B` with 2 stages per rank
@@ -48,10 +51,10 @@ class Layout:
     stages_per_rank: int = 1
 
     @property
-    def mesh_key(self) -> tuple[int, int, int, int, int, int]:
+    def mesh_key(self) -> tuple[int, int, int, int, int, int, int]:
         """What the dry run's numbers depend on: the mesh sizes and the stages per rank."""
         d = self.dims
-        return (d.pipeline, d.replicate, d.shard, d.tensor_parallel, d.expert, self.stages_per_rank)
+        return (d.pipeline, d.replicate, d.shard, d.tensor_parallel, d.expert, self.stages_per_rank, d.context)
 
     @property
     def probe_key(self) -> tuple[Any, ...]:
@@ -71,6 +74,7 @@ class Layout:
         parts += [f"rep{d.replicate}"] if d.replicate > 1 else []
         parts += [f"fsdp{d.shard}", f"tp{d.tensor_parallel}"]
         parts += [f"ep{d.expert}"] if d.expert > 1 else []
+        parts += [f"cp{d.context}"] if d.context > 1 else []
         return " ".join(parts)
 
     def pipeline(self) -> str:
@@ -94,6 +98,8 @@ class Layout:
         }
         if d.expert > 1:
             kwargs["expert_parallel_size"] = d.expert
+        if d.context > 1:
+            kwargs["context_parallel_size"] = d.context
         if d.pipeline > 1:
             kwargs.update(
                 pipeline_parallel_size=d.pipeline,
@@ -116,6 +122,16 @@ def _replicate_sizes(dp: int, tp: int, devices_per_node: int, num_nodes: int) ->
     if num_nodes == 1:
         return divisors(dp)
     return [r for r in divisors(dp) if r == 1 or (dp // r * tp) % devices_per_node == 0]
+
+
+def _context_sizes(shard: int, seq_len: int | None) -> list[int]:
+    """1, and the context-parallel sizes a sequence of `seq_len` tokens can be split over (head-tail: 2 x CP chunks).
+    The blocks see `seq_len` tokens of a model that cuts one off its batch (the example GPT) and `seq_len + 1` of one
+    that does not (a transformers model given `labels`): either may divide; the dry run's trace, which runs the
+    model's own step, refuses the layout if the blocks' length does not."""
+    if seq_len is None:
+        return [1]
+    return [c for c in divisors(shard) if c == 1 or seq_len % (2 * c) == 0 or (seq_len + 1) % (2 * c) == 0]
 
 
 def _pipelines(pp: int, layers: int, batch_size: int) -> Iterator[tuple[str, int, int] | Rejected]:
@@ -149,9 +165,11 @@ def enumerate_layouts(
     layers: int,
     batch_size: int | BatchRule,
     moe: bool = False,
+    seq_len: int | None = None,
 ) -> tuple[list[Layout], list[Rejected]]:
     """Every layout considered on `world_size` ranks (see the module docstring), and those refused up front.
-    `batch_size`: samples per data-parallel rank, or the rule giving them for each data-parallel size."""
+    `batch_size`: samples per data-parallel rank, or the rule giving them for each data-parallel size; `seq_len`:
+    the tokens per sequence, without which no context-parallel layout is considered."""
     rule = batch_size if isinstance(batch_size, BatchRule) else BatchRule(per_rank=batch_size)
     layouts: list[Layout] = []
     rejected: list[Rejected] = []
@@ -177,20 +195,27 @@ def enumerate_layouts(
             pipelines = [p for p in pipelines if not isinstance(p, Rejected)]
             for replicate in _replicate_sizes(dp, tp, devices_per_node, num_nodes):
                 for ep in divisors(dp // replicate) if moe else [1]:
-                    try:
-                        dims = ParallelDims.resolve(
-                            world_size,
-                            devices_per_node,
-                            tensor_parallel_size=tp,
-                            replicate_size=replicate,
-                            num_nodes=num_nodes,
-                            pipeline_parallel_size=pp,
-                            expert_parallel_size=ep,
-                        )
-                    except ValueError as err:
-                        refuse(Rejected(f"pp{pp} rep{replicate} tp{tp} ep{ep}", str(err)))
-                        continue
-                    for schedule, microbatches, stages_per_rank in pipelines:  # type: ignore[misc]
-                        for ac in (False, True):
-                            layouts.append(Layout(dims, ac, schedule, microbatches, stages_per_rank))
+                    plain = pp > 1 or ep > 1  # CP composes with neither yet
+                    for cp in [1] if plain else _context_sizes(dp // replicate, seq_len):
+                        if cp > 1 and isinstance(rule.at(dp // cp), str):
+                            refuse(Rejected(f"tp{tp} cp{cp} ({dp // cp} data-parallel ranks)", str(rule.at(dp // cp))))
+                            continue
+                        try:
+                            dims = ParallelDims.resolve(
+                                world_size,
+                                devices_per_node,
+                                tensor_parallel_size=tp,
+                                replicate_size=replicate,
+                                num_nodes=num_nodes,
+                                pipeline_parallel_size=pp,
+                                expert_parallel_size=ep,
+                                context_parallel_size=cp,
+                            )
+                        except ValueError as err:
+                            what = f"pp{pp} rep{replicate} tp{tp} ep{ep}" + (f" cp{cp}" if cp > 1 else "")
+                            refuse(Rejected(what, str(err)))
+                            continue
+                        for schedule, microbatches, stages_per_rank in pipelines:  # type: ignore[misc]
+                            for ac in (False, True) if cp == 1 else (False,):
+                                layouts.append(Layout(dims, ac, schedule, microbatches, stages_per_rank))
     return sorted(layouts, key=lambda layout: layout.sort_key), rejected

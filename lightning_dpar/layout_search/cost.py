@@ -3,8 +3,9 @@ a hardware profile. Pure functions of data.
 
 Step time (seconds, one optimizer step of every data-parallel rank's batch) is split into:
 
-- compute: `flops_per_token x tokens per data-parallel rank / (tp x pp) / matmul_flops` (6 x active parameters per
-  token, 8 x with activation checkpointing; `ModelFacts.flops_per_token`);
+- compute: `flops_per_token x tokens per data-parallel rank / (tp x pp x cp) / matmul_flops` (6 x active parameters
+  per token, 8 x with activation checkpointing; `ModelFacts.flops_per_token`; the head's work that every CP rank
+  repeats on the whole sequence is not counted);
 - pipeline bubble: `compute x bubble / (1 - bubble)`, the bubble fraction from `ScheduleSpec.bubble`;
 - exposed communication: each collective's bytes per rank over the link its group crosses (`Link.seconds`, the
   latency paid per ring step; `HardwareProfile.collective_link` uses measured numbers when the profile has them):
@@ -16,10 +17,14 @@ Step time (seconds, one optimizer step of every data-parallel rank's batch) is s
     the critical path;
   - PP: one activation forward and one gradient backward per microbatch and stage boundary;
   - EP: 4 all-to-alls per MoE layer and microbatch (dispatch and combine, forward and backward; 6 with
-    checkpointing) of each token's `k` chosen hidden states.
+    checkpointing) of each token's `k` chosen hidden states;
+  - CP: per layer, the all-gather of the sequence's keys and values in forward and the reduce-scatter of their
+    gradients in backward (`lightning_dpar.context_parallel.exchange`; the key/value width is taken as the hidden
+    size, an upper bound under grouped-query attention), and once per step the hidden states gathered after the
+    last block and their gradient gathered before the first, on the critical path.
   Ring collectives move `(n - 1) / n` of the buffer per rank (all-gather, reduce-scatter, all-to-all) and twice that
   for all-reduce. A group crosses nodes when its ranks span more than one node (ranks are laid out row-major as
-  pipeline, replicate, shard, tensor parallel; see `mesh.build_device_mesh`).
+  pipeline, replicate, shard, tensor parallel; see `parallel_dims.ParallelMeshes`).
 
 Per-rank peak memory, on the pipeline rank whose peak is highest, is split into parameters, gradients and optimizer
 state (the dry run's), activations (the dry run's traced estimate, `lightning_dpar.estimates.activations`: one training
@@ -169,6 +174,19 @@ def _critical_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfil
     return tp, pp, ep
 
 
+def _context_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfile) -> float:
+    """The context-parallel exchanges of one step (see the module docstring); 0 without CP."""
+    d = layout.dims
+    if d.context == 1:
+        return 0.0
+    whole = facts.batch_size * facts.seq_len * facts.hidden * facts.activation_bytes // d.tensor_parallel
+    span = d.context * d.tensor_parallel
+    keys_values = facts.layers * 2 * (_ring(profile, "all_gather", d.context, whole, span))
+    keys_values += facts.layers * 2 * _ring(profile, "reduce_scatter", d.context, whole, span)
+    hidden = 2 * _ring(profile, "all_gather", d.context, whole * d.tensor_parallel, span)
+    return keys_values + hidden
+
+
 def _formula_activations(layout: Layout, facts: ModelFacts) -> int:
     """Peak activation bytes of the first pipeline rank by the formula of `layout.activations`."""
     d = layout.dims
@@ -177,7 +195,7 @@ def _formula_activations(layout: Layout, facts: ModelFacts) -> int:
         hidden=facts.hidden,
         heads=facts.heads,
         vocab=facts.vocab,
-        seq_len=facts.seq_len,
+        seq_len=facts.seq_len // d.context,  # the blocks' share, which dominates
         microbatch_size=facts.batch_size // layout.microbatches,
         element_size=facts.activation_bytes,
         tensor_parallel=d.tensor_parallel,
@@ -208,7 +226,7 @@ def estimate(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: Hardw
     """The predicted per-rank peak memory and step time of `layout` (see the module docstring)."""
     d = layout.dims
     compute = facts.flops_per_token(layout.activation_checkpointing) * facts.tokens_per_rank
-    compute /= d.tensor_parallel * d.pipeline * profile.matmul_flops
+    compute /= d.tensor_parallel * d.pipeline * d.context * profile.matmul_flops
     bubble = 0.0
     if layout.schedule is not None:
         fraction = schedule_spec(layout.schedule).bubble(d.pipeline, layout.microbatches, layout.stages_per_rank)
@@ -216,7 +234,8 @@ def estimate(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: Hardw
         bubble = compute * fraction / (1 - fraction)
     fsdp = _fsdp_seconds(layout, facts, profile)
     tp, pp, ep = _critical_seconds(layout, facts, profile)
-    exposed = fsdp - min(fsdp * profile.fsdp_overlap, compute) + tp + pp + ep
+    cp = _context_seconds(layout, facts, profile)
+    exposed = fsdp - min(fsdp * profile.fsdp_overlap, compute) + tp + pp + ep + cp
     rank, traced = _peak_rank(layout, facts, mesh)
     reduce_buffer = mesh.gathered_unit * facts.param_bytes // max(facts.activation_bytes, 1)
     memory = MemorySplit(
@@ -228,5 +247,5 @@ def estimate(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: Hardw
         runtime=profile.runtime_memory,
         activations_traced=traced is not None,
     )
-    time = TimeSplit(compute, exposed, bubble, fsdp + tp + pp + ep, profile.step_overhead)
+    time = TimeSplit(compute, exposed, bubble, fsdp + tp + pp + ep + cp, profile.step_overhead)
     return Estimate(layout, memory, time, facts.batch_size * d.data_parallel)

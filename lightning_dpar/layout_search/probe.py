@@ -116,14 +116,18 @@ def _activations(
     traces: TraceCache,
 ) -> ActivationEstimate | None:
     """The dry run's activation estimate for `layout`, on `module` (meta) planned as each pipeline rank's first rank
-    plans it; `None` when the training step cannot be traced (the formula stands in)."""
+    plans it; `None` when the training step cannot be traced (the formula stands in), but for a context-parallel
+    layout, which is refused with the trace's error (a sequence the split cannot cut, say): training would refuse it."""
     module = strategy.precision_plugin.convert_module(module)
     d = layout.dims
     ranks_per_stage = d.world_size // d.pipeline
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plans = [strategy.module_plan(module, d, r * ranks_per_stage) for r in range(d.pipeline)]
-        return strategy_activations(strategy, module, plans, d, batch, traces)[0]
+        estimate, why = strategy_activations(strategy, module, plans, d, batch, traces)
+    if estimate is None and d.context > 1:
+        raise ValueError(f"context parallelism: activations {why}")
+    return estimate
 
 
 def token_batch(batch_size: int, seq_len: int) -> tuple[int, int]:

@@ -78,7 +78,7 @@ def search(
     profile = replace(profile, devices_per_node=devices_per_node)
     rule = batch if batch is not None else BatchRule(per_rank=facts.batch_size)
     layouts, rejected = enumerate_layouts(
-        world_size, devices_per_node, num_nodes, facts.layers, rule, moe=bool(facts.experts)
+        world_size, devices_per_node, num_nodes, facts.layers, rule, moe=bool(facts.experts), seq_len=facts.seq_len
     )
     if activation_checkpointing is not None:
         layouts = [layout for layout in layouts if layout.activation_checkpointing == activation_checkpointing]

@@ -272,6 +272,7 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
         self._replicate_size = d.replicate
         self._pipeline_parallel_size = d.pipeline
         self._expert_parallel_size = d.expert
+        self._context_parallel_size = d.context
         self._activation_checkpointing = layout.activation_checkpointing
         if layout.schedule is not None:
             self._pipeline_config = PipelineConfig.of(

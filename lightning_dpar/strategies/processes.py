@@ -41,6 +41,8 @@ class ProcessHooks(ParallelStrategy):
     dims: ParallelDims | None
     meshes: ParallelMeshes | None
     _expert_parallel_size: SizeArg
+    #: Ranks splitting each sequence (`lightning_dpar.context_parallel`); set by the strategies that support it.
+    _context_parallel_size: SizeArg = 1
 
     @property
     @override
@@ -74,6 +76,7 @@ class ProcessHooks(ParallelStrategy):
             num_nodes=num_nodes,
             pipeline_parallel_size=self._pipeline_parallel_size,
             expert_parallel_size=self._expert_parallel_size,
+            context_parallel_size=self._context_parallel_size,
         )
 
     @override

@@ -174,6 +174,7 @@ LAYERS = [
     "conformance",
     "plan",
     "experts",
+    "context_parallel",
     "parallel",
     "hf_weights",
     "checkpoint",

@@ -58,6 +58,7 @@ MODULES = [
         "auto_layout",
         "auto_data",
         "sweep",
+        "context_parallel",
     )
 ]
 

@@ -1,0 +1,87 @@
+"""What context parallelism refuses, each before the first collective it would need: settings it does not compose
+with, a model whose blocks or attention it cannot split, and batches carrying an attention mask. The refusals name
+the bad value or module, say what is supported, and how to fix it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_dpar._private_api import transformers_attention_implementation
+from lightning_dpar.helpers import has_parameters
+
+__all__ = ["check_batch", "check_model", "check_settings", "sequence_blocks"]
+
+
+def check_settings(
+    strategy: str, context: int, pipeline: int, activation_checkpointing: object, compile_options: object
+) -> None:
+    """Refuse the strategy settings context parallelism does not compose with yet."""
+    refused = {
+        "pipeline_parallel_size": pipeline if pipeline > 1 else None,
+        "activation_checkpointing": activation_checkpointing or None,
+        "compile": compile_options or None,
+    }
+    for name, value in refused.items():
+        if value is not None:
+            raise ValueError(
+                f"`{strategy}(context_parallel_size={context}, {name}={value!r})` is not supported yet: context"
+                f" parallelism splits the sequence with hooks on the eager blocks, and intercepts their attention in"
+                f" ways these settings bypass (docs/context_parallel.md, Limits). Drop `{name}`, or set"
+                " `context_parallel_size=1`."
+            )
+
+
+def sequence_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks the sequence is split across: the children (holding parameters) of the model's one outermost
+    `nn.ModuleList` of repeated blocks, in order (experts lists inside the blocks are not outermost)."""
+    lists = [(name, m) for name, m in root.named_modules() if isinstance(m, nn.ModuleList) and has_parameters(m)]
+    outermost = [(n, m) for n, m in lists if not any(n.startswith(f"{o}.") for o, _ in lists if o != n)]
+    if len(outermost) != 1:
+        found = [n for n, _ in outermost] or "none"
+        raise ValueError(
+            f"Context parallelism splits the sequence at a model's repeated blocks, one `nn.ModuleList` of transformer"
+            f" layers called in order; {type(root).__name__} has {found}. Hold the layers in one `nn.ModuleList`, or"
+            " set `context_parallel_size=1`."
+        )
+    prefix, blocks = outermost[0]
+    return [(f"{prefix}.{name}", block) for name, block in blocks.named_children() if has_parameters(block)]
+
+
+def check_model(root: nn.Module) -> None:
+    """Refuse a model whose blocks cannot be found, a transformers model whose attention does not call
+    `scaled_dot_product_attention` (`attn_implementation` other than `"sdpa"`), or one that adds its MoE router's
+    load-balancing loss (computed from each rank's part of the sequence), naming the module."""
+    sequence_blocks(root)
+    for name, module in root.named_modules():
+        implementation = transformers_attention_implementation(module)
+        if getattr(getattr(module, "config", None), "output_router_logits", False):
+            raise ValueError(
+                f"Module {name or '(root)'!r} ({type(module).__name__}) adds its router's load-balancing loss"
+                " (`output_router_logits=True`), which transformers computes from the router logits of the tokens"
+                " each rank holds: under context parallelism that is a part of the sequence, not the batch. Set"
+                " `output_router_logits=False` (the experts train exactly without it), or `context_parallel_size=1`."
+            )
+        if implementation is not None and implementation != "sdpa":
+            raise ValueError(
+                f"Module {name or '(root)'!r} ({type(module).__name__}) uses attn_implementation={implementation!r};"
+                " context parallelism makes attention that calls torch's scaled_dot_product_attention"
+                " context-parallel. Build the model with `attn_implementation='sdpa'`, or set"
+                " `context_parallel_size=1`."
+            )
+
+
+def check_batch(batch: Any) -> None:
+    """Refuse a batch carrying an `attention_mask` that masks any token: context parallelism supports causal and
+    full attention only (see `attention.SUPPORTED`)."""
+    if not isinstance(batch, Mapping):
+        return
+    mask = batch.get("attention_mask")
+    if isinstance(mask, Tensor) and not bool(mask.all()):
+        raise ValueError(
+            "The batch's `attention_mask` masks some tokens (padding or packed documents): context parallelism"
+            " supports causal and full attention without a mask. Train on unpadded sequences of equal length and"
+            " drop `attention_mask` (or make it all ones), or set `context_parallel_size=1`."
+        )

@@ -1,0 +1,148 @@
+"""Context parallelism at run time: the sequence split at the model's repeated blocks.
+
+`ContextParallel.install` hooks the blocks of the model's one list of repeated blocks (the transformer layers):
+
+- the first block's input, whole on every context-parallel rank, is cut to this rank's head-tail part, and so is
+  every other tensor argument of any block that still spans the whole sequence (a transformers model's rotary
+  `position_embeddings`, computed once from the global positions, or `position_ids`): rotary embeddings see global
+  positions without any change to the model;
+- inside the blocks, `scaled_dot_product_attention` attends to every rank's keys and values (`attention`);
+- the last block's output is gathered whole again, so the final norm, the head and the user's loss (its next-token
+  shift, `ignore_index`, its average over valid tokens) run on the whole sequence exactly as in one process, and
+  every rank computes (and logs) the global loss.
+
+The blocks' activations, attention included, are split `size` ways; the embedding's output and the logits are
+not. The hooks act only inside `ContextParallel.active()`, which the strategy opens around each step's forward: a
+forward outside the steps runs on the whole sequence, unsplit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from lightning_dpar.context_parallel.attention import ContextParallelAttention, SdpaInterceptor
+from lightning_dpar.context_parallel.checks import sequence_blocks
+from lightning_dpar.context_parallel.exchange import gather_sequence, split_sequence
+from lightning_dpar.context_parallel.layout import HeadTailLayout
+
+__all__ = ["ContextParallel"]
+
+
+class ContextParallel:
+    """The hooks and attention state of one model under context parallelism: rank `layout.rank` of `layout.size`
+    ranks exchanging over `group` (`None`: one rank simulated in one process, for the activation estimate)."""
+
+    def __init__(
+        self, blocks: list[tuple[str, nn.Module]], layout: HeadTailLayout, group: dist.ProcessGroup | None
+    ) -> None:
+        self.layout = layout
+        self.group = group
+        self.attention = ContextParallelAttention(self.layout, group)
+        self._blocks = blocks
+        self._last = blocks[-1][1]
+        self._enabled = False
+        self._calls_at_entry = 0
+        self._handles: list[RemovableHandle] = []
+        for name, block in blocks:
+            self._handles.append(block.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True, prepend=True))
+            self._handles.append(block.register_forward_hook(self._post_hook(name), with_kwargs=True))
+
+    @classmethod
+    def install(cls, root: nn.Module, group: dist.ProcessGroup) -> ContextParallel:
+        """Hook `root`'s repeated blocks (`checks.sequence_blocks`) for context parallelism over `group`."""
+        return cls(sequence_blocks(root), HeadTailLayout(dist.get_world_size(group), dist.get_rank(group)), group)
+
+    @classmethod
+    def simulate(cls, root: nn.Module, size: int) -> ContextParallel:
+        """One rank of `size` simulated in this process: the same split, hooks and attention, with collectives that
+        only allocate what the real ones would (what `lightning_dpar.estimates` traces)."""
+        return cls(sequence_blocks(root), HeadTailLayout(size, 0), None)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @contextmanager
+    def active(self) -> Generator[None, None, None]:
+        """Split the sequence at the blocks, and make their attention context-parallel, inside this context."""
+        self._enabled = True
+        try:
+            with SdpaInterceptor(self.attention):
+                yield
+        finally:
+            self._enabled = False
+            self.attention.end()
+
+    def _split(self, value: Any) -> Any:
+        """`value` with every tensor spanning the whole sequence (dim 1, or dim 0 of a 1-D tensor) cut to this rank's
+        part; tuples and lists are searched too."""
+        seq_len = self.attention.seq_len
+        if isinstance(value, (tuple, list)):
+            items = [self._split(v) for v in value]
+            if all(new is old for new, old in zip(items, value)):
+                return value  # nothing spans the sequence (a `torch.Size`, say): kept as it is
+            # a plain tuple or list from its items; a tuple subclass (a namedtuple) from them as arguments
+            return type(value)(items) if type(value) in (tuple, list) else type(value)(*items)
+        if not isinstance(value, Tensor):
+            return value
+        dim = 1 if value.dim() >= 2 else 0
+        if value.dim() == 0 or value.shape[dim] != seq_len:
+            return value
+        if isinstance(value, DTensor):
+            raise ValueError(
+                "A block received a DTensor spanning the sequence: context parallelism splits plain tensors and does"
+                " not compose with sequence-parallel tensor-parallel styles yet. Use 'colwise'/'rowwise' styles."
+            )
+        return split_sequence(value, dim, self.layout, self.group)
+
+    def _pre_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if not self._enabled:
+                return None
+            if not self.attention.active:
+                hidden = next((v for v in (*args, *kwargs.values()) if isinstance(v, Tensor) and v.dim() >= 2), None)
+                if hidden is None:
+                    raise ValueError(f"Block {name!r} got no tensor argument with a sequence dim (dim 1) to split.")
+                self.layout.check(hidden.shape[1], f"block {name!r}")
+                self.attention.begin(hidden.shape[1])
+            self.attention.where = f"Module {name!r} ({type(module).__name__})"
+            self._calls_at_entry = self.attention.calls
+            return self._split(args), {k: self._split(v) for k, v in kwargs.items()}
+
+        return hook
+
+    def _post_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            if not self._enabled or not self.attention.active:
+                return None
+            if self.attention.calls == self._calls_at_entry:
+                self.attention.end()
+                raise ValueError(
+                    f"Block {name!r} ({type(module).__name__}) ran under context parallelism without calling"
+                    " torch.nn.functional.scaled_dot_product_attention, so its attention cannot be made"
+                    " context-parallel (it would attend only to this rank's part of the sequence). Make its attention"
+                    " call scaled_dot_product_attention (a transformers model: `attn_implementation='sdpa'`), or set"
+                    " `context_parallel_size=1`."
+                )
+            if module is not self._last:
+                return None
+            seq_len = self.attention.seq_len
+            self.attention.end()
+            if isinstance(output, Tensor):
+                return gather_sequence(output, 1, self.layout, self.group)
+            if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
+                return (gather_sequence(output[0], 1, self.layout, self.group), *output[1:])
+            raise ValueError(
+                f"The last block {name!r} returned {type(output).__name__}; context parallelism gathers the sequence"
+                f" ({seq_len} tokens) from a tensor output or a tuple whose first item is the hidden states."
+            )
+
+        return hook

@@ -1,0 +1,164 @@
+"""Context parallelism through real Trainers on 2 and 4 gloo ranks (cases in `tests/workers/context_parallel.py`):
+the example GPT and transformers decoders (Llama, Qwen2, Qwen3, Mistral) with each sequence split between ranks, CP
+alone, CP x FSDP and CP x TP, each ending with the parameters of one process on the same global batches; every rank
+logging its batch's whole-sequence loss; and each refusal raised alike on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.conftest import run_workers
+
+ATOL = 1e-5
+GROUPS = "context_parallel,context_parallel_errors,context_parallel_memory"
+
+
+@pytest.fixture(scope="module")
+def cp2(tmp_path_factory):
+    return run_workers(2, GROUPS, tmp_path_factory.mktemp("cp2"))
+
+
+@pytest.fixture(scope="module")
+def cp4(tmp_path_factory):
+    return run_workers(4, GROUPS, tmp_path_factory.mktemp("cp4"))
+
+
+def _check_parity(result: dict, world: int) -> None:
+    assert result["max_abs_diff"] < ATOL
+    assert result["loss_diff"] < ATOL  # every rank logged its data-parallel batch's whole-sequence loss
+    assert result["steps"] == [3] * world
+    assert result["kv_bytes_sent_rank0"] > 0  # the sequence was split: attention exchanged keys and values
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "case"),
+    [
+        *(("cp2", f"{m}_cp2") for m in ("gpt", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe")),
+        *(("cp4", f"{m}_cp4") for m in ("gpt", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe")),
+        ("cp2", "gpt_dpar_cp"),
+        ("cp4", "gpt_dpar_cp"),
+    ],
+)
+def test_context_parallel_training_matches_one_process(world, case, request):
+    """The whole sequence split over every rank (CP 2, CP 4): causal masking across chunk boundaries, rotary
+    positions, the next-token shift and the loss's average all as in one process; a Qwen3-MoE's experts too (its
+    tokens routed on each rank's part; without the router's load-balancing loss, which is refused)."""
+    _check_parity(request.getfixturevalue(world)[case], 2 if world == "cp2" else 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["cp2", "cp4"])
+def test_ignore_index_tokens_spread_unevenly_keep_the_global_average(world, request):
+    """Labels with runs of `-100` mostly in the sequence's head: the ranks' parts hold different numbers of valid
+    tokens, and the loss is still the average over the sequence's valid tokens."""
+    size = 2 if world == "cp2" else 4
+    _check_parity(request.getfixturevalue(world)[f"llama_cp{size}_ignore_index"], size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "dims"),
+    [
+        ("gpt_cp2_fsdp2", "shard 4 (data_shard 2 x context 2) x tensor_parallel 1"),
+        ("llama_cp2_fsdp2", "shard 4 (data_shard 2 x context 2) x tensor_parallel 1"),
+        ("gpt_cp2_tp2", "shard 2 (data_shard 1 x context 2) x tensor_parallel 2"),
+        ("llama_cp2_tp2", "shard 2 (data_shard 1 x context 2) x tensor_parallel 2"),
+        ("gpt_cp2_hsdp2", "replicate 2 x shard 2 (data_shard 1 x context 2) x tensor_parallel 1"),
+    ],
+)
+def test_context_parallelism_composes_with_fsdp_and_tensor_parallelism(cp4, case, dims):
+    """CP 2 x FSDP 2 (two batches per step, FSDP sharding over all four ranks), CP 2 x TP 2, and CP 2 x HSDP 2 (two
+    replicas, each sharding over its two CP ranks)."""
+    result = cp4[case]
+    _check_parity(result, 4)
+    assert result["dims"].endswith(dims)
+
+
+ERRORS = {
+    "sequence_not_divisible": r"does not divide by 2 x context_parallel_size",
+    "size_not_dividing_world": r"`context_parallel_size=\d` does not divide the ranks",
+    "padding_mask": r"`attention_mask` masks some tokens",
+    "eager_attention": r"\(LlamaForCausalLM\) uses attn_implementation='eager'",
+    "manual_attention": r"Block 'model.blocks.0' \(\w*Block\) ran under context parallelism without calling",
+    "activation_checkpointing": r"activation_checkpointing=True\)` is not supported yet",
+    "router_loss": r"\(Qwen3MoeForCausalLM\) adds its router's load-balancing loss",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["cp2", "cp4"])
+@pytest.mark.parametrize("name", sorted(ERRORS))
+def test_each_refusal_is_raised_alike_on_every_rank(world, name, request):
+    import re
+
+    messages = request.getfixturevalue(world)[f"error_{name}"]
+    assert all(m is not None and re.search(ERRORS[name], m) for m in messages), messages
+    assert len(set(messages)) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_activation_memory_per_rank_falls_with_the_context_parallel_size(cp2, cp4, model):
+    """2 x 512 tokens per batch, FSDP over every rank: each rank's measured activations shrink with CP (the blocks'
+    share divides by CP; the embedding's output, the logits and the loss stay whole), and the CP 2 and CP 1 runs on 2
+    ranks measure what they measure on 4."""
+    retained = {cp: cp4[f"memory_{model}_cp{cp}"]["retained"] for cp in (1, 2, 4)}
+    assert all(len(set(values)) == 1 for values in retained.values())  # every rank alike
+    assert retained[4][0] < 0.75 * retained[2][0] < 0.75 * retained[1][0]
+    for cp in (1, 2):
+        assert cp2[f"memory_{model}_cp{cp}"]["retained"][0] == retained[cp][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_the_activation_estimate_traces_one_context_parallel_rank(cp4, cp):
+    """The `plan` dry run's estimate (one rank's step traced on fake tensors with the same split and exchange) against
+    the measurement. The estimate prices attention as CUDA's kernels run it, with no mask; on CPU each attention
+    layer also keeps its chunks' causal masks (`cpu_mask_bytes`), which is all that separates the two for the
+    example GPT (to the loss's 8 bytes). The Llama's retained bytes likewise; its peak within the estimate's 25%
+    bound where CP splits it (on one rank, transformers builds a causal mask on fake tensors that training does not)."""
+    from lightning_dpar.context_parallel import cpu_mask_bytes
+
+    masks = 2 * cpu_mask_bytes(512, cp) if cp > 1 else 0  # 2 layers
+    gpt = cp4[f"memory_gpt_cp{cp}"]
+    for what in ("retained", "peak"):
+        assert abs(gpt["estimated"][what] + masks - gpt[what][0]) <= 64, what
+    if cp > 1:
+        llama = cp4[f"memory_llama_cp{cp}"]
+        assert abs(llama["estimated"]["retained"] + masks - llama["retained"][0]) <= 64
+        assert 0.75 <= llama["estimated"]["peak"] / llama["peak"][0] <= 1.25
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "size"), [("cp2", 2), ("cp4", 4)])
+def test_the_exchange_sends_each_rank_s_keys_and_values_once_to_every_other_rank(world, size, request):
+    """The bytes the key/value all-gather sent in forward, counted where it sends them, against the formula: per
+    attention layer and step, keys and values, this rank's tokens to each of the `size - 1` others (the tiny Llama:
+    batch 4, 2 key/value heads of dim 8, fp32, 2 layers, 3 steps)."""
+    from lightning_dpar.context_parallel import key_value_sends
+
+    gathered, _ = key_value_sends(16, size)
+    per_token = 4 * 2 * 8 * 4  # batch x key/value heads x head dim x fp32 bytes
+    expected = 2 * 2 * 3 * gathered[0] * per_token  # keys and values x layers x steps
+    assert request.getfixturevalue(world)[f"llama_cp{size}"]["kv_bytes_sent_rank0"] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["cp2", "cp4"])
+def test_checkpoints_reshard_between_context_parallel_sizes_and_to_runs_without(world, request):
+    """Saved with CP over every rank, resumed without CP, (on 4 ranks) with CP 2 x FSDP 2, and with CP again: the
+    model and optimizer state come through each load exactly."""
+    result = request.getfixturevalue(world)["checkpoint_between_layouts"]
+    assert result["max_diffs"] == [0.0] * (len(result["layouts"]) - 1)
+    assert result["keys"] > 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["cp2", "cp4"])
+def test_validation_splits_the_sequence_and_logs_the_global_loss(world, request):
+    result = request.getfixturevalue(world)["validation_after_fit"]
+    assert result["val_loss"] == pytest.approx(result["want"], abs=ATOL)
+    assert result["kv_bytes_sent_rank0"] > 0
