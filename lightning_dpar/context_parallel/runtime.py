@@ -18,7 +18,7 @@ forward outside the steps runs on the whole sequence, unsplit.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -55,9 +55,11 @@ class ContextParallel:
             self._handles.append(block.register_forward_hook(self._post_hook(name), with_kwargs=True))
 
     @classmethod
-    def install(cls, root: nn.Module, group: dist.ProcessGroup) -> ContextParallel:
-        """Hook `root`'s repeated blocks (`checks.sequence_blocks`) for context parallelism over `group`."""
-        return cls(sequence_blocks(root), HeadTailLayout(dist.get_world_size(group), dist.get_rank(group)), group)
+    def install(cls, root: nn.Module, group: dist.ProcessGroup, blocks: Sequence[str] | None = None) -> ContextParallel:
+        """Hook `root`'s `blocks` (the plan's `ModulePlan.context_parallel`; default: `checks.sequence_blocks`) for
+        context parallelism over `group`."""
+        found = sequence_blocks(root) if blocks is None else [(name, root.get_submodule(name)) for name in blocks]
+        return cls(found, HeadTailLayout(dist.get_world_size(group), dist.get_rank(group)), group)
 
     @classmethod
     def simulate(cls, root: nn.Module, size: int) -> ContextParallel:

@@ -1,7 +1,7 @@
 """Applying a parallelism plan: one small function per concern, and `apply_plan`, which applies them in the fixed
 order pipeline split -> tensor parallel -> expert parallel -> activation checkpointing -> compile -> data-parallel
-wrapper (`fully_shard` or `replicate`) -> meta-device materialisation. Training and the `plan` dry run both go through
-`apply_plan`.
+wrapper (`fully_shard` or `replicate`) -> meta-device materialisation -> context-parallel hooks. Training and the
+`plan` dry run both go through `apply_plan`.
 
 Wrappers are applied to the LightningModule's children: Lightning calls `training_step` directly (not `forward`), so
 forward hooks on the LightningModule would never fire. A child that is only a container (`nn.ModuleList`,
@@ -31,6 +31,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, waited
+from lightning_dpar.context_parallel.runtime import ContextParallel
 from lightning_dpar.experts.parallel import apply_expert_parallel
 from lightning_dpar.parallel.fsdp_units import fully_shard_unit
 from lightning_dpar.parallel.materialize import materialize_meta_tensors
@@ -64,13 +65,15 @@ DataParallelWrapper = Callable[[nn.Module, ModulePlan, Sequence[nn.Module]], lis
 @dataclass(frozen=True)
 class AppliedPlan:
     """What applying `plan` to `module` produced: the modules whose gradient sync the strategy controls (`no_sync`),
-    every FSDP unit (resharded between steps), and with pipeline parallelism this rank's stages."""
+    every FSDP unit (resharded between steps), with pipeline parallelism this rank's stages, and with context
+    parallelism the hooks that split each sequence (active around each step's forward)."""
 
     plan: ModulePlan
     module: nn.Module
     grad_sync_modules: list[nn.Module]
     fsdp_modules: list[FSDPModule]
     pipeline: PipelinedModel | None = None
+    context_parallel: ContextParallel | None = None
 
 
 def apply_plan(
@@ -110,8 +113,12 @@ def apply_plan(
         pipelined.install_unit_hooks()
     if materialize:
         materialize_meta_tensors(root, meshes.device, plan.tied)
+    context = None
+    if plan.context_parallel:
+        assert meshes.context is not None, "a context-parallel plan needs the context-parallel mesh"
+        context = ContextParallel.install(root, meshes.context.get_group(), plan.context_parallel)
     fsdp_modules = [module for module in root.modules() if isinstance(module, FSDPModule)]
-    return AppliedPlan(plan, root, wrapped, fsdp_modules, pipelined)
+    return AppliedPlan(plan, root, wrapped, fsdp_modules, pipelined, context)
 
 
 def outermost_fsdp_modules(root: nn.Module) -> list[nn.Module]:

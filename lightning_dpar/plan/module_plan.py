@@ -33,6 +33,9 @@ class ModulePlan:
     `experts` are the experts modules whose experts are split between the expert-parallel ranks
     (`lightning_dpar.plan.experts`); each is also an FSDP unit of its own, sharded over the ranks that hold the same
     experts.
+
+    `context_parallel` names the blocks each sequence is split across under context parallelism, in order
+    (`lightning_dpar.context_parallel.sequence_blocks`); empty without it.
     """
 
     tensor_parallel: dict[str, ParallelStyle]
@@ -47,6 +50,7 @@ class ModulePlan:
     ignored: list[str] = field(default_factory=list)
     adopted_sharded: bool = False
     experts: list[str] = field(default_factory=list)
+    context_parallel: list[str] = field(default_factory=list)
 
 
 def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> ModulePlan:

@@ -16,13 +16,14 @@ more function in `lightning_dpar.parallel.parallelize` that applies it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar.conformance.batchnorm import check_no_batch_norm_in_pipeline
+from lightning_dpar.context_parallel.checks import check_model, sequence_blocks
 from lightning_dpar.helpers import class_name, show_names
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
@@ -108,7 +109,16 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
         sharded = has_fully_shard(module)  # the wrapper adds no units of its own, so needs no top-level units
         roots = [] if sharded else data_parallel_roots(module)
         units = compile_units(module, shard_units, blocks, roots or None)
-        return ModulePlan({}, [], shard_units, units, adopted=True, adopted_sharded=sharded, data_parallel_roots=roots)
+        return ModulePlan(
+            {},
+            [],
+            shard_units,
+            units,
+            adopted=True,
+            adopted_sharded=sharded,
+            data_parallel_roots=roots,
+            context_parallel=_context_parallel_blocks(module, dims),
+        )
     tied = tied_parameters(module)
     experts = plan_experts(module, dims.expert, dims.shard, _expert_selectors(module, options))
     tensor_parallel = _tensor_parallel(module, dims, options, experts)
@@ -119,7 +129,8 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
         check_each_in_one_unit(tied, roots, options.strategy)
     ignored = select_modules(module, options.ignored_modules, "ignored_modules") if options.ignored_modules else []
     check_initialisable(module)
-    return _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, experts, roots, ignored)
+    whole = _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, experts, roots, ignored)
+    return replace(whole, context_parallel=_context_parallel_blocks(module, dims))
 
 
 def _pipeline_plan(
@@ -181,6 +192,15 @@ def _whole_plan(
         data_parallel_roots=list(data_parallel_roots),
         ignored=list(ignored),
     )
+
+
+def _context_parallel_blocks(module: nn.Module, dims: ParallelDims) -> list[str]:
+    """The blocks each sequence is split across, with context parallelism (the model checked first: blocks found,
+    attention that calls `scaled_dot_product_attention`, no per-rank router loss); none without it."""
+    if dims.context == 1:
+        return []
+    check_model(module)
+    return [name for name, _ in sequence_blocks(module)]
 
 
 def _expert_selectors(module: nn.Module, options: PlanOptions) -> Sequence[ModuleSelector] | None:

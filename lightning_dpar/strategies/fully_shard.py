@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dpar._private_api import StrategyRegistryType
-from lightning_dpar.context_parallel import ContextParallel, check_batch, check_model, check_settings
+from lightning_dpar.context_parallel import check_settings
 from lightning_dpar.parallel import parallelize
 from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.pipeline.config import PipelineConfig
@@ -22,7 +20,7 @@ from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanS
 from lightning_dpar.strategies.base import DparStrategy
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
+    pass
 
 __all__ = [
     "FSDPTensorParallelStrategy",
@@ -97,7 +95,6 @@ class FullyShardStrategy(DparStrategy):
         self._shard_modules = None if shard_modules is None else list(shard_modules)
         self._cpu_offload = cpu_offload
         self._context_parallel_size = context_parallel_size
-        self._context_parallel: ContextParallel | None = None
 
     @property
     def cpu_offload(self) -> bool:
@@ -122,36 +119,6 @@ class FullyShardStrategy(DparStrategy):
             check_settings(
                 type(self).__name__, dims.context, dims.pipeline, self._activation_checkpointing, self._compile_options
             )
-            if self.lightning_module is not None and not is_overridden("configure_model", self.lightning_module):
-                check_model(self.lightning_module)
-
-    @override
-    def _parallelize(self, module: pl.LightningModule) -> parallelize.AppliedPlan:
-        """With context parallelism, the model's blocks are hooked to split the sequence (`ContextParallel`)."""
-        if self.dims is not None and self.dims.context > 1:
-            check_model(module)  # a model built in `configure_model`, before its shards are gathered
-        applied = super()._parallelize(module)
-        if self._context_parallel is not None:
-            self._context_parallel.remove()
-            self._context_parallel = None
-        if self.meshes is not None and self.meshes.context is not None:
-            self._context_parallel = ContextParallel.install(module, self.meshes.context.get_group())
-        return applied
-
-    @contextmanager
-    @override
-    def _step_forward(self, training: bool) -> Generator[None, None, None]:
-        with (
-            super()._step_forward(training),
-            self._context_parallel.active() if self._context_parallel is not None else nullcontext(),
-        ):
-            yield
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._context_parallel is not None and args:
-            check_batch(args[0])  # before the step's first collective
-        return super().training_step(*args, **kwargs)
 
     @override
     def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:

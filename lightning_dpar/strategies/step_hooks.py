@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_dpar.agreement import first_problem
 from lightning_dpar.conformance.buffers import BufferSync
 from lightning_dpar.conformance.callback_checks import optimizer_problem
+from lightning_dpar.context_parallel import check_batch
 from lightning_dpar.experts.router_loss import GlobalRouterLoss
 from lightning_dpar.helpers import attached_trainer, key_value_cache_configs, without_key_value_cache
 from lightning_dpar.parallel import parallelize
@@ -99,10 +100,13 @@ class StepHooks(ParallelStrategy):
         transformers
         MoE model's load-balancing loss covers the global batch (`lightning_dpar.experts.router_loss`); a training
         forward
-        of a transformers model builds no key/value cache (`without_key_value_cache`)."""
+        of a transformers model builds no key/value cache (`without_key_value_cache`); with context parallelism each
+        sequence is split across the context-parallel ranks (`lightning_dpar.context_parallel`)."""
         if self._buffer_sync is not None:
             self._buffer_sync.before_forward()
+        context_parallel = self.applied.context_parallel if self.applied is not None else None
         with (
+            context_parallel.active() if context_parallel is not None else nullcontext(),
             self._router_loss.active() if self._router_loss is not None else nullcontext(),
             without_key_value_cache(self._cache_configs) if training and self._cache_configs else nullcontext(),
         ):
@@ -120,6 +124,8 @@ class StepHooks(ParallelStrategy):
         """With pipeline parallelism: one schedule step over the batch's microbatches, forward and backward (see
         `lightning_dpar.pipeline.runtime`); returns the loss on every rank."""
         self._release_last_gradients()
+        if self.applied is not None and self.applied.context_parallel is not None and args:
+            check_batch(args[0])  # before the step's first collective
         with self._step_forward(training=True):
             if self._pipeline is None:
                 return super().training_step(*args, **kwargs)

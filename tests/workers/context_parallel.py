@@ -131,7 +131,7 @@ def parity(strategy: Any, make: Callable[[], L.LightningModule], dp: int, data: 
     module = make()
     trainer.fit(module, DataLoader(data, batch_size=BATCH))
     got = full_params(trainer)
-    runtime = trainer.strategy._context_parallel
+    runtime = trainer.strategy.applied.context_parallel
     sent = runtime.attention.counter.forward_bytes if runtime is not None else 0
     gathered: list[Any] = [None] * world_size()
     data_rank = trainer.strategy.distributed_sampler_kwargs["rank"]
@@ -158,9 +158,9 @@ def validation_after_fit() -> dict | None:
     module = GPTModule()
     trainer.fit(module, DataLoader(gpt_data(), batch_size=BATCH))
     val_data = Tokens(SEQ + 1, n=8, seed=11)
-    trainer.strategy._context_parallel.attention.counter.reset()  # what validation alone sends
+    trainer.strategy.applied.context_parallel.attention.counter.reset()  # what validation alone sends
     (metrics,) = trainer.validate(module, DataLoader(val_data, batch_size=BATCH), verbose=False)
-    sent = trainer.strategy._context_parallel.attention.counter.forward_bytes
+    sent = trainer.strategy.applied.context_parallel.attention.counter.forward_bytes
     if trainer.global_rank != 0:
         return None
     reference = GPTModule()
