@@ -75,6 +75,15 @@ class _CommitGate:
 class _FaultTolerant:
     """The fault-tolerant hooks; mixed in before one of the package's strategies (see the module docstring)."""
 
+    #: The name the strategy registers with Lightning, and its description.
+    strategy_name: str
+    strategy_description: str
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description, override=True)
+        cls.register_class_names(strategy_registry)  # type: ignore[attr-defined]
+
     def __init__(self, *args: Any, fault_tolerance: FaultTolerance | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
@@ -273,39 +282,18 @@ class FaultTolerantFullyShardStrategy(_FaultTolerant, FullyShardStrategy):
     from the environment), then those of `FullyShardStrategy`."""
 
     strategy_name = "dpar_ft_hsdp"
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "dpar_ft_hsdp", cls, description="FSDP2 in each torchft replica group, groups replicate", override=True
-        )
-        cls.register_class_names(strategy_registry)
+    strategy_description = "FSDP2 in each torchft replica group, groups replicate"
 
 
 class FaultTolerantReplicateStrategy(_FaultTolerant, ReplicateStrategy):
     """`ReplicateStrategy` (DDP) whose launch is one torchft replica group: plain data parallelism across groups."""
 
     strategy_name = "dpar_ft_replicate"
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "dpar_ft_replicate", cls, description="DDP in each torchft replica group, groups replicate", override=True
-        )
-        cls.register_class_names(strategy_registry)
+    strategy_description = "DDP in each torchft replica group, groups replicate"
 
 
 class FaultTolerantFSDPTensorParallelStrategy(_FaultTolerant, FSDPTensorParallelStrategy):
     """`FSDPTensorParallelStrategy` whose launch is one torchft replica group: TP and FSDP inside the group."""
 
     strategy_name = "dpar_ft_2d"
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "dpar_ft_2d", cls, description="TP + FSDP2 in each torchft replica group, groups replicate", override=True
-        )
-        cls.register_class_names(strategy_registry)
+    strategy_description = "TP + FSDP2 in each torchft replica group, groups replicate"
