@@ -108,8 +108,7 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """A 1-D mesh over all ranks of a multi-dim submesh (e.g. replicate x shard -> data_parallel).
 
     `DeviceMesh._flatten` is the only way to get such a dim that later `mesh[name]` lookups (Lightning users'
-    `self.device_mesh["data_parallel"]`) resolve to; torch's own trainers (torchtitan) use it for the same reason.
-    """
+    `self.device_mesh["data_parallel"]`) resolve to; torch's own trainers (torchtitan) use it for the same reason."""
     return mesh._flatten(name)
 
 
@@ -117,14 +116,12 @@ def grouped_mm() -> Callable[..., torch.Tensor] | None:
     """`torch._grouped_mm(input, weights, offs=...)`, one matmul per group of rows, where this torch has it.
 
     There is no public grouped GEMM in torch; MoE experts computed as one grouped matmul instead of a loop over the
-    experts is what torchtitan and transformers' `grouped_mm` experts use on GPUs (it runs on CPU too, in fp32).
-    """
+    experts is what torchtitan and transformers' `grouped_mm` experts use on GPUs (it runs on CPU too, in fp32)."""
     return getattr(torch, "_grouped_mm", None)
 
 
 def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """`mesh` with its dim `dim` viewed as several dims (`shard` -> `(expert_shard, expert)`), sharing the same root
-    mesh.
+    """`mesh` with its dim `dim` viewed as several dims (`shard` -> `(expert_shard, expert)`), on the same root mesh.
 
     `DeviceMesh._unflatten` is the only way to get sub-dims of an existing dim whose meshes share the world mesh's
     root, which `fully_shard` needs to compose with a parameter already distributed on one of them (expert weights
@@ -132,8 +129,7 @@ def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tu
 
     The dim is passed by index: torch 2.11's `_unflatten` inverts its check of a dim given by name and rejects every
     existing name ("dim shard specified in _unflatten is not in ('replicate', 'shard', ...)"); an index takes the
-    same path in every version. Checked on torch 2.11.0, 2.13.0 and 2.15.0.
-    """
+    same path in every version. Checked on torch 2.11.0, 2.13.0 and 2.15.0."""
     return mesh._unflatten(list(mesh.mesh_dim_names or ()).index(dim), sizes, names)
 
 
@@ -144,8 +140,7 @@ def swapped_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> A
     Expert parallelism runs an experts module's own `forward` on its local experts: the module must see plain local
     tensors (its `forward` indexes them by local expert id) where FSDP registered DTensors. `module._parameters` is
     the only place `nn.Module` looks parameters up; `torch.func.functional_call` swaps them too but calls the module
-    again, which would run FSDP's hooks twice. transformers' expert parallelism swaps them the same way.
-    """
+    again, which would run FSDP's hooks twice. transformers' expert parallelism swaps them the same way."""
     return _swapped_parameters(module, tensors)
 
 
@@ -174,8 +169,6 @@ def detect_anomaly_requested(trainer: Any) -> bool:
 def privateuse1_backend_name() -> str:
     """The out-of-tree device backend's name (`"privateuseone"` unless renamed): `SyncBatchNorm.forward` accepts it
     besides cuda/hpu/xpu, and torch exposes it only through `torch._C`."""
-    import torch
-
     return torch._C._get_privateuse1_backend_name()
 
 
@@ -200,8 +193,7 @@ def unfetched_training_iterator(trainer: Any) -> Any | None:
     """The iterator Lightning's fit loop draws training batches from, if it has not pre-fetched any yet.
 
     Lightning has no public handle on it. We need it to skip the batches a non-resumable loader (custom sampler)
-    already yielded before a mid-epoch checkpoint; with pre-fetched batches queued, skipping there would be wrong.
-    """
+    already yielded before a mid-epoch checkpoint; with pre-fetched batches queued, skipping there would be wrong."""
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
     if fetcher is None or getattr(fetcher, "batches", None) or getattr(fetcher, "iterator", None) is None:
         return None
@@ -213,8 +205,7 @@ def training_data_source(trainer: Any) -> Any | None:
     itself), before any loader is built.
 
     Lightning has no public handle on it before `setup`. `AutoParallelStrategy` reads the per-rank batch size from it
-    in `setup_environment`, to choose the layout before the process group exists (microbatches must divide it).
-    """
+    in `setup_environment`, to choose the layout before the process group exists (microbatches must divide it)."""
     source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
     return getattr(source, "instance", None)
 
@@ -224,8 +215,7 @@ def compiled_autograd(compiler: Callable[[Any], Any]) -> AbstractContextManager[
 
     Lightning calls `loss.backward()` outside any `torch.compile` region, so the public switch
     (`torch._dynamo.config.compiled_autograd`, which only applies to backwards inside compiled code) cannot reach
-    it; this context manager is torch's own entry point for that case (`enable` before torch 2.9, `_enable` since).
-    """
+    it; this context manager is torch's own entry point for that case (`enable` before torch 2.9, `_enable` since)."""
     from torch._dynamo import compiled_autograd as ca
 
     enable = getattr(ca, "_enable", None) or ca.enable
@@ -246,8 +236,7 @@ def swap_ddp_optimize_mode(mode: Any) -> Any:
 def attach_device_mesh(module: Any, mesh: DeviceMesh) -> None:
     """Make `mesh` the LightningModule's public `device_mesh` (what `configure_model` parallelises with).
 
-    Lightning's `device_mesh` property is read-only; its own `ModelParallelStrategy` sets the attribute behind it.
-    """
+    Lightning's `device_mesh` property is read-only; its own `ModelParallelStrategy` sets the attribute behind it."""
     module._device_mesh = mesh
 
 
@@ -344,8 +333,7 @@ def replace_muon_group_step(optimizer: torch.optim.Muon, group_step: Callable[..
     `Muon.step` calls `self._init_group(group, params, grads, momentum_buffers)` and then steps what it appended to
     those lists; an instance attribute of that name is found first. Unlike replacing `step` itself, this keeps what
     wraps `step` working (torch's step hooks and profiler, an LR scheduler's step counter, Lightning's closure).
-    `group_step` does the sharded parameters' whole update and appends only the others.
-    """
+    `group_step` does the sharded parameters' whole update and appends only the others."""
     optimizer._init_group = group_step  # type: ignore[method-assign]
 
 
@@ -366,12 +354,10 @@ def averaged_copy(callback: Any) -> nn.Module | None:
     return average.module if isinstance(average, AveragedModel) else average
 
 
-# The activation estimate (`lightning_dpar.estimates.activation_trace`) runs a training step on fake tensors and follows
-# every
-# tensor storage it creates. `FakeTensorMode` is torch's own way to run operators without memory (what
+# The activation estimate (`lightning_dpar.estimates.activation_trace`) runs a training step on fake tensors and
+# follows every tensor storage it creates. `FakeTensorMode` is torch's own way to run operators without memory (what
 # `torch.compile` traces with) on a device of our choosing, so kernels are picked as on a real device; a
-# `TorchDispatchMode` sees each operator's outputs; pytree reads them out of nested results. torch has no public
-# equivalents of the three.
+# `TorchDispatchMode` sees each operator's outputs; pytree reads them out of nested results (no public equivalents).
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
