@@ -177,11 +177,11 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self.plan: ModulePlan | None = None
         self._planned_structure: tuple | None = None
         #: What applying the plan produced (`parallelize.AppliedPlan`: the parallel model, its FSDP units, the
-        #: modules whose gradient sync `block_backward_sync` switches off, the pipeline stages), set in `setup`.
+        #: modules whose gradient sync `block_backward_sync` switches off, the pipeline stages, the context-parallel
+        #: hooks), set in `setup`.
         self.applied: parallelize.AppliedPlan | None = None
         self._backward_sync_blocked = False
-        #: DDP's buffer broadcast (`lightning_dpar.conformance.buffers`); made in `setup`, as DDP makes its own when
-        # wrapping.
+        #: DDP's buffer broadcast (`lightning_dpar.conformance.buffers`); made in `setup`, as DDP makes its own.
         self._buffer_sync: BufferSync | None = None
         self._router_loss: GlobalRouterLoss | None = None  # around each step's forward, as `_buffer_sync`
         # Checkpointing (the hooks: `strategies/checkpoint_hooks.py`).
