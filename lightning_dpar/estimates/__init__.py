@@ -9,12 +9,10 @@ With pipeline parallelism a rank holds only its stages, so the report adds one r
 each pipeline rank is planned the same way on its own meta copy of the model, and its stages' memory is what their
 ranks would hold. Llama 3 405B on 1024 ranks (`examples/plan/llama3_405b.yaml`, 16 stages) also takes seconds.
 
-Modules: `engine` (`plan`: run the training code path on the fake world), `report` (what is reported, and
-`render()`), `cli` (the argparse command line). Memory formulas are `lightning_dpar.estimates.state_memory`'s,
-activations
+Modules: `dry_run` (`plan`: run the training code path on the fake world), `report` (what is reported, and `render()`),
+`cli` (the argparse command line). Memory formulas are `lightning_dpar.estimates.state_memory`'s, activations
 `lightning_dpar.estimates.activations`' (given a batch shape), the pipeline bubble and microbatches in flight
-`lightning_dpar.pipeline.schedule`'s.
-"""
+`lightning_dpar.pipeline.schedule`'s."""
 
 from lightning_dpar.estimates.cli import main
 from lightning_dpar.estimates.dry_run import plan

@@ -112,12 +112,10 @@ def plan(
 ) -> PlanReport:
     """Apply `strategy` to `module` (built on the meta device) as rank `rank` of `world_size` would, and report.
 
-    `batch` is what one data-parallel rank's `training_step` receives per step: a shape (token ids) or a pytree of
-    meta tensors; with it the report estimates activation memory (`lightning_dpar.estimates.activations`), saying it
-    came from
-    `batch_source` (`traces`: traces to reuse across dry runs of the same model). Raises the same errors as
-    training for sizes that do not tile the world or plans that do not fit the model.
-    """
+    `batch` is what one data-parallel rank's `training_step` receives per step: a shape (token ids) or a pytree of meta
+    tensors; with it the report estimates activation memory (`lightning_dpar.estimates.activations`), saying it came
+    from `batch_source` (`traces`: traces to reuse across dry runs of the same model). Raises the same errors as
+    training for sizes that do not tile the world or plans that do not fit the model."""
     if not isinstance(strategy, DparStrategy):
         raise TypeError(f"`plan` needs a lightning_dpar strategy, got {type(strategy).__name__}.")
     if world_size % num_nodes:

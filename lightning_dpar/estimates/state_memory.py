@@ -15,10 +15,8 @@ The estimate counts what lives for the whole run, on one rank, from the real (sh
   "bf16-mixed"): reported separately as the largest unit's size.
 
 Not counted here: activations (they depend on batch and sequence length: `lightning_dpar.estimates.activations`
-estimates them),
-DDP's gradient buckets, temporary buffers, the CUDA context and allocator fragmentation. Keep head-room on top of the
-total.
-"""
+estimates them), DDP's gradient buckets, temporary buffers, the CUDA context and allocator fragmentation. Keep head-room
+on top of the total."""
 
 from __future__ import annotations
 

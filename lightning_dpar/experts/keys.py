@@ -10,9 +10,8 @@ concatenates each expert's parts on its dim 0 (gate rows, then up rows): an `Exp
 transformers' conversion mapping declares it (`MergeModulelist(dim=0)`, then `Concatenate(dim=1)`).
 
 Loading pretrained weights (`lightning_dpar.hf_weights.pretrained`, `lightning_dpar.experts.reader`) groups the
-per-expert keys
-into their fused parameter (`group_experts`) and reads, for the block of the fused tensor a rank holds, only the
-experts and rows it covers (`pieces`); `consolidate --format hf` splits a fused parameter back (`split_fused`).
+per-expert keys into their fused parameter (`group_experts`) and reads, for the block of the fused tensor a rank holds,
+only the experts and rows it covers (`pieces`); `consolidate --format hf` splits a fused parameter back (`split_fused`).
 """
 
 from __future__ import annotations

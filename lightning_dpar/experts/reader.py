@@ -28,11 +28,10 @@ __all__ = ["FusedExpertsReader"]
 
 
 class FusedExpertsReader(HuggingFaceStorageReader):
-    """`HuggingFaceStorageReader(path)` that also serves each of `fused` (`{key: FusedExperts}`, the key the load
-    asks for) from its per-expert tensors. `stored` maps a per-expert name as `FusedExperts` holds it to its name in
-    the files (transformers' renames; `lightning_dpar.hf_weights.hf_keys`), `files` that name to the safetensors file
-    holding
-    it. `slices_read` lists what this rank read of the per-expert tensors, `'name[0:16, 0:32]'` per slice."""
+    """`HuggingFaceStorageReader(path)` that also serves each of `fused` (`{key: FusedExperts}`, the key the load asks
+    for) from its per-expert tensors. `stored` maps a per-expert name as `FusedExperts` holds it to its name in the
+    files (transformers' renames; `lightning_dpar.hf_weights.hf_keys`), `files` that name to the safetensors file
+    holding it. `slices_read` lists what this rank read of the per-expert tensors, `'name[0:16, 0:32]'` per slice."""
 
     def __init__(
         self, path: str, fused: Mapping[str, FusedExperts], stored: Mapping[str, str], files: Mapping[str, str]

@@ -1,14 +1,13 @@
 """Mixture-of-Experts layers traced for the activation estimate as their dense equivalent under balanced routing.
 
-An experts module picks its rows by the router's choices (`unique`, `nonzero`, `where`), whose output sizes depend
-on values a fake tensor does not have, so it cannot run in `lightning_dpar.estimates.activation_trace`'s fake step. What
-it
-keeps for backward is, per (token, choice) row, what one expert's MLP keeps; under dropless routing every rank's
-experts together see `tokens x top_k` rows on average (with expert parallelism too: the rows a rank sends equal, on
-average, the rows it receives). So the trace runs, in its place, the same chain of matmuls on `tokens x top_k`
-rows with expert 0's weights: each stacked weight `[experts, out, in]` in registration order is a linear map, and
-where the next one reads half of this one's output the output is gated (`act(gate) * up`, transformers'
-`gate_up_proj`). The activation function's own saved tensors are those of a SiLU/GELU-sized elementwise op.
+An experts module picks its rows by the router's choices (`unique`, `nonzero`, `where`), whose output sizes depend on
+values a fake tensor does not have, so it cannot run in `lightning_dpar.estimates.activation_trace`'s fake step. What it
+keeps for backward is, per (token, choice) row, what one expert's MLP keeps; under dropless routing every rank's experts
+together see `tokens x top_k` rows on average (with expert parallelism too: the rows a rank sends equal, on average, the
+rows it receives). So the trace runs, in its place, the same chain of matmuls on `tokens x top_k` rows with expert 0's
+weights: each stacked weight `[experts, out, in]` in registration order is a linear map, and where the next one reads
+half of this one's output the output is gated (`act(gate) * up`, transformers' `gate_up_proj`). The activation
+function's own saved tensors are those of a SiLU/GELU-sized elementwise op.
 
 An estimate for balanced routing: a router that sends more rows to one rank's experts makes that rank keep more.
 """

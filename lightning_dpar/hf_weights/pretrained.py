@@ -360,8 +360,7 @@ def _size(n: int) -> str:
 def stored_names(module: nn.Module, checkpoint_names: Sequence[str]) -> dict[str, str]:
     """`{the name transformers loads a checkpoint tensor as: its name in the files}`: the renames of the one
     transformers model `module` holds (GPT-NeoX's `embed_out` is `lm_head`; see `lightning_dpar.hf_weights.hf_keys`),
-    else the
-    names as they are; a weight of a layer `peft` wrapped is loaded under its `base_layer`
+    else the names as they are; a weight of a layer `peft` wrapped is loaded under its `base_layer`
     (`lightning_dpar.hf_weights.peft_keys`)."""
     models = transformers_models(module)
     if len(models) != 1:

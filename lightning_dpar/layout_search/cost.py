@@ -28,12 +28,10 @@ Step time (seconds, one optimizer step of every data-parallel rank's batch) is s
 
 Per-rank peak memory, on the pipeline rank whose peak is highest, is split into parameters, gradients and optimizer
 state (the dry run's), activations (the dry run's traced estimate, `lightning_dpar.estimates.activations`: one training
-step
-run on fake tensors with the layout's tensor-parallel styles, pipeline stages, schedule and checkpointing; the formula
-of `layout.activations` only when the step cannot be traced) and communication buffers: the FSDP unit being computed
-and the one prefetched, all-gathered (2 x the dry run's largest unit), plus a reduce-scatter buffer of one unit's
-gradients; and the profile's `runtime_memory`. The step time adds the profile's `step_overhead`.
-"""
+step run on fake tensors with the layout's tensor-parallel styles, pipeline stages, schedule and checkpointing; the
+formula of `layout.activations` only when the step cannot be traced) and communication buffers: the FSDP unit being
+computed and the one prefetched, all-gathered (2 x the dry run's largest unit), plus a reduce-scatter buffer of one
+unit's gradients; and the profile's `runtime_memory`. The step time adds the profile's `step_overhead`."""
 
 from __future__ import annotations
 

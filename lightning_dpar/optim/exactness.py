@@ -20,14 +20,12 @@ couples every parameter of the model. Which property a layout needs:
 An optimizer class the package does not know is probed before training (`probe_update_kind`,
 `lightning_dpar.optim.update_probe`): a fresh instance of the same class with the same hyperparameters steps a small
 float64 matrix whole, then each piece of it on its own, without collectives. Elementwise: accepted at once. Not
-elementwise, on split parameters: the strategy steps it again on small DTensors placed as its parameters, on their
-mesh (`lightning_dpar.optim.shard_probe`), and accepts it when they end as the whole matrices do. What the probes prove
-is
-limited to what they tried: a few steps, on small shapes, float64 and the optimizer's current hyperparameters. An
-update that changes only later (after a warm-up, above a threshold), on other shapes or dtypes, or for other
-hyperparameters passes them. `declare_update_kind` states the kind of a class instead, for such optimizers or for
-classes the probe cannot build.
-"""
+elementwise, on split parameters: the strategy steps it again on small DTensors placed as its parameters, on their mesh
+(`lightning_dpar.optim.shard_probe`), and accepts it when they end as the whole matrices do. What the probes prove is
+limited to what they tried: a few steps, on small shapes, float64 and the optimizer's current hyperparameters. An update
+that changes only later (after a warm-up, above a threshold), on other shapes or dtypes, or for other hyperparameters
+passes them. `declare_update_kind` states the kind of a class instead, for such optimizers or for classes the probe
+cannot build."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Lightning's step hooks, as one mixin of `DparStrategy`: the training, validation, test and predict steps (with
-DDP's buffer broadcast around each forward, and the last step's gradients released before it), backward, the
-optimizer step (FSDP units resharded after it), the switch that skips gradient sync during accumulation, and building
-the optimizers. With pipeline parallelism the steps
-and backward go through `lightning_dpar.strategies.pipeline_steps` instead of Lightning's own."""
+"""Lightning's step hooks, as one mixin of `DparStrategy`: the training, validation, test and predict steps (with DDP's
+buffer broadcast around each forward, and the last step's gradients released before it), backward, the optimizer step
+(FSDP units resharded after it), the switch that skips gradient sync during accumulation, and building the optimizers.
+With pipeline parallelism the steps and backward go through `lightning_dpar.strategies.pipeline_steps` instead of
+Lightning's own."""
 
 from __future__ import annotations
 
@@ -95,13 +95,11 @@ class StepHooks(ParallelStrategy):
 
     @contextmanager
     def _step_forward(self, training: bool) -> Generator[None, None, None]:
-        """Around each step's forward, as DDP's wrapper does: rank 0's buffers are broadcast to the data-parallel
-        peers first if a training forward ran since the last broadcast (`lightning_dpar.conformance.buffers`); a
-        transformers
+        """Around each step's forward, as DDP's wrapper does: rank 0's buffers are broadcast to the data-parallel peers
+        first if a training forward ran since the last broadcast (`lightning_dpar.conformance.buffers`); a transformers
         MoE model's load-balancing loss covers the global batch (`lightning_dpar.experts.router_loss`); a training
-        forward
-        of a transformers model builds no key/value cache (`without_key_value_cache`); with context parallelism each
-        sequence is split across the context-parallel ranks (`lightning_dpar.context_parallel`)."""
+        forward of a transformers model builds no key/value cache (`without_key_value_cache`); with context parallelism
+        each sequence is split across the context-parallel ranks (`lightning_dpar.context_parallel`)."""
         if self._buffer_sync is not None:
             self._buffer_sync.before_forward()
         context_parallel = self.applied.context_parallel if self.applied is not None else None

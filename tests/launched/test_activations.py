@@ -1,6 +1,5 @@
 """The activation estimate (`lightning_dpar.estimates.activations`) against real training under tensor parallelism on 2
-gloo
-ranks: the example GPT and a tiny transformers Llama, without and with activation checkpointing, within the 25% the
+gloo ranks: the example GPT and a tiny transformers Llama, without and with activation checkpointing, within the 25% the
 estimate promises, for what the forward keeps for backward and for the step's peak. One launch."""
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ Features: `tests/workers/conformance_callbacks.py`; harness: `tests/support/conf
 
 The pieces are tested in-process: the averaged copy laid out like a sharded model in
 `tests/unit/conformance/test_weight_averaging.py`, model-shaped checkpoint entries split off to DCP and found again on
-load in
-`tests/unit/checkpoint/test_model_shaped.py`, the refusals in `tests/unit/conformance/test_callback_checks.py`.
+load in `tests/unit/checkpoint/test_model_shaped.py`, the refusals in `tests/unit/conformance/test_callback_checks.py`.
 """
 
 from __future__ import annotations

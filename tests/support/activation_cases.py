@@ -1,10 +1,8 @@
-"""The runs behind the activation-estimate checks: the example GPT and a tiny transformers Llama trained for a few
-steps through a real Trainer with a meter (`tests.support.activation_meter`) on one step, and the estimate that
+"""The runs behind the activation-estimate checks: the example GPT and a tiny transformers Llama trained for a few steps
+through a real Trainer with a meter (`tests.support.activation_meter`) on one step, and the estimate that
 `lightning_dpar.estimates.activations.estimate_activations` gives for the same model, layout and batch, computed from
-the
-model built again on the meta device (as the `plan` dry run does). Shared by `tests/unit/estimates/test_activations.py`
-(one
-rank) and `tests/workers/activations.py` (tensor parallel on two ranks).
+the model built again on the meta device (as the `plan` dry run does). Shared by
+`tests/unit/estimates/test_activations.py` (one rank) and `tests/workers/activations.py` (tensor parallel on two ranks).
 
 Sizes: activations dominate (a batch of 8 x 128 tokens against models of 0.1-0.2M parameters), so the comparison is
 not drowned in anything else; the parameters are not counted by either side anyway.

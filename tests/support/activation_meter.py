@@ -1,7 +1,6 @@
 """Measuring one real training step's activation memory, to check `lightning_dpar.estimates.activations`' estimate
-against:
-`ActivationMeter` reads the CPU allocator's record, `StorageMeter` follows tensor storages (for tensor parallelism,
-where the allocator's record misses frees made by gloo's threads; see its docstring).
+against: `ActivationMeter` reads the CPU allocator's record, `StorageMeter` follows tensor storages (for tensor
+parallelism, where the allocator's record misses frees made by gloo's threads; see its docstring).
 
 `ActivationMeter` (a Lightning callback) profiles one step's forward and backward with `profile_memory=True`: the
 profiler then records every allocation and free of the CPU allocator (the bytes malloc'd for tensors, kernels'

@@ -1,7 +1,6 @@
 """`lightning_dpar/parallel_dims.py`'s meshes on a fake process group of 8 ranks: the world mesh, its flattened
-data-parallel
-dim and, with expert parallelism only, the expert view. On torch 2.11 (CI's oldest lane) the expert view goes
-through the index form of `DeviceMesh._unflatten`, since 2.11 rejects every dim given by name."""
+data-parallel dim and, with expert parallelism only, the expert view. On torch 2.11 (CI's oldest lane) the expert view
+goes through the index form of `DeviceMesh._unflatten`, since 2.11 rejects every dim given by name."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Cases for `tests/launched/test_checkpoint_formats.py`: the full format, fsspec URLs (`file://` on 2 ranks,
 `memory://` in one process), the memory `consolidate` needs, and checkpoints written by Lightning's own strategies
-resumed under
-dpar. Every case saves under its own directory (`checkpoint_common.case_dir`)."""
+resumed under dpar. Every case saves under its own directory (`checkpoint_common.case_dir`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """`consolidate` (`lightning_dpar/checkpoint/consolidate.py`) on checkpoints a real Trainer wrote in this process
-(one-rank gloo
-group): the Lightning `.ckpt` holds the trained weights and optimizer state, safetensors files hold the weights
-within the size limit, and `--format hf` is what `from_pretrained` loads. Consolidating 4-rank checkpoints is in
+(one-rank gloo group): the Lightning `.ckpt` holds the trained weights and optimizer state, safetensors files hold the
+weights within the size limit, and `--format hf` is what `from_pretrained` loads. Consolidating 4-rank checkpoints is in
 `tests/launched/test_checkpoint_reshard.py`; unusable input in `tests/launched/test_checkpoint_safety.py`."""
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The averaged copy of Lightning's weight-averaging callbacks laid out like the model
 (`lightning_dpar.conformance.weight_averaging`), in-process: like a sharded model (a fake 2-rank world), and without
-what another
-pipeline stage holds. The callbacks under every strategy through real Trainers are the conformance matrix's callback
-rows (cases in `tests/workers/conformance_callbacks.py`, the matrix in
+what another pipeline stage holds. The callbacks under every strategy through real Trainers are the conformance matrix's
+callback rows (cases in `tests/workers/conformance_callbacks.py`, the matrix in
 `tests/launched/test_conformance_callbacks.py`)."""
 
 from __future__ import annotations

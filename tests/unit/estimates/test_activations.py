@@ -1,8 +1,7 @@
 """`lightning_dpar.estimates.activations` and `activation_trace`: the arithmetic on a trace (pure), traces of small
-models whose
-activations are known by hand (tensor parallelism, sequence parallelism, activation checkpointing, pipeline units),
-and the estimate against a real one-rank FSDP run's CPU allocator (the bound the estimate promises: within 25%). The
-schedules' microbatches in flight: `tests/unit/pipeline/test_schedule.py`; tensor parallelism on 2 ranks:
+models whose activations are known by hand (tensor parallelism, sequence parallelism, activation checkpointing, pipeline
+units), and the estimate against a real one-rank FSDP run's CPU allocator (the bound the estimate promises: within 25%).
+The schedules' microbatches in flight: `tests/unit/pipeline/test_schedule.py`; tensor parallelism on 2 ranks:
 `tests/launched/test_activations.py`."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Fused mixture-of-experts parameters and their per-expert checkpoint tensors (`lightning_dpar.experts.keys`), pure:
-which per-expert key belongs to which fused parameter, which experts and rows a block of the fused tensor needs,
-what a checkpoint lacks, and the split back for the export; and the rules transformers declares
+which per-expert key belongs to which fused parameter, which experts and rows a block of the fused tensor needs, what a
+checkpoint lacks, and the split back for the export; and the rules transformers declares
 (`lightning_dpar.hf_weights.hf_keys.expert_merges`), checked against what `save_pretrained` writes. Loading and
-exporting real
-models is in `tests/unit/hf_weights/test_moe_weights.py` (one rank) and `tests/launched/test_moe_weights.py` (two)."""
+exporting real models is in `tests/unit/hf_weights/test_moe_weights.py` (one rank) and
+`tests/launched/test_moe_weights.py` (two)."""
 
 from __future__ import annotations
 

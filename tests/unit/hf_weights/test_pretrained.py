@@ -1,7 +1,6 @@
 """Pretrained Hugging Face weights (`lightning_dpar.hf_weights.pretrained`), in process: key matching, prefixes, ties
-and
-shapes, refused directories, renamed keys, the `--format hf` export names and the load summary. The runs through real
-Trainers on 2 and 4 gloo ranks (loading into shards, fine-tuning parity, strictness, export, memory) are in
+and shapes, refused directories, renamed keys, the `--format hf` export names and the load summary. The runs through
+real Trainers on 2 and 4 gloo ranks (loading into shards, fine-tuning parity, strictness, export, memory) are in
 `tests/launched/test_pretrained.py` (workers in `tests/workers/pretrained.py`), which uses the tiny models and the
 weights directory defined here."""
 

@@ -1,6 +1,5 @@
 """The device/rank check every launcher gets (`lightning_dpar.launch.devices`), in process: the problem names both
-counts
-and the fix, and a local rank past the devices fails before the process group. Under Ray Train it is exercised by
+counts and the fix, and a local rank past the devices fails before the process group. Under Ray Train it is exercised by
 `tests/launched/test_ray_train.py`."""
 
 from __future__ import annotations

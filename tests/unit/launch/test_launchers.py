@@ -1,7 +1,6 @@
 """`ckpt_path="last"` (`lightning_dpar/launch/launchers.py`) in-process: a real `Trainer(devices=1)` on a one-rank gloo
-group
-resolves it to the newest complete checkpoint of its `ModelCheckpoint` directory, skipping an incomplete newer one,
-and starts from scratch when there is none. Launching ranks (script, fork) is `tests/launched/test_launch.py`."""
+group resolves it to the newest complete checkpoint of its `ModelCheckpoint` directory, skipping an incomplete newer
+one, and starts from scratch when there is none. Launching ranks (script, fork) is `tests/launched/test_launch.py`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The default process group (`lightning_dpar/launch/process_group.py`), in-process: a strategy with no group to adopt
-starts
-a real one-rank gloo group, and the hook it registers for the process's exit ends that group and never one the user
-created. The exit itself (no abort at interpreter shutdown) is `tests/launched/test_launch.py`."""
+starts a real one-rank gloo group, and the hook it registers for the process's exit ends that group and never one the
+user created. The exit itself (no abort at interpreter shutdown) is `tests/launched/test_launch.py`."""
 
 from __future__ import annotations
 

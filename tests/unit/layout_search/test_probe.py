@@ -1,6 +1,5 @@
 """The layout search's window on the dry run (`lightning_dpar.layout_search.probe`): the model it prices is the one
-training
-builds, the layers a LightningModule builds in `configure_model` included."""
+training builds, the layers a LightningModule builds in `configure_model` included."""
 
 from __future__ import annotations
 

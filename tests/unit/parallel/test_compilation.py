@@ -1,6 +1,5 @@
 """The strategies' `compile` argument validated in process (`lightning_dpar.parallel.compilation`). Compiled training
-through
-real Trainers on 2 gloo ranks is in `tests/launched/test_compile.py` (cases in `tests/workers/compile.py`)."""
+through real Trainers on 2 gloo ranks is in `tests/launched/test_compile.py` (cases in `tests/workers/compile.py`)."""
 
 from __future__ import annotations
 
