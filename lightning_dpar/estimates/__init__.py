@@ -1,7 +1,7 @@
 """`python -m lightning_dpar plan`: what a strategy will do to a model on N ranks, without launching anything.
 
 The model is built on the meta device (no memory), a fake process group of N ranks stands in for the real one
-(collectives do nothing), and the training code path then runs on that model (`engine`). The printed placements and
+(collectives do nothing), and the training code path then runs on that model (`dry_run`). The printed placements and
 local shapes are those of the real run, a bad plan fails with the error training would raise, and a 65B-parameter
 plan (`examples/plan/gpt_70b.yaml`) takes seconds on a laptop.
 
