@@ -8,7 +8,13 @@
 - `checks`: what is refused, before the first collective.
 """
 
-from lightning_dpar.context_parallel.checks import check_batch, check_model, check_settings, sequence_blocks
+from lightning_dpar.context_parallel.checks import (
+    check_batch,
+    check_checkpointed_modules,
+    check_model,
+    check_settings,
+    sequence_blocks,
+)
 from lightning_dpar.context_parallel.layout import HeadTailLayout, attention_work, cpu_mask_bytes, key_value_sends
 from lightning_dpar.context_parallel.runtime import ContextParallel
 
@@ -17,6 +23,7 @@ __all__ = [
     "HeadTailLayout",
     "attention_work",
     "check_batch",
+    "check_checkpointed_modules",
     "check_model",
     "check_settings",
     "cpu_mask_bytes",

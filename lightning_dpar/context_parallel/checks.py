@@ -12,17 +12,15 @@ from torch import Tensor, nn
 from lightning_dpar._private_api import transformers_attention_implementation
 from lightning_dpar.helpers import has_parameters
 
-__all__ = ["check_batch", "check_model", "check_settings", "sequence_blocks"]
+__all__ = ["check_batch", "check_checkpointed_modules", "check_model", "check_settings", "sequence_blocks"]
 
 
-def check_settings(
-    strategy: str, context: int, pipeline: int, activation_checkpointing: object, compile_options: object
-) -> None:
-    """Refuse the strategy settings context parallelism does not compose with yet."""
+def check_settings(strategy: str, context: int, pipeline: int, compile_options: object) -> None:
+    """Refuse the strategy settings context parallelism does not compose with yet (`compile_options`: the strategy's
+    `torch.compile` options, `None` without compiling; `compile=True` is `{}`)."""
     refused = {
         "pipeline_parallel_size": pipeline if pipeline > 1 else None,
-        "activation_checkpointing": activation_checkpointing or None,
-        "compile": compile_options or None,
+        "compile": (compile_options or True) if compile_options is not None else None,
     }
     for name, value in refused.items():
         if value is not None:
@@ -48,6 +46,22 @@ def sequence_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
         )
     prefix, blocks = outermost[0]
     return [(f"{prefix}.{name}", block) for name, block in blocks.named_children() if has_parameters(block)]
+
+
+def check_checkpointed_modules(blocks: list[str], checkpointed: list[str]) -> None:
+    """Refuse activation checkpointing of a module enclosing the blocks the sequence is split across: its
+    recomputation in backward would run the blocks unsplit. The blocks themselves, and modules inside or outside
+    them, are recomputed exactly (`ContextParallel.checkpoint_contexts`)."""
+    for fqn in checkpointed:
+        enclosed = [block for block in blocks if fqn == "" or block.startswith(f"{fqn}.")]
+        if enclosed:
+            raise ValueError(
+                f"`activation_checkpointing` selects {fqn or '(the root)'!r}, which encloses the blocks"
+                f" {enclosed[:2]}{' ...' if len(enclosed) > 2 else ''} that context parallelism splits the sequence"
+                " across: recomputed in backward, they would run on the whole sequence. Checkpoint the blocks"
+                " themselves (`activation_checkpointing=True`, or their class name), or set"
+                " `context_parallel_size=1`."
+            )
 
 
 def check_model(root: nn.Module) -> None:

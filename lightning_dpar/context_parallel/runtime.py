@@ -14,12 +14,16 @@
 The blocks' activations, attention included, are split `size` ways; the embedding's output and the logits are
 not. The hooks act only inside `ContextParallel.active()`, which the strategy opens around each step's forward: a
 forward outside the steps runs on the whole sequence, unsplit.
+
+Activation checkpointing recomputes a block in backward, outside `active()`: `checkpoint_contexts` (the
+checkpoint's `context_fn`) re-enters the attention interception for the recomputation with the sequence length of
+the forward it repeats, so the recomputed attention exchanges keys and values and attends to every rank's again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch.distributed as dist
@@ -82,6 +86,25 @@ class ContextParallel:
         finally:
             self._enabled = False
             self.attention.end()
+
+    def checkpoint_contexts(self) -> tuple[AbstractContextManager, AbstractContextManager]:
+        """Activation checkpointing's `context_fn` for a block: nothing around the forward, and around its
+        recomputation in backward (where `active()` has long closed) the attention interception again, with the
+        forward's sequence length. Called by the checkpoint as the block's forward starts, after the split."""
+        seq_len = self.attention.seq_len
+        if not self._enabled or seq_len is None:
+            return nullcontext(), nullcontext()
+        return nullcontext(), self._recomputing(seq_len, self.attention.where)
+
+    @contextmanager
+    def _recomputing(self, seq_len: int, where: str) -> Generator[None, None, None]:
+        saved = self.attention.seq_len, self.attention.where
+        self.attention.seq_len, self.attention.where = seq_len, where
+        try:
+            with SdpaInterceptor(self.attention):
+                yield
+        finally:
+            self.attention.seq_len, self.attention.where = saved
 
     def _split(self, value: Any) -> Any:
         """`value` with every tensor spanning the whole sequence (dim 1, or dim 0 of a 1-D tensor) cut to this rank's

@@ -10,8 +10,8 @@ model, a user's own). The model is copied with every parameter and buffer replac
 device, so nothing is allocated or computed, yet the dispatcher picks kernels as on a real device: on the meta
 device `scaled_dot_product_attention` falls back to its math kernel, which saves the (tokens x tokens) attention
 probabilities, where the fused kernels of CPU and CUDA save only q, k, v, the output and the log-sum-exp.
-Activation checkpointing is the strategy's own (`checkpoint_activations`), applied to the copy, so its recomputation
-in backward is traced too.
+Activation checkpointing is the strategy's own (`parallel.apply_activation_checkpointing`), applied to the copy, so
+its recomputation in backward is traced too, context-parallel where the run is.
 
 Tensor parallelism is traced on the unsplit model without a process group: each storage carries a flag, "split over
 the tensor-parallel ranks", set where a style's layouts say so (a column-wise Linear's output, the local chunk of a
@@ -49,7 +49,6 @@ from torch.distributed.tensor.parallel import (
 from lightning_dpar._private_api import (
     FakeTensorMode,
     TorchDispatchMode,
-    checkpoint_activations,
     storage_key,
     trainer_and_mesh,
     tree_leaves,
@@ -58,6 +57,7 @@ from lightning_dpar._private_api import (
 from lightning_dpar.context_parallel.runtime import ContextParallel
 from lightning_dpar.experts.tracing_stand_in import replace_experts_for_tracing
 from lightning_dpar.helpers import key_value_cache_configs, without_key_value_cache
+from lightning_dpar.parallel.parallelize import apply_activation_checkpointing
 
 __all__ = ["StepTrace", "StorageLife", "trace_step", "training_loss"]
 
@@ -357,10 +357,9 @@ def trace_step(
         for fqn, style in (tensor_parallel or {}).items()
         if not _hook_style(fake.get_submodule(fqn), style, redistribute)
     ]
-    for fqn in activation_checkpointing:
-        checkpoint_activations(fake.get_submodule(fqn))
-    tracker = _Units(fake, units, recorder)
     context = ContextParallel.simulate(fake, context_parallel) if context_parallel > 1 else None
+    apply_activation_checkpointing(fake, activation_checkpointing, context.checkpoint_contexts if context else None)
+    tracker = _Units(fake, units, recorder)
     fake_batch = _fake_batch(batch, mode)
     existing = [*fake.parameters(), *fake.buffers(), *tree_leaves(fake_batch)]
     recorder.known = {storage_key(t.untyped_storage()) for t in existing if isinstance(t, torch.Tensor)}
@@ -370,9 +369,9 @@ def trace_step(
         warnings.filterwarnings("ignore", message=".*self.log.*")
         stack.enter_context(mode)
         stack.enter_context(recorder)
-        if context is not None:
-            stack.enter_context(context.active())
-        with autocast:
+        # The sequence is split around the forward only, as the strategy's step does (`step_hooks._step_forward`):
+        # a block recomputed in backward is split by its checkpoint's `context_fn`.
+        with autocast, context.active() if context is not None else nullcontext():
             output = loss(fake, fake_batch)
         forward_end = recorder.tick()
         tracker.in_backward = True

@@ -306,8 +306,7 @@ def estimate_activations(
         return traced
 
     without = trace(())
-    # Context parallelism does not compose with activation checkpointing yet (refused before training).
-    with_ = trace(checkpointed) if dims.context == 1 else without
+    with_ = trace(checkpointed)
     notes = [f"tensor parallelism not traced for {name}: its activations count whole" for name in without.unmodelled]
     if whole.adopted:
         notes.append("the model parallelised itself in configure_model: activations are counted as unsplit")

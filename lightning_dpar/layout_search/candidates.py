@@ -10,8 +10,8 @@ the pipeline schedule, microbatches and stages per rank (when pipelining), and a
   whose shard groups are whole nodes (HSDP's reason to exist: shard within, replicate across);
 - expert-parallel sizes, for an MoE model: every divisor of the shard dim;
 - context-parallel sizes, when the sequence length is known: every divisor of the shard dim that `2 x` divides the
-  sequence length (or one token more), without pipelining, expert parallelism or activation checkpointing (which CP
-  does not compose with yet); CP ranks share one batch, so the batch rule is read at the data-parallel size over CP;
+  sequence length (or one token more), without pipelining or expert parallelism (which CP does not compose with
+  yet); CP ranks share one batch, so the batch rule is read at the data-parallel size over CP;
 - the per-rank batch of each data-parallel size (a `BatchRule`: fixed per rank, or a global batch split over the
   data-parallel ranks); a size that gets no batch (a global batch that does not split evenly) is refused;
 - with pipelining: `1F1B` and `GPipe` with 1 and 2 microbatches per stage, `Interleaved1F1B` with 2 stages per rank
@@ -216,6 +216,6 @@ def enumerate_layouts(
                             refuse(Rejected(what, str(err)))
                             continue
                         for schedule, microbatches, stages_per_rank in pipelines:  # type: ignore[misc]
-                            for ac in (False, True) if cp == 1 else (False,):
+                            for ac in (False, True):
                                 layouts.append(Layout(dims, ac, schedule, microbatches, stages_per_rank))
     return sorted(layouts, key=lambda layout: layout.sort_key), rejected

@@ -1,7 +1,8 @@
 """Applying a parallelism plan: one small function per concern, and `apply_plan`, which applies them in the fixed
-order pipeline split -> tensor parallel -> expert parallel -> activation checkpointing -> compile -> data-parallel
-wrapper (`fully_shard` or `replicate`) -> meta-device materialisation -> context-parallel hooks. Training and the
-`plan` dry run both go through `apply_plan`.
+order pipeline split -> tensor parallel -> expert parallel -> context-parallel hooks -> activation checkpointing ->
+compile -> data-parallel wrapper (`fully_shard` or `replicate`) -> meta-device materialisation. Training and the
+`plan` dry run both go through `apply_plan`. The context-parallel hooks come before activation checkpointing, which
+gets their `context_fn`: a recomputed block's attention must be context-parallel again.
 
 Wrappers are applied to the LightningModule's children: Lightning calls `training_step` directly (not `forward`), so
 forward hooks on the LightningModule would never fire. A child that is only a container (`nn.ModuleList`,
@@ -100,7 +101,12 @@ def apply_plan(
     if plan.experts:
         assert meshes.expert is not None, "an expert-parallel plan needs the expert mesh"
         apply_expert_parallel(root, meshes.expert, plan.experts)
-    apply_activation_checkpointing(root, plan.activation_checkpointing)
+    context = None
+    if plan.context_parallel:
+        assert meshes.context is not None, "a context-parallel plan needs the context-parallel mesh"
+        context = ContextParallel.install(root, meshes.context.get_group(), plan.context_parallel)
+    recompute = context.checkpoint_contexts if context is not None else None
+    apply_activation_checkpointing(root, plan.activation_checkpointing, recompute)
     if compile_options is not None:
         apply_compile(root, plan.compile_units, compile_options)
         if meshes.dims.tensor_parallel > 1:
@@ -113,10 +119,6 @@ def apply_plan(
         pipelined.install_unit_hooks()
     if materialize:
         materialize_meta_tensors(root, meshes.device, plan.tied)
-    context = None
-    if plan.context_parallel:
-        assert meshes.context is not None, "a context-parallel plan needs the context-parallel mesh"
-        context = ContextParallel.install(root, meshes.context.get_group(), plan.context_parallel)
     fsdp_modules = [module for module in root.modules() if isinstance(module, FSDPModule)]
     return AppliedPlan(plan, root, wrapped, fsdp_modules, pipelined, context)
 
@@ -143,10 +145,14 @@ def apply_tensor_parallel(
         retie(root, tied)
 
 
-def apply_activation_checkpointing(root: nn.Module, fqns: Sequence[str]) -> None:
-    """Recompute each listed block's activations in backward instead of storing them."""
+def apply_activation_checkpointing(
+    root: nn.Module, fqns: Sequence[str], context_fn: Callable[[], tuple[Any, Any]] | None = None
+) -> None:
+    """Recompute each listed block's activations in backward instead of storing them; `context_fn` gives the context
+    managers around a block's forward and its recomputation (`torch.utils.checkpoint`'s), per forward."""
+    options = {} if context_fn is None else {"context_fn": context_fn}
     for fqn in fqns:
-        checkpoint_activations(root.get_submodule(fqn))
+        checkpoint_activations(root.get_submodule(fqn), **options)
 
 
 def apply_compile(root: nn.Module, fqns: Sequence[str], options: Mapping[str, Any]) -> None:

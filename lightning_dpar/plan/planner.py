@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar.conformance.batchnorm import check_no_batch_norm_in_pipeline
-from lightning_dpar.context_parallel.checks import check_model, sequence_blocks
+from lightning_dpar.context_parallel.checks import check_checkpointed_modules, check_model, sequence_blocks
 from lightning_dpar.helpers import class_name, show_names
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
@@ -130,7 +130,9 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
     ignored = select_modules(module, options.ignored_modules, "ignored_modules") if options.ignored_modules else []
     check_initialisable(module)
     whole = _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, experts, roots, ignored)
-    return replace(whole, context_parallel=_context_parallel_blocks(module, dims))
+    context_parallel = _context_parallel_blocks(module, dims)
+    check_checkpointed_modules(context_parallel, whole.activation_checkpointing)
+    return replace(whole, context_parallel=context_parallel)
 
 
 def _pipeline_plan(

@@ -147,6 +147,7 @@ def parity(strategy: Any, make: Callable[[], L.LightningModule], dp: int, data: 
         "steps": [len(logged) for _, logged in gathered],
         "dims": trainer.strategy.dims.describe(),
         "kv_bytes_sent_rank0": sent,  # keys and values this rank sent in the forwards (0 if nothing was split)
+        "attention_calls": runtime.attention.calls if runtime is not None else 0,  # recomputations included
     }
 
 
@@ -179,27 +180,30 @@ def gpt_data() -> Dataset:
     return Tokens(SEQ + 1)  # the GPT shifts inside its loss: SEQ inputs, SEQ targets
 
 
-def hf_case(cp: int, config_class: str = "LlamaConfig", tp: int = 1, **settings: Any) -> Callable[[], Any]:
+def hf_case(
+    cp: int, config_class: str = "LlamaConfig", tp: int = 1, checkpointing: bool = False, **settings: Any
+) -> Callable[[], Any]:
     dp = world_size() // (cp * tp)
 
     def run():
+        options = {"context_parallel_size": cp, "activation_checkpointing": checkpointing}
         if tp > 1:
-            strategy = FSDPTensorParallelStrategy(tensor_parallel_size=tp, context_parallel_size=cp, tp_plan="auto")
+            strategy = FSDPTensorParallelStrategy(tensor_parallel_size=tp, tp_plan="auto", **options)
         else:
-            strategy = FullyShardStrategy(context_parallel_size=cp)
+            strategy = FullyShardStrategy(**options)
         return parity(strategy, lambda: HFModule(config_class, **settings), dp, Tokens(SEQ))
 
     return run
 
 
-def gpt_case(cp: int, tp: int = 1) -> Callable[[], Any]:
+def gpt_case(cp: int, tp: int = 1, **options: Any) -> Callable[[], Any]:
     dp = world_size() // (cp * tp)
 
     def run():
         if tp > 1:
-            strategy = FSDPTensorParallelStrategy(tensor_parallel_size=tp, context_parallel_size=cp)
+            strategy = FSDPTensorParallelStrategy(tensor_parallel_size=tp, context_parallel_size=cp, **options)
         else:
-            strategy = FullyShardStrategy(context_parallel_size=cp)
+            strategy = FullyShardStrategy(context_parallel_size=cp, **options)
         return parity(strategy, GPTModule, dp, gpt_data())
 
     return run
@@ -259,15 +263,16 @@ def group_context_parallel_errors() -> Iterator[Case]:
     yield case("padding_mask", cp(), HFModule, lambda: PaddedTokens(SEQ))
     yield case("eager_attention", cp(), lambda: HFModule(attn="eager"), lambda: Tokens(SEQ))
     yield case("manual_attention", cp(), ManualAttentionGPT, gpt_data)
-    yield case("activation_checkpointing", cp(activation_checkpointing=True), GPTModule, gpt_data)
+    yield case("checkpointing_around_the_blocks", cp(activation_checkpointing=["model"]), GPTModule, gpt_data)
     router_loss = dict(num_experts=4, moe_intermediate_size=16, head_dim=8, output_router_logits=True)
     yield case("router_loss", cp(), lambda: HFModule("Qwen3MoeConfig", **router_loss), lambda: Tokens(SEQ))
 
 
-def activation_memory(model: str, cp: int) -> dict | None:
+def activation_memory(model: str, cp: int, checkpointing: bool = False) -> dict | None:
     """One step's activation memory on each rank (`StorageMeter`: gloo's threads free the all-gathers' tensors) for
-    a batch of 2 x 512 tokens per data-parallel rank, under FSDP over every rank with context parallelism `cp`, and
-    the activation estimate (the `plan` dry run's) for the same layout and batch."""
+    a batch of 2 x 512 tokens per data-parallel rank, under FSDP over every rank with context parallelism `cp` (and
+    activation checkpointing of the blocks), and the activation estimate (the `plan` dry run's) for the same layout
+    and batch."""
     from lightning_dpar.estimates.activations import estimate_activations
     from tests.support.activation_meter import StorageMeter
 
@@ -276,7 +281,8 @@ def activation_memory(model: str, cp: int) -> dict | None:
         make, data = (lambda: GPT(vocab_size=256, block_size=512, n_layer=2, n_head=4, n_embd=64)), Tokens(513, n=16)
     else:
         make, data = (lambda: HFModule(hidden_size=64, intermediate_size=128)), Tokens(512, n=16)
-    trainer = trainer_for(FullyShardStrategy(context_parallel_size=cp), callbacks=[meter])
+    strategy = FullyShardStrategy(context_parallel_size=cp, activation_checkpointing=checkpointing)
+    trainer = trainer_for(strategy, callbacks=[meter])
     trainer.fit(make(), DataLoader(data, batch_size=2))
     assert meter.measured is not None
     measured: list[Any] = [None] * world_size()
@@ -287,7 +293,7 @@ def activation_memory(model: str, cp: int) -> dict | None:
         meta = make()
     dims = trainer.strategy.dims
     estimate = estimate_activations(meta, trainer.strategy.module_plan(meta, dims, 0), dims, (2, len(data.ids[0])))
-    footprint = estimate.rank(0).per_microbatch(False)
+    footprint = estimate.rank(0).per_microbatch(checkpointing)
     return {
         "retained": [r for r, _ in measured],
         "peak": [p for _, p in measured],
@@ -327,6 +333,8 @@ def group_context_parallel() -> Iterator[Case]:
         lambda: parity(FullyShardStrategy(context_parallel_size=world), HFModule, 1, Tokens(SEQ, ignored=True)),
     )
     yield Case("gpt_dpar_cp", lambda: parity("dpar_cp", GPTModule, 1, gpt_data()))
+    yield Case(f"gpt_cp{world}_checkpointed", gpt_case(world, activation_checkpointing=True))
+    yield Case(f"llama_cp{world}_checkpointed", hf_case(world, checkpointing=True))
     yield Case("checkpoint_between_layouts", checkpoint_between_layouts)
     yield Case("validation_after_fit", validation_after_fit)
     for family in ("Qwen2Config", "Qwen3Config", "MistralConfig"):
@@ -340,12 +348,15 @@ def group_context_parallel() -> Iterator[Case]:
         hsdp = lambda: FullyShardStrategy(replicate_size=2, context_parallel_size=2)  # noqa: E731
         yield Case("gpt_cp2_hsdp2", lambda: parity(hsdp(), GPTModule, 2, gpt_data()))
         yield Case("llama_cp2_tp2", hf_case(2, tp=2))
+        yield Case("llama_cp2_tp2_checkpointed", hf_case(2, tp=2, checkpointing=True))
 
 
 def group_context_parallel_memory() -> Iterator[Case]:
     for model in ("gpt", "llama"):
         for cp in sorted({1, 2, world_size()}):
             yield Case(f"memory_{model}_cp{cp}", lambda m=model, c=cp: activation_memory(m, c))
+    world = world_size()
+    yield Case(f"memory_gpt_cp{world}_checkpointed", lambda: activation_memory("gpt", world, checkpointing=True))
 
 
 GROUPS = {

@@ -3,12 +3,20 @@ bad value or module and says what to do."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
-from lightning_dpar.context_parallel import check_batch, check_model, check_settings, sequence_blocks
+from lightning_dpar.context_parallel import (
+    check_batch,
+    check_checkpointed_modules,
+    check_model,
+    check_settings,
+    sequence_blocks,
+)
 from lightning_dpar.examples.gpt import GPT
 from lightning_dpar.parallel_dims import CONTEXT, DATA_PARALLEL, DATA_SHARD, ParallelDims
 
@@ -65,13 +73,30 @@ def test_dpar_cp_is_registered():
     assert trainer.strategy.resolve_dims(4, 4, 1).context == 4
 
 
-@pytest.mark.parametrize("setting", [{"pipeline": 2}, {"activation_checkpointing": True}, {"compile_options": {}}])
-def test_settings_that_do_not_compose_yet_are_refused(setting):
-    kwargs = {"pipeline": 1, "activation_checkpointing": False, "compile_options": None, **setting}
-    if setting == {"compile_options": {}}:
-        kwargs["compile_options"] = {"mode": "default"}
-    with pytest.raises(ValueError, match=r"context_parallel_size=2, .* is not supported yet"):
+@pytest.mark.parametrize(
+    ("setting", "shown"),
+    [
+        ({"pipeline": 2}, "pipeline_parallel_size=2"),
+        ({"compile_options": {}}, "compile=True"),  # `compile=True`: no options, still compiling
+        ({"compile_options": {"mode": "default"}}, "compile={'mode': 'default'}"),
+    ],
+)
+def test_settings_that_do_not_compose_yet_are_refused(setting, shown):
+    kwargs = {"pipeline": 1, "compile_options": None, **setting}
+    with pytest.raises(ValueError, match=rf"context_parallel_size=2, {re.escape(shown)}\)` is not supported yet"):
         check_settings("FullyShardStrategy", 2, **kwargs)
+
+
+def test_settings_that_compose_pass():
+    check_settings("FullyShardStrategy", 2, pipeline=1, compile_options=None)
+
+
+def test_checkpointing_a_module_enclosing_the_split_blocks_is_refused():
+    blocks = ["model.blocks.0", "model.blocks.1"]
+    check_checkpointed_modules(blocks, ["model.blocks.0", "model.blocks.1.attn", "lm_head"])  # blocks, inside, outside
+    for enclosing in ("model", ""):
+        with pytest.raises(ValueError, match=r"encloses the blocks \['model.blocks.0', 'model.blocks.1'\]"):
+            check_checkpointed_modules(blocks, [enclosing])
 
 
 def test_the_blocks_are_the_one_outermost_module_list():

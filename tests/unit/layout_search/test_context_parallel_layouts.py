@@ -24,7 +24,8 @@ def test_context_parallel_sizes_are_candidates_only_with_a_sequence_length_they_
     layouts, _ = enumerate_layouts(4, 4, 1, layers=4, batch_size=2, seq_len=16)
     assert {c.dims.context for c in layouts} == {1, 2, 4}
     cp = [c for c in layouts if c.dims.context > 1]
-    assert all(c.dims.pipeline == 1 and not c.activation_checkpointing for c in cp)  # CP composes with neither yet
+    assert all(c.dims.pipeline == 1 for c in cp)  # CP does not compose with pipelining yet
+    assert {c.activation_checkpointing for c in cp} == {False, True}  # the recomputation is context-parallel too
     assert {c.dims.tensor_parallel * c.dims.context for c in cp} <= {2, 4}
     assert cp[0].strategy_kwargs()["context_parallel_size"] == cp[0].dims.context
     assert "cp" in cp[0].mesh()
@@ -66,14 +67,15 @@ def test_the_search_chooses_context_parallelism_when_only_it_fits():
         return _mesh(layout, 400 * GIB)
 
     result = search(replace(FACTS, seq_len=131072), 8, 1, PRESETS["h100-node"], probe)
-    assert [e.layout.mesh() for e in result.ranked] == ["fsdp8 tp1 cp8"]
+    ranked = [(e.layout.mesh(), e.layout.activation_checkpointing) for e in result.ranked]
+    assert ranked == [("fsdp8 tp1 cp8", False), ("fsdp8 tp1 cp8", True)]  # recomputing costs time: ranked second
     assert result.too_big and all(e.layout.dims.context < 8 for e in result.too_big)
 
 
 @pytest.mark.slow  # two searches with the dry-run probe (tens of seconds): full suite only
 def test_dpar_auto_trains_context_parallelism_when_the_search_chooses_it():
-    """The example GPT at 2048 tokens on 4 ranks without activation checkpointing (which CP does not compose with
-    yet, and which would fit this narrow model in less), with a memory budget between what the best
+    """The example GPT at 2048 tokens on 4 ranks without activation checkpointing (which would fit this narrow model
+    in less), with a memory budget between what the best
     context-parallel layout and the best other layout need (both from the real dry-run probe): `dpar_auto` chooses
     CP and sets it where `FSDPTensorParallelStrategy` reads it."""
     import torch
