@@ -23,7 +23,12 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar.conformance.batchnorm import check_no_batch_norm_in_pipeline
-from lightning_dpar.context_parallel.checks import check_checkpointed_modules, check_model, sequence_blocks
+from lightning_dpar.context_parallel.checks import (
+    check_checkpointed_modules,
+    check_model,
+    check_pipeline_split,
+    sequence_blocks,
+)
 from lightning_dpar.helpers import class_name, show_names
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
@@ -165,6 +170,10 @@ def _pipeline_plan(
     tensor_parallel = _tensor_parallel(module, dims, options, experts)
     check_tied_layouts(module, tied, tensor_parallel)
     whole = _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, experts)
+    context_parallel = _context_parallel_blocks(module, dims)
+    check_checkpointed_modules(context_parallel, whole.activation_checkpointing)
+    check_pipeline_split(context_parallel, split.stages)
+    whole = replace(whole, context_parallel=context_parallel)
     return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
 
 
