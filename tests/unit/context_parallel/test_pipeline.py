@@ -88,3 +88,27 @@ def test_an_earlier_stage_sends_its_part_on_and_closes_the_split():
         assert out.shape == (3, 8, 8) and not runtime.attention.active  # the part, for the next stage
         again = model.layers[0](torch.randn(3, 16, 8), rotary, torch.arange(16))  # the next microbatch splits anew
     assert again.shape == (3, 8, 8) and model.layers[0].seen == [(8, 8, 8, 8)] * 2
+
+
+def test_the_activation_estimate_splits_each_stage_s_blocks_and_sends_the_part():
+    """PP 2 x CP 2 traced as one context-parallel rank (the estimate the layout search reads): the stages together
+    retain what the unpipelined CP 2 estimate does for the same microbatch (validated against measurement in
+    tests/launched/test_context_parallel.py), and the boundary carries half of what it carries without CP."""
+    from lightning_dpar.estimates.activations import estimate_activations
+
+    with torch.device("meta"):
+        model = GPT(vocab_size=256, block_size=512, n_layer=4, n_head=4, n_embd=64)
+    config = PipelineConfig.of("1F1B", None, 1, "auto")
+    stages = {}
+    for cp in (1, 2):
+        dims = ParallelDims.resolve(4, 4, pipeline_parallel_size=2, context_parallel_size=cp)
+        plans = [plan_modules(model, dims, _options(), rank=rank) for rank in range(4)]
+        estimate = estimate_activations(model, plans, dims, (4, 513), pipeline=config)
+        stages[cp] = [rank.stages[0] for rank in estimate.ranks]
+    assert stages[2][0].sent == stages[2][1].received == stages[1][0].sent // 2 > 0
+    dims = ParallelDims.resolve(2, 2, context_parallel_size=2)
+    whole = estimate_activations(model, plan_modules(model, dims, _options()), dims, (2, 513)).rank(0).stages[0]
+    for checkpointing in (False, True):
+        retained = [stage.footprint(checkpointing).retained - stage.received for stage in stages[2]]
+        assert sum(retained) == whole.footprint(checkpointing).retained
+        assert all(r < stage.footprint(checkpointing).retained for r, stage in zip(retained, stages[1]))
