@@ -55,3 +55,12 @@ def test_a_pipeline_split_inside_a_block_is_refused(cp4):
     messages = cp4["error_pipeline_split_inside_a_block"]
     assert all(m is not None and "puts parts of block 'model.blocks.0' on stages [0, 1]" in m for m in messages)
     assert len(set(messages)) == 1
+
+
+@pytest.mark.slow
+def test_validation_through_the_stages_splits_the_sequence_and_logs_the_global_loss(cp4):
+    """After fitting under PP 2 x CP 2, `validate` (2 batches, forward only through the stages) attends on every rank
+    and logs one process's loss."""
+    result = cp4["validation_after_fit_pp2_cp2"]
+    assert result["val_loss"] == pytest.approx(result["want"], abs=1e-5)
+    assert result["attention_calls"] == [2] * 4

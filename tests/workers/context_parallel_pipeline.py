@@ -14,8 +14,17 @@ import torch
 from lightning_dpar import FullyShardStrategy
 from lightning_dpar.pipeline.values import tensor_specs
 from tests.workers.cases import Case
-from tests.workers.common import world_size
-from tests.workers.context_parallel import SEQ, GPTModule, HFModule, Tokens, expect_error, gpt_data, parity
+from tests.workers.common import BATCH, trainer_for, world_size
+from tests.workers.context_parallel import (
+    SEQ,
+    GPTModule,
+    HFModule,
+    Tokens,
+    expect_error,
+    gpt_data,
+    parity,
+    reference_params,
+)
 
 
 def pipeline_cp(schedule: str, **options: Any) -> FullyShardStrategy:
@@ -40,6 +49,30 @@ def pipelined_parity(strategy: FullyShardStrategy, make: Callable[[], L.Lightnin
     return {**result, "attention_calls": [calls for calls, _ in ranks], "sent_shapes": [shapes for _, shapes in ranks]}
 
 
+def validation_after_fit() -> dict | None:
+    """The example GPT fitted under PP 2 x CP 2, then `validate`: the forward-only pass through the stages splits the
+    sequence too (every rank's attention calls grow), and the logged `val_loss` is one process's."""
+    from torch.utils.data import DataLoader
+
+    strategy = pipeline_cp("1F1B")
+    trainer = trainer_for(strategy)
+    module = GPTModule()
+    trainer.fit(module, DataLoader(gpt_data(), batch_size=BATCH))
+    attention = strategy.applied.context_parallel.attention
+    before = attention.calls
+    val_data = Tokens(SEQ + 1, n=8, seed=11)
+    (metrics,) = trainer.validate(module, DataLoader(val_data, batch_size=BATCH), verbose=False)
+    calls: list[Any] = [None] * world_size()
+    torch.distributed.all_gather_object(calls, attention.calls - before)
+    if trainer.global_rank != 0:
+        return None
+    reference = GPTModule()
+    reference.load_state_dict(reference_params())
+    with torch.no_grad():
+        want = sum(float(reference.loss(val_data.ids[i : i + BATCH])) for i in (0, BATCH)) / 2
+    return {"val_loss": metrics["val_loss"], "want": want, "attention_calls": calls}
+
+
 def group_context_parallel_pipeline() -> Iterator[Case]:
     if world_size() != 4:
         return
@@ -57,6 +90,7 @@ def group_context_parallel_pipeline() -> Iterator[Case]:
             f"llama4_pp2_cp2_{schedule.lower()}",
             lambda s=schedule: pipelined_parity(pipeline_cp(s, pipeline_stages_per_rank=2), deep, Tokens(SEQ)),
         )
+    yield Case("validation_after_fit_pp2_cp2", validation_after_fit)
     inside = dict(shard_modules=["CausalSelfAttention", "MLP"], pipeline_split=["model.blocks.0.mlp"])
     yield Case(
         "error_pipeline_split_inside_a_block",
