@@ -29,6 +29,8 @@ def cp4(shared_launch):
         "llama_pp2_cp2_1f1b",
         "llama_pp2_cp2_1f1b_checkpointed",
         "llama4_pp2_cp2_interleaved1f1b",
+        "llama4_pp2_cp2_loopedbfs",
+        "llama4_pp2_cp2_interleavedzerobubble",
         "llama4_pp2_cp2_zbvzerobubble",
     ],
 )

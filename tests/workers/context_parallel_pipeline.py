@@ -1,6 +1,6 @@
 """Context parallelism across pipeline stages, for `tests/launched/test_context_parallel.py` (4 ranks): pipeline 2 x
 context parallel 2, the example GPT and a transformers Llama under GPipe and 1F1B (and a 4-layer Llama under the
-multi-stage schedules), each against one process on the same global batches; and the pipeline split context
+four multi-stage schedules), each against one process on the same global batches; and the pipeline split context
 parallelism refuses."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def group_context_parallel_pipeline() -> Iterator[Case]:
         lambda: pipelined_parity(pipeline_cp("1F1B", activation_checkpointing=True), HFModule, Tokens(SEQ)),
     )
     deep = lambda: HFModule(num_hidden_layers=4)  # noqa: E731  (4 stages of one block)
-    for schedule in ("Interleaved1F1B", "ZBVZeroBubble"):
+    for schedule in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"):
         yield Case(
             f"llama4_pp2_cp2_{schedule.lower()}",
             lambda s=schedule: pipelined_parity(pipeline_cp(s, pipeline_stages_per_rank=2), deep, Tokens(SEQ)),
