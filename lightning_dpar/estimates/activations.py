@@ -288,6 +288,7 @@ def estimate_activations(
 
     def trace(checkpoint: Sequence[str]) -> StepTrace:
         key = (*_trace_key(microbatch, tensor_parallel, checkpoint, units, compute_dtype, autocast_dtype), dims.context)
+        key = (*key, whole.context_parallel_loss)
         if traces is not None and key in traces:
             return traces[key]
         traced = trace_step(
@@ -300,6 +301,7 @@ def estimate_activations(
             autocast_dtype=autocast_dtype,
             loss=loss,
             context_parallel=dims.context,
+            context_parallel_loss=whole.context_parallel_loss,
         )
         if traces is not None:
             traces[key] = traced
