@@ -80,7 +80,7 @@ def _is_causal_lm(module: nn.Module) -> bool:
         from transformers.loss.loss_utils import ForCausalLMLoss
     except ImportError:
         return False
-    loss = vars(module).get("_loss_function", ForCausalLMLoss)  # set: by the user, or by an installed `OwnLoss`
+    loss = module.loss_function  # transformers' own, unless the user or an installed `OwnLoss` set another
     return (loss.own if isinstance(loss, OwnLoss) else loss) is ForCausalLMLoss
 
 
@@ -117,7 +117,7 @@ def check_labels(module: nn.Module, where: str, args: tuple, kwargs: dict) -> No
 def shifted_labels(labels: Tensor, ignore_index: int = -100) -> Tensor:
     """The next-token targets of the whole sequence, as transformers' `ForCausalLMLoss` makes them: `labels` shifted
     left by one, the last position `ignore_index`."""
-    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
 
 
 class _SumOverRanks(Function):

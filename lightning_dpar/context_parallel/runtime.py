@@ -72,7 +72,7 @@ class ContextParallel:
         if loss_module is not None:
             name, module = loss_module
             self._loss_where = f"Module {name or '(root)'!r} ({type(module).__name__})"
-            self._own_loss, self._set_loss = module.loss_function, "_loss_function" in vars(module)
+            self._own_loss = module.loss_function
             module.loss_function = OwnLoss(self._own_loss, lambda: self._partial_output, layout, group)
             self._handles.append(module.register_forward_pre_hook(self._loss_pre_hook, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._loss_post_hook))
@@ -104,11 +104,8 @@ class ContextParallel:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._loss_module is not None:  # the model's own loss back, as it was
-            if self._set_loss:
-                self._loss_module.loss_function = self._own_loss
-            else:
-                del self._loss_module._loss_function
+        if self._loss_module is not None:  # the model's own loss back
+            self._loss_module.loss_function = self._own_loss
 
     def _loss_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._enabled:

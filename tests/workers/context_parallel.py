@@ -361,7 +361,16 @@ def group_context_parallel_memory() -> Iterator[Case]:
     yield Case(f"memory_gpt_cp{world}_checkpointed", lambda: activation_memory("gpt", world, checkpointing=True))
 
 
+def group_context_parallel_loss() -> Iterator[Case]:
+    """`context_parallel_loss="per_rank"`: in `tests/workers/context_parallel_per_rank.py`, which builds on this
+    module's cases."""
+    from tests.workers.context_parallel_per_rank import group_context_parallel_loss as cases
+
+    yield from cases()
+
+
 GROUPS = {
+    "context_parallel_loss": group_context_parallel_loss,
     "context_parallel_memory": group_context_parallel_memory,
     "context_parallel": group_context_parallel,
     "context_parallel_errors": group_context_parallel_errors,

@@ -59,7 +59,6 @@ MODULES = [
         "auto_data",
         "sweep",
         "context_parallel",
-        "context_parallel_loss",
     )
 ]
 

@@ -1,7 +1,8 @@
-"""Context-parallel cases with the loss on each rank's own tokens (`context_parallel_loss="per_rank"`), for
-`tests/launched/test_context_parallel.py`: transformers causal LMs trained through real Trainers against one process
-on the same global batches (CP alone, with `ignore_index` tokens spread unevenly, CP x FSDP, CP x TP, with
-activation checkpointing), the activation memory it saves, and its refusals."""
+"""Context-parallel cases with the loss on each rank's own tokens (`context_parallel_loss="per_rank"`): the
+`context_parallel_loss` group of `tests/launched/test_context_parallel.py`, registered by `context_parallel`.
+transformers causal LMs trained through real Trainers against one process on the same global batches (CP alone,
+with `ignore_index` tokens spread unevenly, CP x FSDP, CP x TP, with activation checkpointing), the activation
+memory it saves, and its refusals."""
 
 from __future__ import annotations
 
@@ -63,9 +64,10 @@ class ReadsLogits(HFModule):
 
 def group_context_parallel_loss() -> Iterator[Case]:
     world = world_size()
-    yield Case(f"llama_cp{world}_per_rank", per_rank_case(world))
-    yield Case(f"qwen3_cp{world}_per_rank", per_rank_case(world, "Qwen3Config"))
-    yield Case(f"llama_cp{world}_per_rank_ignore_index", per_rank_case(world, ignored=True))
+    for family in ("LlamaConfig", "Qwen3Config"):
+        name = f"{family[:-6].lower()}_cp{world}_per_rank"
+        yield Case(name, per_rank_case(world, family))
+        yield Case(f"{name}_ignore_index", per_rank_case(world, family, ignored=True))
     yield Case(f"llama_cp{world}_per_rank_checkpointed", per_rank_case(world, checkpointing=True))
     if world == 4:
         yield Case("llama_cp2_fsdp2_per_rank", per_rank_case(2))
@@ -80,6 +82,3 @@ def group_context_parallel_loss() -> Iterator[Case]:
     yield case("per_rank_not_a_causal_lm", GPTModule, gpt_data)
     yield case("per_rank_without_labels", OwnLossFromLogits, lambda: Tokens(SEQ))
     yield case("per_rank_logits_read", ReadsLogits, lambda: Tokens(SEQ))
-
-
-GROUPS = {"context_parallel_loss": group_context_parallel_loss}
