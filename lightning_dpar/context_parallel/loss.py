@@ -191,8 +191,8 @@ class PartialLogits:
     def __init__(self, shape: tuple[int, ...], seq_len: int, layout: HeadTailLayout) -> None:
         self._message = (
             f"`outputs.logits` is not available under `context_parallel_loss='per_rank'`: each context-parallel rank"
-            f" computed the logits of its own {shape[-2]} of the sequence's {seq_len} tokens only (rank"
-            f" {layout.rank} of {layout.size}, head-tail chunks {layout.chunks()}), not the whole sequence's. Use"
+            f" computed the logits of its own {shape[-2]} of the sequence's {seq_len} tokens only (two of its"
+            f" {2 * layout.size} chunks), not the whole sequence's. Use"
             " `outputs.loss` (the whole sequence's loss, on every rank), or set `context_parallel_loss='whole'` to"
             " get whole-sequence logits."
         )
