@@ -1,17 +1,24 @@
 """How every benchmark variant is timed and its memory measured: `StepClock` (plain loops call it, Lightning runs
 through `ClockCallback`), `release_memory`, which frees what a finished variant left before the next starts, and
-`RecordFunctionProfiler`, which marks Lightning's hooks in a `torch.profiler` trace."""
+`RecordFunctionProfiler`, which marks Lightning's hooks in a `torch.profiler` trace. In the profiled window `cProfile`
+also counts Python function calls: unlike time, a count does not depend on the load of the machine."""
 
 from __future__ import annotations
 
+import cProfile
 import gc
 import os
+import pstats
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.profilers import Profiler
+
+REPOSITORY = str(Path(__file__).resolve().parents[1])
 
 
 def release_memory(device: torch.device) -> None:
@@ -47,7 +54,10 @@ class StepClock:
         #: `(after, until)`: run `torch.profiler` from the end of step `after` (the warm-up) to the end of `until`.
         self.profile_window = profile_window
         self._profiler: torch.profiler.profile | None = None
+        self._python: cProfile.Profile | None = None
         self.profile: list[list] = []
+        #: With a profile window: `[function, calls]` over the profiled steps, every Python function called there.
+        self.python_calls: list[list] = []
         self.times: list[float] = []
         self.cpu_times: list[float] = []
         self.peak_rss = 0
@@ -84,12 +94,17 @@ class StepClock:
         if len(self.times) == self.profile_window[0]:
             self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             self._profiler.__enter__()
+            self._python = cProfile.Profile()
+            self._python.enable()
             self._last, self._last_cpu = time.perf_counter(), time.process_time()  # start-up not counted
         elif len(self.times) == self.profile_window[1] and self._profiler is not None:
             self._stop_profiler()
 
     def _stop_profiler(self) -> None:
-        assert self._profiler is not None
+        assert self._profiler is not None and self._python is not None
+        self._python.disable()
+        self.python_calls = python_call_counts(self._python)
+        self._python = None
         self._profiler.__exit__(None, None, None)
         self.profile = [
             [e.key, e.count, e.self_cpu_time_total, e.cpu_time_total] for e in self._profiler.key_averages()
@@ -122,6 +137,17 @@ class ClockCallback(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.clock.tick()
+
+
+def python_call_counts(profile: cProfile.Profile) -> list[list]:
+    """`[function, calls]` for every function `profile` saw, named `file:function` (the path from `site-packages/`
+    or the repository on, built-ins by name without their address), summed over functions of the same name."""
+    counts: dict[str, int] = {}
+    for (path, _, function), (_, calls, *_) in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
+        where = path.split("site-packages/")[-1].removeprefix(f"{REPOSITORY}/")
+        name = re.sub(r" at 0x[0-9a-f]+", "", f"{where}:{function}" if where != "~" else function)
+        counts[name] = counts.get(name, 0) + calls
+    return [[name, calls] for name, calls in counts.items()]
 
 
 def current_rss_bytes() -> int:

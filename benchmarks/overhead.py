@@ -7,7 +7,9 @@ every Lightning hook and loop phase, named as Lightning names them: `[Strategy].
 `run_training_batch`, ...) its calls and CPU ms per step on rank 0: Lightning's hooks, the ops whose number of
 calls differs between the variants (exact: extra work), and the ops whose time differs most. The raw profile is
 kept in `<out>/overhead_<preset>.json`; `--render FILE` redoes the tables from it. The profiler itself slows every
-op a little; compare the variants with each other, not with the suite's unprofiled step times.
+op a little; compare the variants with each other, not with the suite's unprofiled step times. Last, cProfile's
+count of Python function calls per step and variant, and the functions whose counts differ most: a count does not
+depend on the load of the machine, so it tells extra work from noise where times on a shared machine cannot.
 """
 
 from __future__ import annotations
@@ -43,6 +45,19 @@ def per_step_events(raw: dict[str, Any]) -> dict[str, dict[str, tuple[float, flo
 
 #: Events that are time spent waiting for the other ranks (collectives), not work this rank does.
 WAIT_EVENTS = ("_c10d_functional::wait_tensor", "c10d::", "gloo:", "nccl:")
+
+
+def python_calls_per_step(raw: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """`{variant: {function: Python calls per step}}`, rank 0 (`StepClock.python_calls`), over the repetitions."""
+    steps = raw["steps"] * raw["repeats"]
+    out: dict[str, dict[str, float]] = {}
+    for name, variant in raw["variants"].items():
+        sums: dict[str, float] = defaultdict(float)
+        for run in variant["runs"]:
+            for function, calls in run[0].get("python_calls", []):
+                sums[function] += calls
+        out[name] = {k: v / steps for k, v in sums.items()}
+    return out
 
 
 def _is_hook(event: str) -> bool:
@@ -102,7 +117,38 @@ def overhead_markdown(raw: dict[str, Any], top: int = 40) -> str:
         f"Ops with the largest difference in total CPU ms per step (top {top}; timing, so noisy on a shared machine).",
         sorted((e for e in all_events if not _is_hook(e)), key=spread, reverse=True)[:top],
     )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _python_calls_tables(raw, names, top)) + "\n"
+
+
+def _python_calls_tables(raw: dict[str, Any], names: list[str], top: int) -> list[str]:
+    """Python calls per step per variant (cProfile, counted, so not noise), and the functions whose counts differ
+    most from the first variant's."""
+    calls = python_calls_per_step(raw)
+    if not any(calls.values()):
+        return []
+    base = names[0]
+    lines = [
+        "",
+        "Python function calls per step on rank 0 (cProfile over the profiled steps: a count, independent of the"
+        " machine's load).",
+        "",
+        "| variant | calls/step | vs " + base + " |",
+        "|---|---:|---:|",
+    ]
+    total = {n: sum(calls[n].values()) for n in names}
+    lines += [f"| {n} | {total[n]:,.0f} | {total[n] / total[base]:.3f} |" for n in names]
+    functions = {f for per in calls.values() for f in per}
+
+    def spread(function: str) -> float:
+        counts = [calls[n].get(function, 0.0) for n in names]
+        return max(counts) - min(counts)
+
+    lines += ["", f"Functions whose calls per step differ most (top {top}).", ""]
+    lines += ["| function | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for function in sorted(functions, key=spread, reverse=True)[:top]:
+        cells = " | ".join(f"{calls[n].get(function, 0.0):g}" for n in names)
+        lines.append(f"| `{function[:90]}` | {cells} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

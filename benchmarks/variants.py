@@ -95,6 +95,8 @@ class Measurement:
     memory_at_reset_bytes: int = 0
     #: With `Context.profile`: per profiled event, `[name, calls, self CPU us, total CPU us]` over the timed steps.
     profile: list[list] = field(default_factory=list)
+    #: With `Context.profile`: per Python function, `[name, calls]` over the timed steps (`StepClock.python_calls`).
+    python_calls: list[list] = field(default_factory=list)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -193,6 +195,7 @@ def run_plain(family: str, compiled: bool, ctx: Context) -> Measurement:
         clock.peak_memory(),
         state_bytes(model, optimizer),
         profile=clock.profile,
+        python_calls=clock.python_calls,
         memory_at_reset_bytes=clock.memory_at_reset,
     )
 
@@ -229,6 +232,7 @@ def run_lightning(
         clock.peak_memory(),
         state_bytes(module, optimizer),
         profile=clock.profile,
+        python_calls=clock.python_calls,
         memory_at_reset_bytes=clock.memory_at_reset,
     )
     if checkpoint and ctx.preset.checkpoints:

@@ -6,6 +6,7 @@ here means an upgrade that moves one of them breaks exactly one module, and a re
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -99,6 +100,7 @@ __all__ = [
     "tree_map",
     "unfetched_training_iterator",
     "unflatten_mesh",
+    "unpacked_positions_on_fake_tensors",
     "view_base",
     "waited",
 ]
@@ -133,7 +135,8 @@ def unflatten_mesh(mesh: DeviceMesh, dim: str, sizes: tuple[int, ...], names: tu
     return mesh._unflatten(list(mesh.mesh_dim_names or ()).index(dim), sizes, names)
 
 
-def swapped_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> AbstractContextManager[None]:
+@contextmanager
+def swapped_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
     """Register `tensors` in place of `module`'s own parameters of the same names while the context is open, then
     put back exactly the objects that were there.
 
@@ -141,11 +144,6 @@ def swapped_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> A
     tensors (its `forward` indexes them by local expert id) where FSDP registered DTensors. `module._parameters` is
     the only place `nn.Module` looks parameters up; `torch.func.functional_call` swaps them too but calls the module
     again, which would run FSDP's hooks twice. transformers' expert parallelism swaps them the same way."""
-    return _swapped_parameters(module, tensors)
-
-
-@contextmanager
-def _swapped_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
     saved = {name: module._parameters[name] for name in tensors}
     try:
         module._parameters.update(tensors)  # type: ignore[arg-type]
@@ -176,8 +174,7 @@ def is_composable_replicated(module: nn.Module) -> bool:
     """Whether `ddp_replicate` was applied to this module (its registry is the only record of it)."""
     from torch.distributed._composable.contract import _get_registry
 
-    registry = _get_registry(module)
-    return registry is not None and "replicate" in registry
+    return "replicate" in (_get_registry(module) or {})
 
 
 # DCP's reader for fsspec URLs (`s3://`, `memory://`). DCP picks it itself from a URL `checkpoint_id`, but to read the
@@ -190,10 +187,8 @@ except ImportError:  # torch < 2.15
 
 
 def unfetched_training_iterator(trainer: Any) -> Any | None:
-    """The iterator Lightning's fit loop draws training batches from, if it has not pre-fetched any yet.
-
-    Lightning has no public handle on it. We need it to skip the batches a non-resumable loader (custom sampler)
-    already yielded before a mid-epoch checkpoint; with pre-fetched batches queued, skipping there would be wrong."""
+    """The iterator Lightning's fit loop draws training batches from, if it has not pre-fetched any yet (no public
+    handle): where the batches a non-resumable loader already yielded before a mid-epoch checkpoint are skipped."""
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
     if fetcher is None or getattr(fetcher, "batches", None) or getattr(fetcher, "iterator", None) is None:
         return None
@@ -246,19 +241,14 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher as Launche
 
 
 def model_checkpoint_dir(callback: Any, trainer: Any) -> str | None:
-    """The directory a `ModelCheckpoint` saves into. Before `fit` sets it up, only its private resolver knows (it
-    derives the directory from the trainer's root directory and logger)."""
-    if callback.dirpath is not None:
-        return str(callback.dirpath)
-    return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+    """The directory a `ModelCheckpoint` saves into: before `fit` sets it up, only its private resolver knows."""
+    return str(callback.dirpath or callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
 
 
 def replace_model_checkpoint_link(callback: Any, link: Callable[[Any, str, str], None]) -> None:
-    """Make `callback` (a `ModelCheckpoint`) point its `save_last="link"` link with `link(trainer, filepath,
-    linkpath)`. Lightning makes the link in the private static method `_link_checkpoint`, right after the save call
-    returns, and has no public hook for it; with an async save the checkpoint is then still being written, and a
-    kill before it completes would leave the link naming nothing. Set on the instance, `link` shadows the class's
-    method for this callback only."""
+    """Make `callback` (a `ModelCheckpoint`) make its `save_last="link"` link with `link(trainer, filepath, linkpath)`,
+    shadowing (for this instance only) the private static `_link_checkpoint` Lightning calls right after the save
+    returns: with an async save the checkpoint is still being written then (no public hook)."""
     callback._link_checkpoint = link
 
 
@@ -296,6 +286,24 @@ def transformers_attention_implementation(module: Any) -> str | None:
     return getattr(getattr(module, "config", None), "_attn_implementation", None)
 
 
+@contextmanager
+def unpacked_positions_on_fake_tensors() -> Iterator[None]:
+    """Inside, transformers' packed-sequence check (`masking_utils.find_packed_sequence_indices`) reports one sequence
+    per row for fake position ids, as it does for the `0 .. n-1` a decoder makes itself: unable to read fake values,
+    it reports packing, and a traced step builds a `tokens x tokens` causal mask the real step (no attention mask)
+    never builds. No public switch; checked on transformers 5.17 and 5.24; a no-op without it."""
+    utils = sys.modules.get("transformers.masking_utils")  # not imported: no transformers model to trace
+    original = getattr(utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    utils.find_packed_sequence_indices = lambda ids: None if isinstance(ids, FakeTensor) else original(ids)
+    try:
+        yield
+    finally:
+        utils.find_packed_sequence_indices = original
+
+
 def adopt_metric_state(metric: Any, states: dict[str, Any], update_count: int, step_value: Any = None) -> None:
     """Give a torchmetrics `Metric` the states of its copy on another rank (a pipeline's last stage, which updated
     it), and the value its last `forward` returned there (what Lightning logs for `on_step`). torchmetrics keeps the
@@ -328,12 +336,9 @@ from torch.optim._muon import _zeropower_via_newtonschulz as muon_newton_schulz 
 
 
 def replace_muon_group_step(optimizer: torch.optim.Muon, group_step: Callable[..., bool]) -> None:
-    """Make `optimizer.step` call `group_step` in place of `Muon._init_group` for each param group.
-
-    `Muon.step` calls `self._init_group(group, params, grads, momentum_buffers)` and then steps what it appended to
-    those lists; an instance attribute of that name is found first. Unlike replacing `step` itself, this keeps what
-    wraps `step` working (torch's step hooks and profiler, an LR scheduler's step counter, Lightning's closure).
-    `group_step` does the sharded parameters' whole update and appends only the others."""
+    """Make `optimizer.step` call `group_step` (which updates the sharded parameters whole and appends only the
+    others) in place of `Muon._init_group(group, params, grads, momentum_buffers)`, found first as an instance
+    attribute. Unlike replacing `step`, this keeps what wraps `step` working (hooks, profiler, schedulers, closures)."""
     optimizer._init_group = group_step  # type: ignore[method-assign]
 
 
@@ -343,11 +348,9 @@ def muon_init_group(optimizer: torch.optim.Muon, group: Any, params: list, grads
 
 
 def averaged_copy(callback: Any) -> nn.Module | None:
-    """The module holding a Lightning weight-averaging callback's averaged weights, or None before its `setup`.
-
-    `WeightAveraging` (and `EMAWeightAveraging`) keep a `torch.optim.swa_utils.AveragedModel` in `_average_model`,
-    whose `module` is the copy; `StochasticWeightAveraging` keeps the copied LightningModule itself there. Neither
-    exposes it, and the strategy must lay the copy out like the parallelised model (`weight_averaging`)."""
+    """The module holding a Lightning weight-averaging callback's averaged weights (None before its `setup`), which
+    the strategy lays out like the model: `WeightAveraging` keeps an `AveragedModel` in `_average_model` (the copy is
+    its `module`), `StochasticWeightAveraging` the copied LightningModule itself; neither exposes it."""
     from torch.optim.swa_utils import AveragedModel
 
     average = callback._average_model
@@ -358,7 +361,7 @@ def averaged_copy(callback: Any) -> nn.Module | None:
 # follows every tensor storage it creates. `FakeTensorMode` is torch's own way to run operators without memory (what
 # `torch.compile` traces with) on a device of our choosing, so kernels are picked as on a real device; a
 # `TorchDispatchMode` sees each operator's outputs; pytree reads them out of nested results (no public equivalents).
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
 

@@ -39,26 +39,30 @@ def broadcast_from_first(tensors: Iterable[Tensor], group: dist.ProcessGroup) ->
                 tensor.copy_(synced.view_as(tensor))
 
 
-def local_buffers(module: nn.Module) -> list[tuple[str, Tensor]]:
-    """The buffers each rank holds whole (not DTensors), by name; looked up anew each time, since a module may
-    reassign a buffer."""
-    return [(name, b) for name, b in module.named_buffers() if not isinstance(b, DTensor)]
-
-
 class BufferSync:
     """DDP's buffer broadcast for a model wrapped with composable APIs: call `before_forward` before each step's
-    forward (training, validation, test, predict) and `after_forward` after it."""
+    forward (training, validation, test, predict) and `after_forward` after it.
+
+    The buffers are the model's when the strategy wraps it, as DDP's are the module's when DDP wraps it: their
+    owners and names are found once, and each buffer is read from its owner at every sync, so a module that
+    reassigns one (`self.running_mean = ...`) has the new tensor synced. A model without buffers costs one check
+    per step."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None) -> None:
-        self._module = module
         self._group = group if group is not None and dist.get_world_size(group) > 1 else None
+        self._owners = [_owner(module, name) for name, _ in module.named_buffers()]
         #: DDP's `require_forward_param_sync`: True after a forward with gradients and gradient sync (and at first).
         self._pending = True
 
+    def _local_buffers(self) -> list[tuple[str, Tensor]]:
+        """The buffers each rank holds whole (not DTensors), by name, read from their owners now."""
+        found = ((name, getattr(owner, attribute)) for name, owner, attribute in self._owners)
+        return [(name, b) for name, b in found if isinstance(b, Tensor) and not isinstance(b, DTensor)]
+
     def before_forward(self) -> None:
         """Broadcast the data-parallel group's first rank's buffers, if a synced training forward ran since."""
-        if self._pending and self._group is not None:
-            buffers = [b for _, b in local_buffers(self._module)]
+        if self._pending and self._group is not None and self._owners:
+            buffers = [b for _, b in self._local_buffers()]
             if buffers:
                 broadcast_from_first(buffers, self._group)
         self._pending = False
@@ -74,7 +78,13 @@ class BufferSync:
         are not changed (DDP's ranks keep their own until the next forward)."""
         if self._group is None:
             return state
-        copies = {name: b.detach().clone() for name, b in local_buffers(self._module) if name in state}
+        copies = {name: b.detach().clone() for name, b in self._local_buffers() if name in state}
         if copies:
             broadcast_from_first(copies.values(), self._group)
         return {**state, **copies}
+
+
+def _owner(module: nn.Module, name: str) -> tuple[str, nn.Module, str]:
+    """`name` (a buffer's dotted name in `module`) with the module that owns it and its attribute name there."""
+    path, _, attribute = name.rpartition(".")
+    return name, module.get_submodule(path), attribute

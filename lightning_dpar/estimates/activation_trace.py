@@ -53,6 +53,7 @@ from lightning_dpar._private_api import (
     trainer_and_mesh,
     tree_leaves,
     tree_map,
+    unpacked_positions_on_fake_tensors,
 )
 from lightning_dpar.context_parallel.runtime import ContextParallel
 from lightning_dpar.experts.tracing_stand_in import replace_experts_for_tracing
@@ -371,6 +372,8 @@ def trace_step(
         warnings.filterwarnings("ignore", message=".*self.log.*")
         stack.enter_context(mode)
         stack.enter_context(recorder)
+        if not (isinstance(batch, Mapping) and "position_ids" in batch):  # the model makes its positions: unpacked
+            stack.enter_context(unpacked_positions_on_fake_tensors())
         # The sequence is split around the forward only, as the strategy's step does (`step_hooks._step_forward`):
         # a block recomputed in backward is split by its checkpoint's `context_fn`.
         with autocast, context.active() if context is not None else nullcontext():

@@ -55,6 +55,9 @@ def test_overhead_command_profiles_ops_and_lightning_hooks(tmp_path):
     for name, variant in raw["variants"].items():
         events = {event[0] for event in variant["runs"][0][0]["profile"]}
         assert events & {"aten::mm", "aten::addmm"}, (name, sorted(events)[:20])
+        python = dict(variant["runs"][0][0]["python_calls"])  # and the Python calls, counted
+        assert python.get("torch/nn/modules/module.py:_call_impl", 0) > 0, (name, sorted(python)[:20])
+    assert "Python function calls per step on rank 0" in table
 
 
 @pytest.mark.slow

@@ -77,6 +77,36 @@ def test_parity_with_hsdp_and_one_process(parity_runs):
     assert max_diff(hsdp, want) < 1e-5
 
 
+@pytest.fixture(scope="module")
+def context_parallel_runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ft_cp")
+    job = Job(out, min_replicas=GROUPS)
+    try:
+        deadline = time.time() + TIMEOUT
+        groups = [
+            job.launch("ft_cp", GROUP_SIZE, f"g{g}", REPLICA_GROUP_ID=str(g), DPAR_FT_STEPS="3") for g in range(GROUPS)
+        ]
+        for g, proc in enumerate(groups):
+            job.wait(proc, f"g{g}", deadline)
+    finally:
+        job.close()
+    return out
+
+
+def test_context_parallelism_inside_each_replica_group_matches_one_process(context_parallel_runs):
+    """Two replica groups, each splitting its sequences over its two ranks (CP 2): the example GPT ends with the
+    parameters of one process on the same global batches (each group's batch, averaged), every step committed."""
+    pytest.importorskip("transformers")  # the context-parallel workers' module imports it
+    from tests.workers.context_parallel import GPTModule, gpt_data, reference
+
+    want, _ = reference(GPTModule, gpt_data(), GROUPS)
+    for g in range(GROUPS):
+        record = rank0(context_parallel_runs, f"ft_cp_g{g}")
+        assert [(h["participants"], h["committed"]) for h in record["history"]] == [(GROUPS, True)] * 3
+        assert max_diff(record["params"], want) < 1e-5
+        assert record["context_parallel_bytes"] > 0  # the sequences were split: keys and values exchanged
+
+
 # ---------------------------------------------------------------------- a killed group
 KILLED, SURVIVOR = 0, 1  # group 0 writes the checkpoints while both are up: killing it shows the survivor takes over
 KILL_AT, STEPS, SAMPLES, EVERY = 25, 150, 2400, 10

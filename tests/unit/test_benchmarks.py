@@ -9,7 +9,7 @@ import torch
 
 from benchmarks.gpu_check import device_slug, gpu_tests_line, junit_counts, merge
 from benchmarks.model import PRESETS, Size, parameter_count
-from benchmarks.overhead import overhead_markdown, per_step_events
+from benchmarks.overhead import overhead_markdown, per_step_events, python_calls_per_step
 from benchmarks.report import check_markdown, markdown, summarize
 
 
@@ -148,6 +148,47 @@ def test_overhead_tables_per_step():
     differing = table.split("Ops called a different number")[1].split("Ops with the largest")[0]
     assert "aten::mm" not in differing  # same calls in both: not listed as extra work
     assert "| dpar_2d | 50.0 | 25.0 | 0.1 | 0.1 |" in table
+    assert "Python function calls" not in table  # no counts recorded: no table
+
+
+def test_python_calls_per_step_and_the_functions_that_differ():
+    def run(calls):
+        rank = {**_rank(50.0, 1.0), "profile": [], "python_calls": calls}
+        return [rank, rank]
+
+    same, extra = ["torch/nn/modules/module.py:_call_impl", 40], ["lightning_dpar/conformance/buffers.py:x", 8]
+    raw = {
+        **RAW,
+        "preset": "cpu",
+        "steps": 4,
+        "repeats": 2,
+        "variants": {"plain_2d": {"runs": [run([same])] * 2}, "dpar_2d": {"runs": [run([same, extra])] * 2}},
+    }
+    calls = python_calls_per_step(raw)
+    assert calls["dpar_2d"] == {same[0]: 10.0, extra[0]: 2.0}  # 80 calls over 8 steps; rank 0 only
+    table = overhead_markdown(raw)
+    assert "| plain_2d | 10 | 1.000 |" in table and "| dpar_2d | 12 | 1.200 |" in table
+    differing = table.split("Functions whose calls per step differ most")[1].splitlines()
+    assert differing[4] == f"| `{extra[0]}` | 0 | 2 |"  # the largest difference first
+
+
+def test_the_clock_counts_python_calls_in_its_profile_window():
+    import torch
+
+    from benchmarks.clock import StepClock
+
+    def work(n: int) -> None:
+        for _ in range(n):
+            abs(-1)
+
+    clock = StepClock(torch.device("cpu"), profile_window=(1, 3))
+    clock.start()
+    for step in range(4):
+        work(5 if step in (1, 2) else 50)  # the steps after the first tick and up to the third are profiled
+        clock.tick()
+    counted = dict(clock.python_calls)
+    assert counted["tests/unit/test_benchmarks.py:work"] == 2
+    assert counted["<built-in method builtins.abs>"] == 10
 
 
 def _pipeline_rank(step_s: float, schedule_s: float, compute_s: float) -> dict:

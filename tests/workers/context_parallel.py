@@ -120,7 +120,7 @@ def reference(make: Callable[[], L.LightningModule], data: Dataset, dp: int) -> 
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
-        losses.append([float(loss) for loss in rank_losses])
+        losses.append([float(loss.detach()) for loss in rank_losses])
     return {k: v.detach().clone() for k, v in module.state_dict().items()}, losses
 
 

@@ -26,10 +26,12 @@ if __name__ == "__main__":  # run by torchrun: the repository, not this director
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
 
 from lightning_dpar import FaultTolerance, FaultTolerantFullyShardStrategy, FullyShardStrategy
 from tests.support.fault_tolerance import SCHEDULE
 from tests.support.models import ParityModule, RegressionData, loader
+from tests.workers import common
 from tests.workers.common import full_params, trainer_for
 
 BATCH = 4
@@ -108,7 +110,8 @@ def main(mode: str, out: Path) -> None:
         group = -1
     else:
         config = FaultTolerance(timeout=float(os.environ.get("DPAR_FT_TIMEOUT", "30")))
-        strategy = FaultTolerantFullyShardStrategy(fault_tolerance=config)
+        context = {"context_parallel_size": 2} if mode == "ft_cp" else {}
+        strategy = FaultTolerantFullyShardStrategy(fault_tolerance=config, **context)
         group = int(os.environ["REPLICA_GROUP_ID"])
     pace = Pace(
         out,
@@ -122,8 +125,13 @@ def main(mode: str, out: Path) -> None:
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=every, save_top_k=-1))
     trainer = trainer_for(strategy, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(every))
     resume = os.environ.get("DPAR_FT_RESUME")
-    module_class = ScheduledModule if os.environ.get("DPAR_FT_SCHEDULER") == "1" else ParityModule
-    trainer.fit(module_class(optimizer=optimizer), loader(data, BATCH), ckpt_path=resume)
+    if mode == "ft_cp":  # each sequence split over the group's two ranks: the example GPT on token ids
+        from tests.workers.context_parallel import GPTModule, gpt_data
+
+        trainer.fit(GPTModule(), DataLoader(gpt_data(), batch_size=common.BATCH))
+    else:
+        module_class = ScheduledModule if os.environ.get("DPAR_FT_SCHEDULER") == "1" else ParityModule
+        trainer.fit(module_class(optimizer=optimizer), loader(data, BATCH), ckpt_path=resume)
     _save(trainer, pace, out, mode, group)
 
 
@@ -135,10 +143,18 @@ def _save(trainer: L.Trainer, pace: Pace, out: Path, mode: str, group: int) -> N
         "history": [asdict(r) for r in groups.history] if groups is not None else [],
         "heals": [asdict(h) for h in groups.heals] if groups is not None else [],
         "batches": pace.batches,
+        "context_parallel_bytes": _key_value_bytes(trainer),
         "batch_times": pace.times,
         "end": time.time(),
     }
     torch.save(record, out / f"{mode}_g{group}_r{trainer.global_rank}_{os.getpid()}.pt")
+
+
+def _key_value_bytes(trainer: L.Trainer) -> int:
+    """Keys and values this rank sent in its forwards under context parallelism (0 without it)."""
+    applied = getattr(trainer.strategy, "applied", None)
+    runtime = applied.context_parallel if applied is not None else None
+    return runtime.attention.counter.forward_bytes if runtime is not None else 0
 
 
 def ray_job(config: dict) -> None:

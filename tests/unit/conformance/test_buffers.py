@@ -44,6 +44,10 @@ def _run(rank: int, init_file: str, results: str) -> None:
         sync.after_forward(synced_training=True)
         sync.before_forward()
         seen["after_synced"] = module.running_mean.tolist()
+        module.running_mean = torch.full((3,), 5.0 * (rank + 1))  # reassigned: the new tensor is the buffer
+        sync.after_forward(synced_training=True)
+        sync.before_forward()
+        seen["after_reassigned"] = module.running_mean.tolist()
         torch.save(seen, os.path.join(results, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -61,6 +65,7 @@ def test_buffers_follow_ddps_broadcast_schedule_on_two_ranks(tmp_path):
         assert got["first"] == ([1.0] * 3, 10)  # rank 0's, both the float and the int64 buffer
         assert got["after_no_sync"] == [1.0 + rank + 1.0] * 3  # not broadcast: each rank's own update kept
         assert got["after_synced"] == [2.0] * 3  # rank 0's again
+        assert got["after_reassigned"] == [5.0] * 3  # the reassigned buffer, rank 0's
 
 
 def test_one_rank_or_no_group_broadcasts_nothing(gloo_world):
