@@ -250,7 +250,8 @@ def test_checkpoints_reshard_between_context_parallel_sizes_and_to_runs_without(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", ["cp2", "cp4"])
-def test_validation_splits_the_sequence_and_logs_the_global_loss(world, request):
-    result = request.getfixturevalue(world)["validation_after_fit"]
+@pytest.mark.parametrize("case", ["validation_after_fit", "per_rank_validation_after_fit"])
+def test_validation_splits_the_sequence_and_logs_the_global_loss(world, case, request):
+    result = request.getfixturevalue(world)[case]
     assert result["val_loss"] == pytest.approx(result["want"], abs=ATOL)
     assert result["kv_bytes_sent_rank0"] > 0

@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, default_collate
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
 from tests.workers.cases import Case
-from tests.workers.common import world_size
+from tests.workers.common import BATCH, trainer_for, world_size
 from tests.workers.context_parallel import (
     SEQ,
     GPTModule,
@@ -25,6 +26,7 @@ from tests.workers.context_parallel import (
     gpt_data,
     parity,
 )
+from tests.workers.context_parallel import reference as one_process
 
 PER_RANK = {"context_parallel_loss": "per_rank"}
 
@@ -43,6 +45,31 @@ def per_rank_case(
         return parity(strategy, lambda: HFModule(config_class), dp, Tokens(SEQ, ignored=ignored))
 
     return run
+
+
+class Validated(HFModule):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+
+def validation_after_fit() -> dict | None:
+    """A Llama fitted with the per-rank loss over every rank, then `validate`: the validation forward computes its
+    loss per rank too (all-reduced without a gradient), and `val_loss` equals one process's on the trained model."""
+    trainer = trainer_for(FullyShardStrategy(context_parallel_size=world_size(), **PER_RANK))
+    module = Validated()
+    trainer.fit(module, DataLoader(Tokens(SEQ), batch_size=BATCH))
+    val_data = Tokens(SEQ, n=8, seed=11, ignored=True)
+    trainer.strategy.applied.context_parallel.attention.counter.reset()  # what validation alone sends
+    (metrics,) = trainer.validate(module, DataLoader(val_data, batch_size=BATCH), verbose=False)
+    sent = trainer.strategy.applied.context_parallel.attention.counter.forward_bytes
+    if trainer.global_rank != 0:
+        return None
+    reference = HFModule()
+    reference.load_state_dict(one_process(HFModule, Tokens(SEQ), 1)[0])
+    with torch.no_grad():
+        batches = [default_collate([val_data[i] for i in range(start, start + BATCH)]) for start in (0, BATCH)]
+        want = sum(float(reference.loss(batch)) for batch in batches) / 2
+    return {"val_loss": metrics["val_loss"], "want": want, "kv_bytes_sent_rank0": sent}
 
 
 class OwnLossFromLogits(HFModule):
@@ -72,6 +99,7 @@ def group_context_parallel_loss() -> Iterator[Case]:
     if world == 4:
         yield Case("llama_cp2_fsdp2_per_rank", per_rank_case(2))
         yield Case("llama_cp2_tp2_per_rank", per_rank_case(2, tp=2))
+    yield Case("per_rank_validation_after_fit", validation_after_fit)
     for cp in sorted({2, world}):
         yield Case(f"memory_llama_cp{cp}_per_rank", lambda c=cp: activation_memory("llama", c, loss="per_rank"))
 
