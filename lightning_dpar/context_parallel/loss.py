@@ -102,9 +102,17 @@ def causal_lm_loss_module(root: nn.Module, blocks: list[str]) -> str:
 
 def check_labels(module: nn.Module, where: str, args: tuple, kwargs: dict) -> None:
     """Refuse a forward of the causal LM without `labels` in `"per_rank"` mode: its logits would be this rank's part
-    only, and a loss computed from them outside the model would not be the sequence's."""
+    only, and a loss computed from them outside the model would not be the sequence's. `return_dict=False` too: the
+    logits in the tuple it returns could not be replaced by `PartialLogits`."""
     bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
-    labels = bound.get("labels", bound.get("kwargs", {}).get("labels"))
+    extra = bound.get("kwargs", {})
+    labels = bound.get("labels", extra.get("labels"))
+    if bound.get("return_dict", extra.get("return_dict")) is False:
+        raise ValueError(
+            f"{where} was called with `return_dict=False` under `context_parallel_loss='per_rank'`: the logits in the"
+            " tuple it returns would be only this rank's tokens, unmarked. Drop `return_dict=False` and use"
+            " `outputs.loss`, or set `context_parallel_loss='whole'`."
+        )
     if labels is None:
         raise ValueError(
             f"{where} was called without `labels` under `context_parallel_loss='per_rank'`: its"

@@ -141,7 +141,7 @@ def test_a_model_without_its_own_causal_lm_loss_is_refused():
         causal_lm_loss_module(nn.Sequential(nn.ModuleList([nn.Linear(2, 2)])), ["0.0"])
 
 
-def test_a_forward_without_labels_is_refused():
+def test_a_forward_without_labels_or_returning_a_tuple_is_refused():
     with torch.device("meta"):
         model = Holder().net
     ids = torch.zeros(1, 4, dtype=torch.long)
@@ -149,6 +149,8 @@ def test_a_forward_without_labels_is_refused():
     check_labels(model, "Module 'net'", (ids, None, None, None, None, ids), {})
     with pytest.raises(ValueError, match=r"Module 'net' was called without `labels` .* use `outputs.loss`"):
         check_labels(model, "Module 'net'", (ids,), {})
+    with pytest.raises(ValueError, match=r"Module 'net' was called with `return_dict=False` .* only this rank's"):
+        check_labels(model, "Module 'net'", (), {"input_ids": ids, "labels": ids, "return_dict": False})
 
 
 def test_partial_logits_raise_on_every_use():
