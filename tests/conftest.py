@@ -11,7 +11,9 @@ torchrun launch (`tests/workers/run.py`; `tests/workers/cases.py` explains how e
 `LaunchResults`. A test reads its case as `results["case_name"]`: the case's rank-0 value, or, if the case raised or
 hung on any rank, a failure of that test alone showing each failing rank's traceback (or stack). Cases after one
 that stopped the launch run in a relaunch. A new case: a `Case` yielded by a group in the `tests/workers/` module
-named like the test file, and a test reading it from a fixture that calls `run_workers`.
+named like the test file, and a test reading it from a fixture that calls `run_workers`, or, for a file whose cases
+can share processes with other files' cases, from `shared_launch(world)` after declaring its groups in
+`SHARED_LAUNCH` (see "shared launches" below: one launch per world size for all such files).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,8 +237,19 @@ def _read_records(out: Path, nproc: int, results: LaunchResults, log_tail: str) 
     return finished
 
 
-#: The launches shared by test_parity.py, test_features.py, test_errors.py and test_precision.py: one per world size,
-#: whichever of those files runs first starts it (a launch costs 12-20 s before its first case).
+# ---------------------------------------------------------------------------------------------------- shared launches
+#: A launch costs 7 s (2 ranks) to 11 s (4 ranks) of process start and imports on this 2-core machine, and more
+#: for each process's first case, before its own work: test files whose cases need a fresh process of their own
+#: (dynamo's caches, memory measured against a baseline) launch alone; the others share one launch per world size.
+#: A file lists its worker groups in a module-level `SHARED_LAUNCH = {world: "group,group"}` and reads the launch's
+#: results from `shared_launch(world)`. Whichever such file runs first starts the launch with the groups of every
+#: file the session collected (`pytest_collection_modifyitems`), so a file run alone launches only its own groups.
+SHARED_LAUNCH_GROUPS = pytest.StashKey[dict[int, list[tuple[str, ...]]]]()
+#: The timeout of each file's groups in a shared launch (a lone launch's default): a launch sums its files'.
+SHARED_LAUNCH_TIMEOUT = 420
+
+#: The launches of test_parity.py, test_features.py, test_errors.py and test_precision.py (each declares all of them,
+#: whose cases they read across files) through the session fixtures `world4`, `world2` and `world1`.
 WORLD_GROUPS = {
     4: "2d,fsdp,replicate,sync,ignored,plan_sources,fit_then_eval,meta_init,errors,accumulate_no_sync",
     2: "2d,fsdp,replicate,sync,accumulate_no_sync,precision",
@@ -244,19 +257,55 @@ WORLD_GROUPS = {
 }
 
 
-@pytest.fixture(scope="session")
-def world4(tmp_path_factory) -> LaunchResults:
-    return run_workers(4, WORLD_GROUPS[4], tmp_path_factory.mktemp("w4"))
+@pytest.hookimpl(trylast=True)  # after `-m` / `-k` deselected what will not run
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Gather the `SHARED_LAUNCH` groups of the test files with selected tests, per world size, in collection order."""
+    shared: dict[int, list[tuple[str, ...]]] = {}
+    seen: set[object] = set()
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None or module in seen:
+            continue
+        seen.add(module)
+        for world, groups in getattr(module, "SHARED_LAUNCH", {}).items():
+            entry = tuple(groups.split(","))
+            if entry not in shared.setdefault(world, []):
+                shared[world].append(entry)
+    config.stash[SHARED_LAUNCH_GROUPS] = shared
 
 
 @pytest.fixture(scope="session")
-def world2(tmp_path_factory) -> LaunchResults:
-    return run_workers(2, WORLD_GROUPS[2], tmp_path_factory.mktemp("w2"))
+def shared_launch(request: pytest.FixtureRequest, tmp_path_factory) -> Callable[[int], LaunchResults]:
+    """`shared_launch(world)`: the results of the one launch on `world` ranks of every collected file's groups."""
+    declared = request.config.stash.get(SHARED_LAUNCH_GROUPS, {})
+    launched: dict[int, LaunchResults] = {}
+
+    def results(world: int) -> LaunchResults:
+        if world not in launched:
+            files = declared.get(world, [])
+            groups = list(dict.fromkeys(group for entry in files for group in entry))
+            assert groups, f"no collected test file declares a SHARED_LAUNCH on {world} ranks"
+            directory = tmp_path_factory.mktemp(f"shared{world}")
+            timeout = SHARED_LAUNCH_TIMEOUT * len(files)
+            launched[world] = run_workers(world, ",".join(groups), directory, timeout=timeout)
+        return launched[world]
+
+    return results
 
 
 @pytest.fixture(scope="session")
-def world1(tmp_path_factory) -> LaunchResults:
-    return run_workers(1, WORLD_GROUPS[1], tmp_path_factory.mktemp("w1"))
+def world4(shared_launch) -> LaunchResults:
+    return shared_launch(4)
+
+
+@pytest.fixture(scope="session")
+def world2(shared_launch) -> LaunchResults:
+    return shared_launch(2)
+
+
+@pytest.fixture(scope="session")
+def world1(shared_launch) -> LaunchResults:
+    return shared_launch(1)
 
 
 def run_script(

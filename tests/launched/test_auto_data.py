@@ -7,20 +7,22 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_workers
 from tests.workers.auto_data import GLOBAL
 
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def data2(tmp_path_factory):
-    return run_workers(2, "auto_data", tmp_path_factory.mktemp("data2"))
+SHARED_LAUNCH = {2: "auto_data", 4: "auto_data"}
 
 
 @pytest.fixture(scope="module")
-def data4(tmp_path_factory):
-    return run_workers(4, "auto_data", tmp_path_factory.mktemp("data4"))
+def data2(shared_launch):
+    return shared_launch(2)
+
+
+@pytest.fixture(scope="module")
+def data4(shared_launch):
+    return shared_launch(4)
 
 
 @pytest.mark.slow

@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_workers
-
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def auto2(tmp_path_factory):
-    return run_workers(2, "auto_layout", tmp_path_factory.mktemp("auto2"))
+SHARED_LAUNCH = {2: "auto_layout", 4: "auto_layout"}
 
 
 @pytest.fixture(scope="module")
-def auto4(tmp_path_factory):
-    return run_workers(4, "auto_layout", tmp_path_factory.mktemp("auto4"))
+def auto2(shared_launch):
+    return shared_launch(2)
+
+
+@pytest.fixture(scope="module")
+def auto4(shared_launch):
+    return shared_launch(4)
 
 
 @pytest.mark.slow

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_workers
+SHARED_LAUNCH = {2: "monitor"}
 
 
 @pytest.fixture(scope="module")
-def monitored(tmp_path_factory):
-    return run_workers(2, "monitor", tmp_path_factory.mktemp("monitor"))
+def monitored(shared_launch):
+    return shared_launch(2)
 
 
 @pytest.mark.slow

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import LaunchResults, run_workers
+from tests.conftest import LaunchResults
+
+SHARED_LAUNCH = {2: "formats_two_ranks", 1: "formats_memory_fs,formats_export_memory"}
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> LaunchResults:
-    return run_workers(2, "formats_two_ranks", tmp_path_factory.mktemp("formats2"))
+def two_ranks(shared_launch) -> LaunchResults:
+    return shared_launch(2)
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory) -> LaunchResults:
-    return run_workers(1, "formats_memory_fs,formats_export_memory", tmp_path_factory.mktemp("formats1"))
+def one_rank(shared_launch) -> LaunchResults:
+    return shared_launch(1)
 
 
 @pytest.mark.slow

@@ -11,14 +11,15 @@ import re
 
 import pytest
 
-from tests.conftest import run_workers
 from tests.unit.checkpoint.test_safety import ADMITTED
 
-
 # ---------------------------------------------------------------------- through real Trainers on 2 ranks
+SHARED_LAUNCH = {2: "safety_fit,safety_mmap"}
+
+
 @pytest.fixture(scope="module")
-def trainer_results(tmp_path_factory):
-    return run_workers(2, "safety_fit,safety_mmap", tmp_path_factory.mktemp("safety"))
+def trainer_results(shared_launch):
+    return shared_launch(2)
 
 
 FIT_CASES = {

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lightning_dpar.cli import cli_main
-from tests.conftest import run_script, run_workers
+from tests.conftest import run_script
 from tests.unit.test_cli import CONFIGS, EXPECTED_CONFIGS
 
 pytestmark = pytest.mark.usefixtures("no_pytest_argv")
@@ -21,9 +21,12 @@ pytestmark = pytest.mark.usefixtures("no_pytest_argv")
 # ---------------------------------------------------------------- real training runs
 
 
+SHARED_LAUNCH = {4: "example_configs"}
+
+
 @pytest.fixture(scope="module")
-def configs_run(tmp_path_factory):
-    return run_workers(4, "example_configs", tmp_path_factory.mktemp("configs"))
+def configs_run(shared_launch):
+    return shared_launch(4)
 
 
 @pytest.mark.slow

@@ -9,20 +9,22 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.conftest import run_workers
 
 ATOL = 1e-5
 GROUPS = "context_parallel,context_parallel_errors,context_parallel_memory,context_parallel_loss"
 
 
-@pytest.fixture(scope="module")
-def cp2(tmp_path_factory):
-    return run_workers(2, GROUPS, tmp_path_factory.mktemp("cp2"))
+SHARED_LAUNCH = {2: GROUPS, 4: GROUPS}
 
 
 @pytest.fixture(scope="module")
-def cp4(tmp_path_factory):
-    return run_workers(4, GROUPS, tmp_path_factory.mktemp("cp4"))
+def cp2(shared_launch):
+    return shared_launch(2)
+
+
+@pytest.fixture(scope="module")
+def cp4(shared_launch):
+    return shared_launch(4)
 
 
 def _check_parity(result: dict, world: int) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import WORLD_GROUPS
+
 ERRORS = {
     "tp_not_dividing_world": ["tensor_parallel_size=5", "does not divide the world size 4", "[1, 2, 4]"],
     "replicate_size_not_dividing": ["replicate_size=5", "Valid replicate sizes: [1, 2, 4]"],
@@ -17,6 +19,8 @@ ERRORS = {
     "already_wrapped_ddp": ["'model' is already wrapped in torch.nn.parallel.distributed.DistributedDataParallel"],
     "ddp_knobs_with_tp": ["['static_graph']", "tensor_parallel_size=4"],
 }
+
+SHARED_LAUNCH = WORLD_GROUPS  # through the session fixtures `world4`, `world2`, `world1`
 
 
 @pytest.mark.slow

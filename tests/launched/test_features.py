@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import WORLD_GROUPS
 from tests.launched.test_parity import ATOL
+
+SHARED_LAUNCH = WORLD_GROUPS  # through the session fixtures `world4`, `world2`, `world1`
 
 
 @pytest.mark.slow

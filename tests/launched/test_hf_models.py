@@ -23,14 +23,17 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def llama2(tmp_path_factory):
-    return run_workers(2, "hf_llama", tmp_path_factory.mktemp("hf2"))
+SHARED_LAUNCH = {2: "hf_llama", 4: "hf_llama"}  # `hf_compile_tp` launches alone: dynamo's caches
 
 
 @pytest.fixture(scope="module")
-def llama4(tmp_path_factory):
-    return run_workers(4, "hf_llama", tmp_path_factory.mktemp("hf4"))
+def llama2(shared_launch):
+    return shared_launch(2)
+
+
+@pytest.fixture(scope="module")
+def llama4(shared_launch):
+    return shared_launch(4)
 
 
 @pytest.fixture(scope="module")

@@ -10,19 +10,21 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.conftest import run_workers
 
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def moe2(tmp_path_factory):
-    return run_workers(2, "moe", tmp_path_factory.mktemp("moe2"))
+SHARED_LAUNCH = {2: "moe", 4: "moe"}
 
 
 @pytest.fixture(scope="module")
-def moe4(tmp_path_factory):
-    return run_workers(4, "moe", tmp_path_factory.mktemp("moe4"))
+def moe2(shared_launch):
+    return shared_launch(2)
+
+
+@pytest.fixture(scope="module")
+def moe4(shared_launch):
+    return shared_launch(4)
 
 
 @pytest.mark.slow

@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import LaunchResults, run_workers
+from tests.conftest import LaunchResults
 from tests.workers.optimizers import MUON_SHAPES
 
 ATOL = 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------- multi-process
+SHARED_LAUNCH = {2: "optimizers", 4: "optimizers4"}
+
+
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory) -> LaunchResults:
-    return run_workers(2, "optimizers", tmp_path_factory.mktemp("optimizers"))
+def launch(shared_launch) -> LaunchResults:
+    return shared_launch(2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["replicate_adafactor", "replicate_lars", "fsdp_adamw", "tp_adamw"])
+@pytest.mark.parametrize("case", ["replicate_adafactor", "replicate_lars", "fsdp_adamw_vs_ddp", "tp_adamw"])
 def test_replicate_trains_any_optimizer_and_fsdp_adamw_exactly(launch, case):
     result = launch[case]
     assert result["moved"] > 1e-3  # the steps did something
@@ -107,8 +110,8 @@ def test_muon_state_resumes_exactly_from_a_sharded_checkpoint(launch):
 
 
 @pytest.fixture(scope="module")
-def launch4(tmp_path_factory) -> LaunchResults:
-    return run_workers(4, "optimizers4", tmp_path_factory.mktemp("optimizers4"))
+def launch4(shared_launch) -> LaunchResults:
+    return shared_launch(4)
 
 
 @pytest.mark.slow

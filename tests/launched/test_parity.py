@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import WORLD_GROUPS
+
 ATOL = 1e-5
 
 PARITY_CASES = [
@@ -25,6 +27,8 @@ PARITY_CASES = [
     "replicate_find_unused",
     "replicate_callable_hook",
 ]
+
+SHARED_LAUNCH = WORLD_GROUPS  # through the session fixtures `world4`, `world2`, `world1`
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from tests.conftest import run_workers
 
 ATOL = 1e-5
 
@@ -26,14 +25,17 @@ PARITY = [
 ]
 
 
-@pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return run_workers(2, "peft", tmp_path_factory.mktemp("peft2"))
+SHARED_LAUNCH = {2: "peft", 4: "peft"}
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return run_workers(4, "peft", tmp_path_factory.mktemp("peft4"))
+def world2(shared_launch):
+    return shared_launch(2)
+
+
+@pytest.fixture(scope="module")
+def world4(shared_launch):
+    return shared_launch(4)
 
 
 def check_parity(result: dict) -> None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_workers
-
 ATOL = 1e-5
 PARITY = [
     "top_level_blocks_replicate",
@@ -23,14 +21,17 @@ PARITY = [
 ]
 
 
-@pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return run_workers(2, "ordinary,ordinary_errors,resume_message", tmp_path_factory.mktemp("ordinary2"))
+SHARED_LAUNCH = {2: "ordinary,ordinary_errors,resume_message", 4: "ordinary"}
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return run_workers(4, "ordinary", tmp_path_factory.mktemp("ordinary4"))
+def world2(shared_launch):
+    return shared_launch(2)
+
+
+@pytest.fixture(scope="module")
+def world4(shared_launch):
+    return shared_launch(4)
 
 
 @pytest.mark.slow

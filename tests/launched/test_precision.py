@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import WORLD_GROUPS
+
 # Measured on 2 ranks (SGD, 3 steps): bf16-mixed lands <= 4.3e-4 from the fp32 reference, bf16-true <= 2.5e-3;
 # a gradient averaging bug (sum instead of mean, or half the batch) moves the same parameters by >= 1.7e-2.
 BF16_ATOL = {"bf16-mixed": 1.5e-3, "bf16-true": 5e-3}
+
+SHARED_LAUNCH = WORLD_GROUPS  # through the session fixtures `world4`, `world2`, `world1`
 
 
 @pytest.mark.slow

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import LaunchResults, run_workers
+from tests.conftest import LaunchResults
+
+SHARED_LAUNCH = {2: "resume_points"}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> LaunchResults:
-    """Every resume point in one 2-rank launch (the uninterrupted run is trained once, in the first case)."""
-    return run_workers(2, "resume_points", tmp_path_factory.mktemp("points"))
+def results(shared_launch) -> LaunchResults:
+    """Every resume point, in the shared 2-rank launch (the uninterrupted run is trained once, in the first case)."""
+    return shared_launch(2)
 
 
 #: Checkpoints of one 10-step run (4 batches an epoch, validation every 2) by how they were written: every 4 steps

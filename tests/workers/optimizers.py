@@ -244,7 +244,7 @@ MUON_SHAPES = ("tall_wide", "wide_tall", "square", "odd")
 def group_optimizers() -> Iterator[Case]:
     yield Case("replicate_adafactor", lambda: parity_with_ddp(replicate, "adafactor"))
     yield Case("replicate_lars", lambda: parity_with_ddp(replicate, "lars"))
-    yield Case("fsdp_adamw", lambda: parity_with_ddp(fsdp, "adamw"))
+    yield Case("fsdp_adamw_vs_ddp", lambda: parity_with_ddp(fsdp, "adamw"))
     yield Case("fsdp_muon", lambda: parity_with_ddp(fsdp, "muon"))
     yield Case("tp_muon", lambda: parity_with_ddp(tensor_parallel, "muon", dp=world_size() // 2))
     yield Case("tp_adamw", lambda: parity_with_ddp(tensor_parallel, "adamw", dp=world_size() // 2))

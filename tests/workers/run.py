@@ -67,11 +67,18 @@ GROUPS: dict[str, Group] = {name: group for module in MODULES for name, group in
 
 
 def cases_of(groups: list[str]) -> Iterator[Case]:
+    """The cases of `groups`, in order; results are recorded by case name, so two cases of one launch (test files
+    share launches: `tests/conftest.py`, shared launches) may not share a name."""
     unknown = sorted(set(groups) - set(GROUPS))
     if unknown:
         raise SystemExit(f"unknown worker groups {unknown}; known: {sorted(GROUPS)}")
+    seen: dict[str, str] = {}
     for name in groups:
-        yield from GROUPS[name]()
+        for case in GROUPS[name]():
+            if case.name in seen:
+                raise SystemExit(f"case {case.name!r} of group {name!r} has the name of a case of {seen[case.name]!r}")
+            seen[case.name] = name
+            yield case
 
 
 if __name__ == "__main__":
