@@ -185,3 +185,25 @@ def test_context_parallel_loss_from_lightning_cli_yaml(tmp_path, class_path):
     path.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 1, "strategy": strategy}}))
     cli = LightningCLI(BoringModel, run=False, args=["--config", str(path)], save_config_callback=None)
     assert cli.trainer.strategy.plan_options.context_parallel_loss == "per_rank"
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_the_activation_estimate_traces_the_per_rank_head_and_loss(as_list):
+    """The dry run hands the estimate its plans as a list (one per pipeline rank): the per-rank loss survives that
+    too. At CP 2 the head's and the loss's activations are halved, so the estimate is lower than in whole mode."""
+    from lightning_dpar.estimates.activations import estimate_activations
+    from lightning_dpar.plan import plan_modules
+
+    class Trained(Holder):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.net(input_ids=batch, labels=batch).loss
+
+    with torch.device("meta"):
+        root = Trained(hidden_size=64, intermediate_size=128)
+    dims = ParallelDims.resolve(2, 2, context_parallel_size=2)
+    peaks = {}
+    for loss in ("whole", "per_rank"):
+        plan = plan_modules(root, dims, FullyShardStrategy(context_parallel_loss=loss).plan_options)
+        estimate = estimate_activations(root, [plan] if as_list else plan, dims, (2, 64))
+        peaks[loss] = estimate.rank(0).per_microbatch(False).retained
+    assert peaks["per_rank"] < peaks["whole"]
