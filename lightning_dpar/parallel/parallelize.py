@@ -104,7 +104,8 @@ def apply_plan(
     context = None
     if plan.context_parallel:
         assert meshes.context is not None, "a context-parallel plan needs the context-parallel mesh"
-        context = ContextParallel.install(root, meshes.context.get_group(), plan.context_parallel)
+        group = meshes.context.get_group()
+        context = ContextParallel.install(root, group, plan.context_parallel, plan.context_parallel_loss)
     recompute = context.checkpoint_contexts if context is not None else None
     apply_activation_checkpointing(root, plan.activation_checkpointing, recompute)
     if compile_options is not None:

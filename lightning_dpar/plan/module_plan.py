@@ -35,7 +35,9 @@ class ModulePlan:
     experts.
 
     `context_parallel` names the blocks each sequence is split across under context parallelism, in order
-    (`lightning_dpar.context_parallel.sequence_blocks`); empty without it.
+    (`lightning_dpar.context_parallel.sequence_blocks`); empty without it. `context_parallel_loss` names the
+    transformers causal LM whose loss each rank computes on its own tokens (`context_parallel_loss="per_rank"`,
+    `lightning_dpar.context_parallel.loss`); `None`: the last block's output is gathered whole.
     """
 
     tensor_parallel: dict[str, ParallelStyle]
@@ -51,6 +53,7 @@ class ModulePlan:
     adopted_sharded: bool = False
     experts: list[str] = field(default_factory=list)
     context_parallel: list[str] = field(default_factory=list)
+    context_parallel_loss: str | None = None
 
 
 def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> ModulePlan:

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar.conformance.batchnorm import check_no_batch_norm_in_pipeline
 from lightning_dpar.context_parallel.checks import check_checkpointed_modules, check_model, sequence_blocks
+from lightning_dpar.context_parallel.loss import causal_lm_loss_module, check_loss_mode
 from lightning_dpar.helpers import class_name, show_names
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
@@ -74,6 +75,7 @@ class PlanOptions:
         ignored_modules: selectors of the modules whose gradients are not synchronised (`dpar_replicate`).
         expert_modules: selectors of the experts modules split by expert parallelism (`None`: found by the experts
             contract, `lightning_dpar.plan.experts`).
+        context_parallel_loss: `"whole"` or `"per_rank"` (`lightning_dpar.context_parallel.loss`).
     """
 
     strategy: str
@@ -88,6 +90,7 @@ class PlanOptions:
     ddp_units: bool = False
     ignored_modules: Sequence[ModuleSelector] = ()
     expert_modules: Sequence[ModuleSelector] | None = None
+    context_parallel_loss: str = "whole"
 
 
 def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, rank: int = 0) -> ModulePlan:
@@ -117,7 +120,7 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
             adopted=True,
             adopted_sharded=sharded,
             data_parallel_roots=roots,
-            context_parallel=_context_parallel_blocks(module, dims),
+            **_context_parallel(module, dims, options),
         )
     tied = tied_parameters(module)
     experts = plan_experts(module, dims.expert, dims.shard, _expert_selectors(module, options))
@@ -130,9 +133,9 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
     ignored = select_modules(module, options.ignored_modules, "ignored_modules") if options.ignored_modules else []
     check_initialisable(module)
     whole = _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, experts, roots, ignored)
-    context_parallel = _context_parallel_blocks(module, dims)
-    check_checkpointed_modules(context_parallel, whole.activation_checkpointing)
-    return replace(whole, context_parallel=context_parallel)
+    context_parallel = _context_parallel(module, dims, options)
+    check_checkpointed_modules(context_parallel["context_parallel"], whole.activation_checkpointing)
+    return replace(whole, **context_parallel)
 
 
 def _pipeline_plan(
@@ -196,13 +199,17 @@ def _whole_plan(
     )
 
 
-def _context_parallel_blocks(module: nn.Module, dims: ParallelDims) -> list[str]:
-    """The blocks each sequence is split across, with context parallelism (the model checked first: blocks found,
-    attention that calls `scaled_dot_product_attention`, no per-rank router loss); none without it."""
+def _context_parallel(module: nn.Module, dims: ParallelDims, options: PlanOptions) -> dict[str, Any]:
+    """The plan's context-parallel entries: the blocks each sequence is split across (the model checked first:
+    blocks found, attention that calls `scaled_dot_product_attention`, no per-rank router loss), and with
+    `context_parallel_loss="per_rank"` the causal LM whose loss each rank computes on its tokens; none without CP."""
     if dims.context == 1:
-        return []
+        return {"context_parallel": [], "context_parallel_loss": None}
     check_model(module)
-    return [name for name, _ in sequence_blocks(module)]
+    blocks = [name for name, _ in sequence_blocks(module)]
+    per_rank = check_loss_mode(options.context_parallel_loss) == "per_rank"
+    loss = causal_lm_loss_module(module, blocks) if per_rank else None
+    return {"context_parallel": blocks, "context_parallel_loss": loss}
 
 
 def _expert_selectors(module: nn.Module, options: PlanOptions) -> Sequence[ModuleSelector] | None:
