@@ -9,7 +9,10 @@
 - inside the blocks, `scaled_dot_product_attention` attends to every rank's keys and values (`attention`);
 - the last block's output is gathered whole again, so the final norm, the head and the user's loss (its next-token
   shift, `ignore_index`, its average over valid tokens) run on the whole sequence exactly as in one process, and
-  every rank computes (and logs) the global loss.
+  every rank computes (and logs) the global loss;
+- or, with a `loss_module` (`context_parallel_loss="per_rank"`), it stays this rank's part: the final norm and the
+  head run on it, and that transformers causal LM's loss is computed on this rank's tokens and summed over the
+  ranks (`loss`). A forward of it without `labels` is refused, and its `logits` are replaced by `PartialLogits`.
 
 The blocks' activations, attention included, are split `size` ways; the embedding's output and the logits are
 not. The hooks act only inside `ContextParallel.active()`, which the strategy opens around each step's forward: a
@@ -43,6 +46,7 @@ from lightning_dpar.context_parallel.attention import ContextParallelAttention, 
 from lightning_dpar.context_parallel.checks import block_runs, sequence_blocks
 from lightning_dpar.context_parallel.exchange import gather_sequence, split_sequence
 from lightning_dpar.context_parallel.layout import HeadTailLayout
+from lightning_dpar.context_parallel.loss import OwnLoss, PartialLogits, check_labels
 
 __all__ = ["ContextParallel"]
 
@@ -51,7 +55,8 @@ class ContextParallel:
     """The hooks and attention state of one model under context parallelism: rank `layout.rank` of `layout.size`
     ranks exchanging over `group` (`None`: one rank simulated in one process, for the activation estimate). `blocks`
     are the blocks this rank runs, `order` every block of the model (default: `blocks`), `runs` the blocks each of
-    this rank's pipeline stages runs (`checks.block_runs`; default: all in one)."""
+    this rank's pipeline stages runs (`checks.block_runs`; default: all in one); with a `loss_module` (a transformers
+    causal LM holding the blocks), its loss on this rank's own tokens."""
 
     def __init__(
         self,
@@ -60,6 +65,7 @@ class ContextParallel:
         group: dist.ProcessGroup | None,
         runs: Sequence[Sequence[str]] | None = None,
         order: Sequence[str] | None = None,
+        loss_module: tuple[str, nn.Module] | None = None,
     ) -> None:
         self.layout = layout
         self.group = group
@@ -78,6 +84,16 @@ class ContextParallel:
         for name, block in self._blocks:
             self._handles.append(block.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True, prepend=True))
             self._handles.append(block.register_forward_hook(self._post_hook(name), with_kwargs=True))
+        #: Whether the last block's output was left this rank's part, for the loss module's loss and output.
+        self._partial_output = False
+        self._loss_module = loss_module[1] if loss_module is not None else None
+        if loss_module is not None:
+            name, module = loss_module
+            self._loss_where = f"Module {name or '(root)'!r} ({type(module).__name__})"
+            self._own_loss = module.loss_function
+            module.loss_function = OwnLoss(self._own_loss, lambda: self._partial_output, layout, group)
+            self._handles.append(module.register_forward_pre_hook(self._loss_pre_hook, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._loss_post_hook))
 
     @classmethod
     def install(
@@ -85,26 +101,44 @@ class ContextParallel:
         root: nn.Module,
         group: dist.ProcessGroup,
         blocks: Sequence[str] | None = None,
+        loss_module: str | None = None,
         stages: Sequence[Sequence[str]] | None = None,
     ) -> ContextParallel:
         """Hook `root`'s `blocks` (the plan's `ModulePlan.context_parallel`: every block of the model, in order;
-        default: `checks.sequence_blocks`) for context parallelism over `group`; with pipeline parallelism only the
+        default: `checks.sequence_blocks`) for context parallelism over `group`; with `loss_module`
+        (`ModulePlan.context_parallel_loss`), that causal LM's loss per rank; with pipeline parallelism only the
         blocks of this rank's `stages` (each stage's units), the others being remote units."""
         names = [name for name, _ in sequence_blocks(root)] if blocks is None else list(blocks)
         runs = block_runs(names, stages)
         found = [(name, root.get_submodule(name)) for run in runs for name in run]
-        return cls(found, HeadTailLayout(dist.get_world_size(group), dist.get_rank(group)), group, runs, names)
+        layout = HeadTailLayout(dist.get_world_size(group), dist.get_rank(group))
+        loss = None if loss_module is None else (loss_module, root.get_submodule(loss_module))
+        return cls(found, layout, group, runs, names, loss_module=loss)
 
     @classmethod
-    def simulate(cls, root: nn.Module, size: int) -> ContextParallel:
+    def simulate(cls, root: nn.Module, size: int, loss_module: str | None = None) -> ContextParallel:
         """One rank of `size` simulated in this process: the same split, hooks and attention, with collectives that
         only allocate what the real ones would (what `lightning_dpar.estimates` traces)."""
-        return cls(sequence_blocks(root), HeadTailLayout(size, 0), None)
+        module = None if loss_module is None else (loss_module, root.get_submodule(loss_module))
+        return cls(sequence_blocks(root), HeadTailLayout(size, 0), None, loss_module=module)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._loss_module is not None:  # the model's own loss back
+            self._loss_module.loss_function = self._own_loss
+
+    def _loss_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._enabled:
+            check_labels(module, self._loss_where, args, kwargs)
+
+    def _loss_post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._partial_output:
+            self._partial_output = False
+            logits = getattr(output, "logits", None)
+            if isinstance(logits, Tensor):
+                output.logits = PartialLogits(tuple(logits.shape), logits.shape[-2] * self.layout.size, self.layout)
 
     @contextmanager
     def active(self) -> Generator[None, None, None]:
@@ -115,6 +149,7 @@ class ContextParallel:
                 yield
         finally:
             self._enabled = False
+            self._partial_output = False
             self.attention.end()
 
     def checkpoint_contexts(self) -> tuple[AbstractContextManager, AbstractContextManager]:
@@ -196,6 +231,9 @@ class ContextParallel:
                 return None
             seq_len = self.attention.seq_len
             self.attention.end()
+            if self._loss_module is not None:
+                self._partial_output = True  # the final norm, the head and the loss run on this rank's part
+                return None
             if isinstance(output, Tensor):
                 return gather_sequence(output, 1, self.layout, self.group)
             if isinstance(output, tuple) and output and isinstance(output[0], Tensor):

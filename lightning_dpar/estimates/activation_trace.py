@@ -338,11 +338,13 @@ def trace_step(
     autocast_dtype: torch.dtype | None = None,
     loss: Callable[[nn.Module, Any], torch.Tensor] = training_loss,
     context_parallel: int = 1,
+    context_parallel_loss: str | None = None,
 ) -> StepTrace:
     """Run `loss(module, batch)` and its backward once on a fake copy of `module` (on any device, meta included),
     with `tensor_parallel` styles traced and `activation_checkpointing` applied to the named modules; with
     `context_parallel > 1`, as one context-parallel rank runs it (the sequence split at the blocks, keys and values
-    gathered: `lightning_dpar.context_parallel.ContextParallel.simulate`).
+    gathered: `lightning_dpar.context_parallel.ContextParallel.simulate`), and with `context_parallel_loss` (the
+    plan's causal LM) that model's head and loss on the rank's own tokens (`context_parallel_loss="per_rank"`).
 
     `batch` is the shape of a token-id batch or a pytree of tensors (only shapes and dtypes are read). `units` are
     the pipeline units in call order: each storage records which one created it. `compute_dtype` casts floating
@@ -358,7 +360,7 @@ def trace_step(
         for fqn, style in (tensor_parallel or {}).items()
         if not _hook_style(fake.get_submodule(fqn), style, redistribute)
     ]
-    context = ContextParallel.simulate(fake, context_parallel) if context_parallel > 1 else None
+    context = ContextParallel.simulate(fake, context_parallel, context_parallel_loss) if context_parallel > 1 else None
     apply_activation_checkpointing(fake, activation_checkpointing, context.checkpoint_contexts if context else None)
     tracker = _Units(fake, units, recorder)
     fake_batch = _fake_batch(batch, mode)

@@ -240,7 +240,14 @@ def _merged(plans: ModulePlan | Sequence[ModulePlan]) -> ModulePlan:
         tensor_parallel.update(plan.tensor_parallel)
         checkpointed += [fqn for fqn in plan.activation_checkpointing if fqn not in checkpointed]
         shard_units += [fqn for fqn in plan.shard_units if fqn not in shard_units]
-    return ModulePlan(tensor_parallel, checkpointed, shard_units, adopted=first.adopted, pipeline=first.pipeline)
+    return ModulePlan(
+        tensor_parallel,
+        checkpointed,
+        shard_units,
+        adopted=first.adopted,
+        pipeline=first.pipeline,
+        context_parallel_loss=first.context_parallel_loss,  # CP has no pipeline: one plan, the dry run's list
+    )
 
 
 def _what_true_checkpoints(module: nn.Module, plan: ModulePlan, units: Sequence[str]) -> list[str]:
@@ -288,6 +295,7 @@ def estimate_activations(
 
     def trace(checkpoint: Sequence[str]) -> StepTrace:
         key = (*_trace_key(microbatch, tensor_parallel, checkpoint, units, compute_dtype, autocast_dtype), dims.context)
+        key = (*key, whole.context_parallel_loss)
         if traces is not None and key in traces:
             return traces[key]
         traced = trace_step(
@@ -300,6 +308,7 @@ def estimate_activations(
             autocast_dtype=autocast_dtype,
             loss=loss,
             context_parallel=dims.context,
+            context_parallel_loss=whole.context_parallel_loss,
         )
         if traces is not None:
             traces[key] = traced

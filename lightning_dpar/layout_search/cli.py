@@ -55,6 +55,9 @@ def _settings(strategy: Any, data: Any, args: argparse.Namespace) -> dict[str, A
     tp_plan = getattr(strategy, "_tp_plan", None)
     if own is None and tp_plan == "auto":
         settings["strategy_kwargs"] = {"tp_plan": "auto"}
+    loss = getattr(strategy, "_context_parallel_loss", "whole")
+    if own is None and loss != "whole":  # the CP candidates' head and loss as the configured strategy runs them
+        settings["strategy_kwargs"] = {**settings.get("strategy_kwargs", {}), "context_parallel_loss": loss}
     data_batch = getattr(data, "batch_size", None)
     settings["profile"] = args.profile or settings.get("profile") or "cpu-gloo"
     if args.device_memory is not None:

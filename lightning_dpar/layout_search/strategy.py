@@ -162,6 +162,8 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
                 ("tp_plan", tp_plan),
                 ("shard_modules", shard_modules),
                 ("expert_modules", expert_modules),
+                # every candidate with context parallelism is planned and estimated with the user's loss mode
+                ("context_parallel_loss", kwargs.get("context_parallel_loss")),
             )
             if value is not None
         }

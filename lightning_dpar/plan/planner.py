@@ -29,6 +29,7 @@ from lightning_dpar.context_parallel.checks import (
     check_pipeline_split,
     sequence_blocks,
 )
+from lightning_dpar.context_parallel.loss import causal_lm_loss_module, check_loss_mode
 from lightning_dpar.helpers import class_name, show_names
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
@@ -79,6 +80,7 @@ class PlanOptions:
         ignored_modules: selectors of the modules whose gradients are not synchronised (`dpar_replicate`).
         expert_modules: selectors of the experts modules split by expert parallelism (`None`: found by the experts
             contract, `lightning_dpar.plan.experts`).
+        context_parallel_loss: `"whole"` or `"per_rank"` (`lightning_dpar.context_parallel.loss`).
     """
 
     strategy: str
@@ -93,6 +95,7 @@ class PlanOptions:
     ddp_units: bool = False
     ignored_modules: Sequence[ModuleSelector] = ()
     expert_modules: Sequence[ModuleSelector] | None = None
+    context_parallel_loss: str = "whole"
 
 
 def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, rank: int = 0) -> ModulePlan:
@@ -122,7 +125,7 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
             adopted=True,
             adopted_sharded=sharded,
             data_parallel_roots=roots,
-            context_parallel=_context_parallel_blocks(module, dims),
+            **_context_parallel(module, dims, options),
         )
     tied = tied_parameters(module)
     experts = plan_experts(module, dims.expert, dims.shard, _expert_selectors(module, options))
@@ -135,9 +138,9 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
     ignored = select_modules(module, options.ignored_modules, "ignored_modules") if options.ignored_modules else []
     check_initialisable(module)
     whole = _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, experts, roots, ignored)
-    context_parallel = _context_parallel_blocks(module, dims)
-    check_checkpointed_modules(context_parallel, whole.activation_checkpointing)
-    return replace(whole, context_parallel=context_parallel)
+    context_parallel = _context_parallel(module, dims, options)
+    check_checkpointed_modules(context_parallel["context_parallel"], whole.activation_checkpointing)
+    return replace(whole, **context_parallel)
 
 
 def _pipeline_plan(
@@ -153,6 +156,13 @@ def _pipeline_plan(
     config = options.pipeline
     assert config is not None, "a strategy that pipelines gives its pipeline settings"
     config.check(dims.pipeline)
+    if dims.context > 1 and options.context_parallel_loss == "per_rank":
+        raise ValueError(
+            f"`{options.strategy}(pipeline_parallel_size={dims.pipeline}, context_parallel_size={dims.context},"
+            " context_parallel_loss='per_rank')` is not supported yet: the per-rank loss is not implemented across"
+            " pipeline stages. Use `context_parallel_loss='whole'` (the default, exact for any loss) with pipelining,"
+            " or `pipeline_parallel_size=1`."
+        )
     check_no_batch_norm_in_pipeline(module, dims.pipeline)
     shard_units = _shard_units(module, options, blocks)
     split = resolve_split(
@@ -170,10 +180,10 @@ def _pipeline_plan(
     tensor_parallel = _tensor_parallel(module, dims, options, experts)
     check_tied_layouts(module, tied, tensor_parallel)
     whole = _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, experts)
-    context_parallel = _context_parallel_blocks(module, dims)
-    check_checkpointed_modules(context_parallel, whole.activation_checkpointing)
-    check_pipeline_split(context_parallel, split.stages)
-    whole = replace(whole, context_parallel=context_parallel)
+    context_parallel = _context_parallel(module, dims, options)
+    check_checkpointed_modules(context_parallel["context_parallel"], whole.activation_checkpointing)
+    check_pipeline_split(context_parallel["context_parallel"], split.stages)
+    whole = replace(whole, **context_parallel)
     return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
 
 
@@ -205,13 +215,17 @@ def _whole_plan(
     )
 
 
-def _context_parallel_blocks(module: nn.Module, dims: ParallelDims) -> list[str]:
-    """The blocks each sequence is split across, with context parallelism (the model checked first: blocks found,
-    attention that calls `scaled_dot_product_attention`, no per-rank router loss); none without it."""
+def _context_parallel(module: nn.Module, dims: ParallelDims, options: PlanOptions) -> dict[str, Any]:
+    """The plan's context-parallel entries: the blocks each sequence is split across (the model checked first:
+    blocks found, attention that calls `scaled_dot_product_attention`, no per-rank router loss), and with
+    `context_parallel_loss="per_rank"` the causal LM whose loss each rank computes on its tokens; none without CP."""
     if dims.context == 1:
-        return []
+        return {"context_parallel": [], "context_parallel_loss": None}
     check_model(module)
-    return [name for name, _ in sequence_blocks(module)]
+    blocks = [name for name, _ in sequence_blocks(module)]
+    per_rank = check_loss_mode(options.context_parallel_loss) == "per_rank"
+    loss = causal_lm_loss_module(module, blocks) if per_rank else None
+    return {"context_parallel": blocks, "context_parallel_loss": loss}
 
 
 def _expert_selectors(module: nn.Module, options: PlanOptions) -> Sequence[ModuleSelector] | None:

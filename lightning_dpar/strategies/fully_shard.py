@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 from torch.optim import Optimizer
@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_dpar._private_api import StrategyRegistryType
 from lightning_dpar.context_parallel import check_settings
+from lightning_dpar.context_parallel.loss import check_loss_mode
 from lightning_dpar.parallel import parallelize
 from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.pipeline.config import PipelineConfig
@@ -52,6 +53,10 @@ class FullyShardStrategy(DparStrategy):
             units in another order (LitGPT: `["transformer", "lm_head"]`); default: registration order.
         context_parallel_size: ranks splitting each sequence (`"auto"`: one node's ranks left by tensor
             parallelism); they share each batch, and FSDP shards over them too. See docs/context_parallel.md.
+        context_parallel_loss: where the final norm, the head and the loss run under context parallelism:
+            `"whole"` (default: the last block's output gathered, then any loss on the whole sequence, exact) or
+            `"per_rank"` (each rank's own tokens through the head and a transformers causal LM's own loss, summed
+            over the ranks: no whole-sequence logits; the model must be called with `labels=`).
         **kwargs: see `DparStrategy`.
     """
 
@@ -71,6 +76,7 @@ class FullyShardStrategy(DparStrategy):
         pipeline_split: SplitSpec = "auto",
         pipeline_call_order: Sequence[str] | None = None,
         context_parallel_size: SizeArg = 1,
+        context_parallel_loss: Literal["whole", "per_rank"] = "whole",
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("tensor_parallel_size", 1)
@@ -95,6 +101,7 @@ class FullyShardStrategy(DparStrategy):
         self._shard_modules = None if shard_modules is None else list(shard_modules)
         self._cpu_offload = cpu_offload
         self._context_parallel_size = context_parallel_size
+        self._context_parallel_loss = check_loss_mode(context_parallel_loss)  # before the process group
 
     @property
     def cpu_offload(self) -> bool:
@@ -109,7 +116,12 @@ class FullyShardStrategy(DparStrategy):
     @property
     @override
     def plan_options(self) -> PlanOptions:
-        return replace(super().plan_options, shards=True, shard_modules=self._shard_modules)
+        return replace(
+            super().plan_options,
+            shards=True,
+            shard_modules=self._shard_modules,
+            context_parallel_loss=self._context_parallel_loss,
+        )
 
     # ------------------------------------------------------------------ context parallelism
     @override

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 
 ATOL = 1e-5
-GROUPS = "context_parallel,context_parallel_errors,context_parallel_memory"
+GROUPS = "context_parallel,context_parallel_errors,context_parallel_memory,context_parallel_loss"
 
 
 SHARED_LAUNCH = {2: GROUPS, 4: GROUPS}
@@ -104,6 +104,36 @@ def test_activation_checkpointing_recomputes_context_parallel_attention(world, c
     assert result["kv_bytes_sent_rank0"] == 2 * plain["kv_bytes_sent_rank0"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "case"),
+    [
+        *(("cp2", f"{m}_cp2_per_rank{s}") for m in ("llama", "qwen3") for s in ("", "_ignore_index")),
+        *(("cp4", f"{m}_cp4_per_rank{s}") for m in ("llama", "qwen3") for s in ("", "_ignore_index")),
+        ("cp2", "llama_cp2_per_rank_checkpointed"),
+        ("cp4", "llama_cp4_per_rank_checkpointed"),
+        ("cp4", "llama_cp2_fsdp2_per_rank"),
+        ("cp4", "llama_cp2_tp2_per_rank"),
+    ],
+)
+def test_per_rank_loss_matches_one_process(world, case, request):
+    """`context_parallel_loss="per_rank"`: each rank's own tokens through the final norm, the head and the causal
+    LM's loss (labels shifted over the whole sequence before the split, the sum over the global count of valid
+    tokens, all-reduced). Parity with one process, every rank logging the whole-sequence loss, at CP 2 and CP 4,
+    with `ignore_index` runs falling unevenly between the ranks' parts, with activation checkpointing (twice the
+    attention calls), and as CP 2 x FSDP 2 and CP 2 x TP 2 on 4 ranks."""
+    results = request.getfixturevalue(world)
+    _check_parity(results[case], 2 if world == "cp2" else 4)
+    if case.endswith("_checkpointed"):
+        assert results[case]["attention_calls"] == 2 * results[case.removesuffix("_checkpointed")]["attention_calls"]
+    if "_cp2_" in case and world == "cp4":
+        assert results[case]["dims"].endswith(
+            "(data_shard 2 x context 2) x tensor_parallel 1"
+            if "fsdp" in case
+            else "(data_shard 1 x context 2) x tensor_parallel 2"
+        )
+
+
 ERRORS = {
     "sequence_not_divisible": r"does not divide by 2 x context_parallel_size",
     "size_not_dividing_world": r"`context_parallel_size=\d` does not divide the ranks",
@@ -112,6 +142,9 @@ ERRORS = {
     "manual_attention": r"Block 'model.blocks.0' \(\w*Block\) ran under context parallelism without calling",
     "checkpointing_around_the_blocks": r"`activation_checkpointing` selects 'model', which encloses the blocks",
     "router_loss": r"\(Qwen3MoeForCausalLM\) adds its router's load-balancing loss",
+    "per_rank_not_a_causal_lm": r"`context_parallel_loss='per_rank'` computes the loss .* GPTModule holds none",
+    "per_rank_without_labels": r"Module 'net' \(LlamaForCausalLM\) was called without `labels`",
+    "per_rank_logits_read": r"`outputs.logits` is not available under `context_parallel_loss='per_rank'`",
 }
 
 
@@ -137,6 +170,26 @@ def test_activation_memory_per_rank_falls_with_the_context_parallel_size(cp2, cp
     assert retained[4][0] < 0.75 * retained[2][0] < 0.75 * retained[1][0]
     for cp in (1, 2):
         assert cp2[f"memory_{model}_cp{cp}"]["retained"][0] == retained[cp][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "cp"), [("cp2", 2), ("cp4", 2), ("cp4", 4)])
+def test_per_rank_loss_keeps_no_whole_sequence_logits(world, cp, request):
+    """The Llama of the memory table (2 x 512 tokens, FSDP over every rank) with `context_parallel_loss="per_rank"`:
+    the final norm's input, the logits and the loss's saved tensors are this rank's part, so each rank retains less
+    than with the head on the whole sequence, by what the dry run's estimate says; and the estimate (which traces
+    the per-rank head and loss) equals the measurement plus the CPU-only causal masks, as in whole mode."""
+    from lightning_dpar.context_parallel import cpu_mask_bytes
+
+    results = request.getfixturevalue(world)
+    per_rank, whole = results[f"memory_llama_cp{cp}_per_rank"], results[f"memory_llama_cp{cp}"]
+    assert len(set(per_rank["retained"])) == 1  # every rank alike
+    saved = whole["retained"][0] - per_rank["retained"][0]
+    assert saved > 0.05 * whole["retained"][0]
+    assert abs(saved - (whole["estimated"]["retained"] - per_rank["estimated"]["retained"])) <= 64
+    masks = 2 * cpu_mask_bytes(512, cp)
+    assert abs(per_rank["estimated"]["retained"] + masks - per_rank["retained"][0]) <= 64
+    assert 0.75 <= per_rank["estimated"]["peak"] / per_rank["peak"][0] <= 1.25
 
 
 @pytest.mark.slow
@@ -200,7 +253,8 @@ def test_checkpoints_reshard_between_context_parallel_sizes_and_to_runs_without(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", ["cp2", "cp4"])
-def test_validation_splits_the_sequence_and_logs_the_global_loss(world, request):
-    result = request.getfixturevalue(world)["validation_after_fit"]
+@pytest.mark.parametrize("case", ["validation_after_fit", "per_rank_validation_after_fit"])
+def test_validation_splits_the_sequence_and_logs_the_global_loss(world, case, request):
+    result = request.getfixturevalue(world)[case]
     assert result["val_loss"] == pytest.approx(result["want"], abs=ATOL)
     assert result["kv_bytes_sent_rank0"] > 0

@@ -66,3 +66,10 @@ def test_validation_through_the_stages_splits_the_sequence_and_logs_the_global_l
     result = cp4["validation_after_fit_pp2_cp2"]
     assert result["val_loss"] == pytest.approx(result["want"], abs=1e-5)
     assert result["attention_calls"] == [2] * 4
+
+
+@pytest.mark.slow
+def test_the_per_rank_loss_with_pipelining_is_refused(cp4):
+    messages = cp4["error_pipeline_with_the_per_rank_loss"]
+    expected = "context_parallel_loss='per_rank')` is not supported yet"
+    assert all(m is not None and expected in m for m in messages) and len(set(messages)) == 1

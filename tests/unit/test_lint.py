@@ -30,6 +30,7 @@ def test_each_worker_module_is_named_like_its_test_file():
         "run",
         "checkpoint_common",
         "pipeline_common",
+        "context_parallel_per_rank",  # the `context_parallel_loss` group of `context_parallel`, kept apart for size
         "launch_script",
         "fault_tolerance",
     }

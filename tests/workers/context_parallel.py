@@ -268,11 +268,11 @@ def group_context_parallel_errors() -> Iterator[Case]:
     yield case("router_loss", cp(), lambda: HFModule("Qwen3MoeConfig", **router_loss), lambda: Tokens(SEQ))
 
 
-def activation_memory(model: str, cp: int, checkpointing: bool = False) -> dict | None:
+def activation_memory(model: str, cp: int, checkpointing: bool = False, loss: str = "whole") -> dict | None:
     """One step's activation memory on each rank (`StorageMeter`: gloo's threads free the all-gathers' tensors) for
     a batch of 2 x 512 tokens per data-parallel rank, under FSDP over every rank with context parallelism `cp` (and
     activation checkpointing of the blocks), and the activation estimate (the `plan` dry run's) for the same layout
-    and batch."""
+    and batch (`loss`: `context_parallel_loss`)."""
     from lightning_dpar.estimates.activations import estimate_activations
     from tests.support.activation_meter import StorageMeter
 
@@ -281,7 +281,9 @@ def activation_memory(model: str, cp: int, checkpointing: bool = False) -> dict 
         make, data = (lambda: GPT(vocab_size=256, block_size=512, n_layer=2, n_head=4, n_embd=64)), Tokens(513, n=16)
     else:
         make, data = (lambda: HFModule(hidden_size=64, intermediate_size=128)), Tokens(512, n=16)
-    strategy = FullyShardStrategy(context_parallel_size=cp, activation_checkpointing=checkpointing)
+    strategy = FullyShardStrategy(
+        context_parallel_size=cp, activation_checkpointing=checkpointing, context_parallel_loss=loss
+    )
     trainer = trainer_for(strategy, callbacks=[meter])
     trainer.fit(make(), DataLoader(data, batch_size=2))
     assert meter.measured is not None
@@ -359,7 +361,16 @@ def group_context_parallel_memory() -> Iterator[Case]:
     yield Case(f"memory_gpt_cp{world}_checkpointed", lambda: activation_memory("gpt", world, checkpointing=True))
 
 
+def group_context_parallel_loss() -> Iterator[Case]:
+    """`context_parallel_loss="per_rank"`: in `tests/workers/context_parallel_per_rank.py`, which builds on this
+    module's cases."""
+    from tests.workers.context_parallel_per_rank import group_context_parallel_loss as cases
+
+    yield from cases()
+
+
 GROUPS = {
+    "context_parallel_loss": group_context_parallel_loss,
     "context_parallel_memory": group_context_parallel_memory,
     "context_parallel": group_context_parallel,
     "context_parallel_errors": group_context_parallel_errors,

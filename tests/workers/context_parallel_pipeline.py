@@ -91,6 +91,10 @@ def group_context_parallel_pipeline() -> Iterator[Case]:
             lambda s=schedule: pipelined_parity(pipeline_cp(s, pipeline_stages_per_rank=2), deep, Tokens(SEQ)),
         )
     yield Case("validation_after_fit_pp2_cp2", validation_after_fit)
+    yield Case(
+        "error_pipeline_with_the_per_rank_loss",
+        lambda: expect_error(lambda: pipeline_cp("GPipe", context_parallel_loss="per_rank"), HFModule, Tokens(SEQ)),
+    )
     inside = dict(shard_modules=["CausalSelfAttention", "MLP"], pipeline_split=["model.blocks.0.mlp"])
     yield Case(
         "error_pipeline_split_inside_a_block",

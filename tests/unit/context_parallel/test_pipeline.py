@@ -112,3 +112,11 @@ def test_the_activation_estimate_splits_each_stage_s_blocks_and_sends_the_part()
         retained = [stage.footprint(checkpointing).retained - stage.received for stage in stages[2]]
         assert sum(retained) == whole.footprint(checkpointing).retained
         assert all(r < stage.footprint(checkpointing).retained for r, stage in zip(retained, stages[1]))
+
+
+def test_the_per_rank_loss_with_pipelining_is_refused_when_the_plan_is_made():
+    with torch.device("meta"):
+        model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    dims = ParallelDims.resolve(4, 4, pipeline_parallel_size=2, context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"context_parallel_loss='per_rank'\)` is not supported yet: .* Use"):
+        plan_modules(model, dims, _options(context_parallel_loss="per_rank"))

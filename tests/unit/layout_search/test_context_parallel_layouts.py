@@ -118,3 +118,43 @@ def test_dpar_auto_trains_context_parallelism_when_the_search_chooses_it():
     strategy.connect(gpt())
     dims = strategy.resolve_dims(4, 4, 1)
     assert dims.context > 1 and strategy._context_parallel_size == dims.context
+
+
+def test_the_search_prices_context_parallel_layouts_with_the_per_rank_loss_when_set():
+    """A Llama whose logits dominate (vocab 4096, hidden 64) at 1024 tokens: with `context_parallel_loss="per_rank"`
+    among the strategy arguments (what `plan --auto` reads off the configured strategy, and what `dpar_auto` passes
+    on), every CP layout is estimated with the head and the loss on the rank's own tokens, and needs less than the
+    same layout with the head on the whole sequence; the layouts without CP are unchanged."""
+    pytest.importorskip("transformers")
+    import lightning as L
+    import torch
+    import transformers
+
+    from lightning_dpar import AutoParallelStrategy
+    from lightning_dpar.layout_search.probe import search_model
+    from tests.support.hf_configs import decoder_config
+
+    class Causal(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            config = decoder_config("LlamaConfig", vocab_size=4096, max_position_embeddings=1024)
+            self.net = transformers.LlamaForCausalLM(config)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.net(input_ids=batch, labels=batch).loss
+
+    with torch.device("meta"):
+        model = Causal()
+    memory = {}
+    for loss in ("whole", "per_rank"):
+        kwargs = {"context_parallel_loss": loss}
+        result = search_model(model, 2, 1, PRESETS["cpu-gloo"], 1, 1024, strategy_kwargs=kwargs)
+        memory[loss] = {e.layout.describe(): e.memory.total for e in result.ranked}
+    assert memory["whole"].keys() == memory["per_rank"].keys()
+    for layout, whole in memory["whole"].items():
+        if "cp2" in layout:
+            assert memory["per_rank"][layout] < whole, layout
+        else:
+            assert memory["per_rank"][layout] == whole, layout
+    strategy = AutoParallelStrategy(seq_len=1024, context_parallel_loss="per_rank")
+    assert strategy.search_settings["strategy_kwargs"] == {"context_parallel_loss": "per_rank"}
