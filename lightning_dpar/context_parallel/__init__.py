@@ -5,13 +5,16 @@
   autograd functions over public `torch.distributed` calls;
 - `attention`: `scaled_dot_product_attention` intercepted (a `TorchFunctionMode`) and made context-parallel;
 - `runtime`: the hooks on the model's repeated blocks that split the sequence and gather it back;
-- `checks`: what is refused, before the first collective.
+- `checks`: what is refused, before the first collective (a pipeline split cutting a block included), and which
+  blocks each pipeline stage runs.
 """
 
 from lightning_dpar.context_parallel.checks import (
+    block_runs,
     check_batch,
     check_checkpointed_modules,
     check_model,
+    check_pipeline_split,
     check_settings,
     sequence_blocks,
 )
@@ -22,9 +25,11 @@ __all__ = [
     "ContextParallel",
     "HeadTailLayout",
     "attention_work",
+    "block_runs",
     "check_batch",
     "check_checkpointed_modules",
     "check_model",
+    "check_pipeline_split",
     "check_settings",
     "cpu_mask_bytes",
     "key_value_sends",

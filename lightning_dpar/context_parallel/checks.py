@@ -4,24 +4,29 @@ the bad value or module, say what is supported, and how to fix it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
 from lightning_dpar._private_api import transformers_attention_implementation
-from lightning_dpar.helpers import has_parameters
+from lightning_dpar.helpers import has_parameters, is_under
 
-__all__ = ["check_batch", "check_checkpointed_modules", "check_model", "check_settings", "sequence_blocks"]
+__all__ = [
+    "block_runs",
+    "check_batch",
+    "check_checkpointed_modules",
+    "check_model",
+    "check_pipeline_split",
+    "check_settings",
+    "sequence_blocks",
+]
 
 
-def check_settings(strategy: str, context: int, pipeline: int, compile_options: object) -> None:
+def check_settings(strategy: str, context: int, compile_options: object) -> None:
     """Refuse the strategy settings context parallelism does not compose with yet (`compile_options`: the strategy's
     `torch.compile` options, `None` without compiling; `compile=True` is `{}`)."""
-    refused = {
-        "pipeline_parallel_size": pipeline if pipeline > 1 else None,
-        "compile": (compile_options or True) if compile_options is not None else None,
-    }
+    refused = {"compile": (compile_options or True) if compile_options is not None else None}
     for name, value in refused.items():
         if value is not None:
             raise ValueError(
@@ -46,6 +51,33 @@ def sequence_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
         )
     prefix, blocks = outermost[0]
     return [(f"{prefix}.{name}", block) for name, block in blocks.named_children() if has_parameters(block)]
+
+
+def block_runs(blocks: Sequence[str], stages: Sequence[Sequence[str]] | None = None) -> list[list[str]]:
+    """The runs of consecutive `blocks` (the model's, in order) that run together: all of them without pipeline
+    parallelism; with it, per stage of this rank (`stages`: each stage's units) the blocks it holds (a unit is a
+    block or inside one; `check_pipeline_split` refuses a block cut between stages). A stage holding no block
+    (only an embedding or a head) has no run. Two of a rank's stages that adjoin stay two runs: each stage's
+    forward is a call of its own, between which the schedule runs others."""
+    if stages is None:
+        return [list(blocks)]
+    runs = [[block for block in blocks if any(is_under(unit, [block]) for unit in units)] for units in stages]
+    return [run for run in runs if run]
+
+
+def check_pipeline_split(blocks: Sequence[str], stages: Sequence[Sequence[str]]) -> None:
+    """Refuse a pipeline split that puts parts of one block (units inside it, `shard_modules` finer than the blocks)
+    on different stages: context parallelism splits the sequence at the blocks' inputs and outputs, and a stage
+    holding half a block would run the other half on a sequence it has not split."""
+    for block in blocks:
+        found = sorted({s for s, units in enumerate(stages) for unit in units if is_under(unit, [block])})
+        if len(found) > 1:
+            raise ValueError(
+                f"The pipeline split puts parts of block {block!r} on stages {found}: with context parallelism every"
+                " block the sequence is split across must run whole on one stage. Split between blocks"
+                " (`pipeline_split` naming blocks, or `shard_modules` no finer than the blocks), or set"
+                " `context_parallel_size=1`."
+            )
 
 
 def check_checkpointed_modules(blocks: list[str], checkpointed: list[str]) -> None:

@@ -18,6 +18,14 @@ The blocks' activations, attention included, are split `size` ways; the embeddin
 not. The hooks act only inside `ContextParallel.active()`, which the strategy opens around each step's forward: a
 forward outside the steps runs on the whole sequence, unsplit.
 
+With pipeline parallelism a rank runs some of the blocks: per stage a run of consecutive blocks (`checks.block_runs`).
+A run that starts after the model's first block receives this rank's part from the previous stage: its input is not
+cut again (the whole sequence is `size` times it), while the other whole-sequence arguments, computed on every stage
+(rotary embeddings), are cut as at the first block. A run that ends before the model's last block sends its part on,
+not gathered. So the stages send each other `size` times less than the whole sequence, and the gradient crossing a
+boundary carries the blocks' factor `size` (`exchange`) from the last block's gather back to the first block's split.
+Each stage's forward opens and closes the split (the schedule runs other stages and microbatches in between).
+
 Activation checkpointing recomputes a block in backward, outside `active()`: `checkpoint_contexts` (the
 checkpoint's `context_fn`) re-enters the attention interception for the recomputation with the sequence length of
 the forward it repeats, so the recomputed attention exchanges keys and values and attends to every rank's again.
@@ -35,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_dpar.context_parallel.attention import ContextParallelAttention, SdpaInterceptor
-from lightning_dpar.context_parallel.checks import sequence_blocks
+from lightning_dpar.context_parallel.checks import block_runs, sequence_blocks
 from lightning_dpar.context_parallel.exchange import gather_sequence, split_sequence
 from lightning_dpar.context_parallel.layout import HeadTailLayout
 from lightning_dpar.context_parallel.loss import OwnLoss, PartialLogits, check_labels
@@ -45,25 +53,35 @@ __all__ = ["ContextParallel"]
 
 class ContextParallel:
     """The hooks and attention state of one model under context parallelism: rank `layout.rank` of `layout.size`
-    ranks exchanging over `group` (`None`: one rank simulated in one process, for the activation estimate); with a
-    `loss_module` (a transformers causal LM holding the blocks), its loss on this rank's own tokens."""
+    ranks exchanging over `group` (`None`: one rank simulated in one process, for the activation estimate). `blocks`
+    are the blocks this rank runs, `order` every block of the model (default: `blocks`), `runs` the blocks each of
+    this rank's pipeline stages runs (`checks.block_runs`; default: all in one); with a `loss_module` (a transformers
+    causal LM holding the blocks), its loss on this rank's own tokens."""
 
     def __init__(
         self,
         blocks: list[tuple[str, nn.Module]],
         layout: HeadTailLayout,
         group: dist.ProcessGroup | None,
+        runs: Sequence[Sequence[str]] | None = None,
+        order: Sequence[str] | None = None,
         loss_module: tuple[str, nn.Module] | None = None,
     ) -> None:
         self.layout = layout
         self.group = group
         self.attention = ContextParallelAttention(self.layout, group)
+        names = [name for name, _ in blocks] if order is None else list(order)
+        runs = [names] if runs is None else runs
+        #: The blocks whose input arrives as this rank's part (a pipeline stage's first block after the model's
+        #: first), and those whose output leaves as it (a stage's last block before the model's last).
+        self._enters_split = {run[0] for run in runs if run[0] != names[0]}
+        self._leaves_split = {run[-1] for run in runs if run[-1] != names[-1]}
+        self._last_name = names[-1]
         self._blocks = blocks
-        self._last = blocks[-1][1]
         self._enabled = False
         self._calls_at_entry = 0
         self._handles: list[RemovableHandle] = []
-        for name, block in blocks:
+        for name, block in self._blocks:
             self._handles.append(block.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True, prepend=True))
             self._handles.append(block.register_forward_hook(self._post_hook(name), with_kwargs=True))
         #: Whether the last block's output was left this rank's part, for the loss module's loss and output.
@@ -84,21 +102,25 @@ class ContextParallel:
         group: dist.ProcessGroup,
         blocks: Sequence[str] | None = None,
         loss_module: str | None = None,
+        stages: Sequence[Sequence[str]] | None = None,
     ) -> ContextParallel:
-        """Hook `root`'s `blocks` (the plan's `ModulePlan.context_parallel`; default: `checks.sequence_blocks`) for
-        context parallelism over `group`; with `loss_module` (`ModulePlan.context_parallel_loss`), that causal LM's
-        loss per rank."""
-        found = sequence_blocks(root) if blocks is None else [(name, root.get_submodule(name)) for name in blocks]
+        """Hook `root`'s `blocks` (the plan's `ModulePlan.context_parallel`: every block of the model, in order;
+        default: `checks.sequence_blocks`) for context parallelism over `group`; with `loss_module`
+        (`ModulePlan.context_parallel_loss`), that causal LM's loss per rank; with pipeline parallelism only the
+        blocks of this rank's `stages` (each stage's units), the others being remote units."""
+        names = [name for name, _ in sequence_blocks(root)] if blocks is None else list(blocks)
+        runs = block_runs(names, stages)
+        found = [(name, root.get_submodule(name)) for run in runs for name in run]
         layout = HeadTailLayout(dist.get_world_size(group), dist.get_rank(group))
         loss = None if loss_module is None else (loss_module, root.get_submodule(loss_module))
-        return cls(found, layout, group, loss)
+        return cls(found, layout, group, runs, names, loss_module=loss)
 
     @classmethod
     def simulate(cls, root: nn.Module, size: int, loss_module: str | None = None) -> ContextParallel:
         """One rank of `size` simulated in this process: the same split, hooks and attention, with collectives that
         only allocate what the real ones would (what `lightning_dpar.estimates` traces)."""
         module = None if loss_module is None else (loss_module, root.get_submodule(loss_module))
-        return cls(sequence_blocks(root), HeadTailLayout(size, 0), None, module)
+        return cls(sequence_blocks(root), HeadTailLayout(size, 0), None, loss_module=module)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -179,8 +201,10 @@ class ContextParallel:
                 hidden = next((v for v in (*args, *kwargs.values()) if isinstance(v, Tensor) and v.dim() >= 2), None)
                 if hidden is None:
                     raise ValueError(f"Block {name!r} got no tensor argument with a sequence dim (dim 1) to split.")
-                self.layout.check(hidden.shape[1], f"block {name!r}")
-                self.attention.begin(hidden.shape[1])
+                # Past a pipeline stage boundary the hidden states arrive as this rank's part already.
+                seq_len = hidden.shape[1] * (self.layout.size if name in self._enters_split else 1)
+                self.layout.check(seq_len, f"block {name!r}")
+                self.attention.begin(seq_len)
             self.attention.where = f"Module {name!r} ({type(module).__name__})"
             self._calls_at_entry = self.attention.calls
             return self._split(args), {k: self._split(v) for k, v in kwargs.items()}
@@ -200,7 +224,10 @@ class ContextParallel:
                     " call scaled_dot_product_attention (a transformers model: `attn_implementation='sdpa'`), or set"
                     " `context_parallel_size=1`."
                 )
-            if module is not self._last:
+            if name in self._leaves_split:
+                self.attention.end()  # this rank's part goes on to the next pipeline stage
+                return None
+            if name != self._last_name:
                 return None
             seq_len = self.attention.seq_len
             self.attention.end()

@@ -195,8 +195,8 @@ def enumerate_layouts(
             pipelines = [p for p in pipelines if not isinstance(p, Rejected)]
             for replicate in _replicate_sizes(dp, tp, devices_per_node, num_nodes):
                 for ep in divisors(dp // replicate) if moe else [1]:
-                    plain = pp > 1 or ep > 1  # CP composes with neither yet
-                    for cp in [1] if plain else _context_sizes(dp // replicate, seq_len):
+                    # CP does not compose with EP yet (both borrow the shard dim's ranks); it does with PP.
+                    for cp in [1] if ep > 1 else _context_sizes(dp // replicate, seq_len):
                         if cp > 1 and isinstance(rule.at(dp // cp), str):
                             refuse(Rejected(f"tp{tp} cp{cp} ({dp // cp} data-parallel ranks)", str(rule.at(dp // cp))))
                             continue

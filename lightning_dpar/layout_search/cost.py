@@ -15,13 +15,14 @@ Step time (seconds, one optimizer step of every data-parallel rank's batch) is s
     `fsdp_overlap` of it hides behind compute (never more than the compute time);
   - TP: 4 all-reduces of one microbatch's activations per layer (2 forward, 2 backward; 6 with checkpointing), on
     the critical path;
-  - PP: one activation forward and one gradient backward per microbatch and stage boundary;
+  - PP: one activation forward and one gradient backward per microbatch and stage boundary (under CP this rank's
+    part of the sequence);
   - EP: 4 all-to-alls per MoE layer and microbatch (dispatch and combine, forward and backward; 6 with
     checkpointing) of each token's `k` chosen hidden states;
-  - CP: per layer, the all-gather of the sequence's keys and values in forward and the reduce-scatter of their
-    gradients in backward (`lightning_dpar.context_parallel.exchange`; the key/value width is taken as the hidden
-    size, an upper bound under grouped-query attention), and once per step the hidden states gathered after the
-    last block and their gradient gathered before the first, on the critical path.
+  - CP: per layer (of the pipeline rank's stages), the all-gather of the sequence's keys and values in forward and
+    the reduce-scatter of their gradients in backward (`lightning_dpar.context_parallel.exchange`; the key/value
+    width is taken as the hidden size, an upper bound under grouped-query attention), and once per step the hidden
+    states gathered after the last block and their gradient gathered before the first, on the critical path.
   Ring collectives move `(n - 1) / n` of the buffer per rank (all-gather, reduce-scatter, all-to-all) and twice that
   for all-reduce. A group crosses nodes when its ranks span more than one node (ranks are laid out row-major as
   pipeline, replicate, shard, tensor parallel; see `parallel_dims.ParallelMeshes`).
@@ -162,7 +163,8 @@ def _critical_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfil
     pp = 0.0
     if d.pipeline > 1:
         link = profile.collective_link("send_recv", 2, _crosses(d.world_size, profile))
-        pp = 2 * layout.microbatches * layout.stages_per_rank * link.seconds(activation)
+        # what crosses a stage boundary is this rank's part of the sequence under CP
+        pp = 2 * layout.microbatches * layout.stages_per_rank * link.seconds(activation // d.context)
     ep = 0.0
     if facts.experts and d.expert > 1:
         moe_layers = -(-facts.moe_layers // d.pipeline)
@@ -179,8 +181,9 @@ def _context_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfile
         return 0.0
     whole = facts.batch_size * facts.seq_len * facts.hidden * facts.activation_bytes // d.tensor_parallel
     span = d.context * d.tensor_parallel
-    keys_values = facts.layers * 2 * (_ring(profile, "all_gather", d.context, whole, span))
-    keys_values += facts.layers * 2 * _ring(profile, "reduce_scatter", d.context, whole, span)
+    layers = -(-facts.layers // d.pipeline)  # each pipeline rank exchanges for its own stages' layers
+    keys_values = layers * 2 * (_ring(profile, "all_gather", d.context, whole, span))
+    keys_values += layers * 2 * _ring(profile, "reduce_scatter", d.context, whole, span)
     hidden = 2 * _ring(profile, "all_gather", d.context, whole * d.tensor_parallel, span)
     return keys_values + hidden
 

@@ -104,8 +104,12 @@ def apply_plan(
     context = None
     if plan.context_parallel:
         assert meshes.context is not None, "a context-parallel plan needs the context-parallel mesh"
+        stages = None
+        if plan.pipeline is not None:  # this rank's stages: the other stages' blocks are remote units
+            split = plan.pipeline
+            stages = [split.stages[stage] for stage in split.stages_of_rank(plan.pipeline_rank)]
         group = meshes.context.get_group()
-        context = ContextParallel.install(root, group, plan.context_parallel, plan.context_parallel_loss)
+        context = ContextParallel.install(root, group, plan.context_parallel, plan.context_parallel_loss, stages)
     recompute = context.checkpoint_contexts if context is not None else None
     apply_activation_checkpointing(root, plan.activation_checkpointing, recompute)
     if compile_options is not None:

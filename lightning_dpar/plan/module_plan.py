@@ -35,9 +35,11 @@ class ModulePlan:
     experts.
 
     `context_parallel` names the blocks each sequence is split across under context parallelism, in order
-    (`lightning_dpar.context_parallel.sequence_blocks`); empty without it. `context_parallel_loss` names the
-    transformers causal LM whose loss each rank computes on its own tokens (`context_parallel_loss="per_rank"`,
-    `lightning_dpar.context_parallel.loss`); `None`: the last block's output is gathered whole.
+    (`lightning_dpar.context_parallel.sequence_blocks`); empty without it. With pipeline parallelism it still names
+    every block of the model (where the sequence is split and gathered again); the hooks go on `pipeline_rank`'s.
+    `context_parallel_loss` names the transformers causal LM whose loss each rank computes on its own tokens
+    (`context_parallel_loss="per_rank"`, `lightning_dpar.context_parallel.loss`); `None`: the last block's output is
+    gathered whole.
     """
 
     tensor_parallel: dict[str, ParallelStyle]
@@ -70,4 +72,6 @@ def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> Mo
         pipeline_rank=pipeline_rank,
         tied=[group for group in plan.tied if all(is_under(name, units) for name in group)],
         experts=[fqn for fqn in plan.experts if is_under(fqn, units)],
+        context_parallel=plan.context_parallel,  # every block: the hooks need the model's first and last
+        context_parallel_loss=plan.context_parallel_loss,
     )

@@ -23,7 +23,12 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar.conformance.batchnorm import check_no_batch_norm_in_pipeline
-from lightning_dpar.context_parallel.checks import check_checkpointed_modules, check_model, sequence_blocks
+from lightning_dpar.context_parallel.checks import (
+    check_checkpointed_modules,
+    check_model,
+    check_pipeline_split,
+    sequence_blocks,
+)
 from lightning_dpar.context_parallel.loss import causal_lm_loss_module, check_loss_mode
 from lightning_dpar.helpers import class_name, show_names
 from lightning_dpar.parallel_dims import ParallelDims
@@ -151,6 +156,13 @@ def _pipeline_plan(
     config = options.pipeline
     assert config is not None, "a strategy that pipelines gives its pipeline settings"
     config.check(dims.pipeline)
+    if dims.context > 1 and options.context_parallel_loss == "per_rank":
+        raise ValueError(
+            f"`{options.strategy}(pipeline_parallel_size={dims.pipeline}, context_parallel_size={dims.context},"
+            " context_parallel_loss='per_rank')` is not supported yet: the per-rank loss is not implemented across"
+            " pipeline stages. Use `context_parallel_loss='whole'` (the default, exact for any loss) with pipelining,"
+            " or `pipeline_parallel_size=1`."
+        )
     check_no_batch_norm_in_pipeline(module, dims.pipeline)
     shard_units = _shard_units(module, options, blocks)
     split = resolve_split(
@@ -168,6 +180,10 @@ def _pipeline_plan(
     tensor_parallel = _tensor_parallel(module, dims, options, experts)
     check_tied_layouts(module, tied, tensor_parallel)
     whole = _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, experts)
+    context_parallel = _context_parallel(module, dims, options)
+    check_checkpointed_modules(context_parallel["context_parallel"], whole.activation_checkpointing)
+    check_pipeline_split(context_parallel["context_parallel"], split.stages)
+    whole = replace(whole, **context_parallel)
     return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
 
 

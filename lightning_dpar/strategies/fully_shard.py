@@ -128,7 +128,7 @@ class FullyShardStrategy(DparStrategy):
     def _check_before_collectives(self, dims: ParallelDims) -> None:
         super()._check_before_collectives(dims)
         if dims.context > 1:
-            check_settings(type(self).__name__, dims.context, dims.pipeline, self._compile_options)
+            check_settings(type(self).__name__, dims.context, self._compile_options)
 
     @override
     def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:

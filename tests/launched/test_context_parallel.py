@@ -1,7 +1,8 @@
 """Context parallelism through real Trainers on 2 and 4 gloo ranks (cases in `tests/workers/context_parallel.py`):
 the example GPT and transformers decoders (Llama, Qwen2, Qwen3, Mistral) with each sequence split between ranks, CP
-alone, CP x FSDP and CP x TP, each ending with the parameters of one process on the same global batches; every rank
-logging its batch's whole-sequence loss; and each refusal raised alike on every rank."""
+alone, CP x FSDP and CP x TP (CP x PP: `test_context_parallel_pipeline.py`), each ending with the parameters of one
+process on the same global batches; every rank logging its batch's whole-sequence loss; and each refusal raised
+alike on every rank."""
 
 from __future__ import annotations
 

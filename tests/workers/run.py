@@ -59,6 +59,7 @@ MODULES = [
         "auto_data",
         "sweep",
         "context_parallel",
+        "context_parallel_pipeline",
     )
 ]
 

@@ -76,19 +76,18 @@ def test_dpar_cp_is_registered():
 @pytest.mark.parametrize(
     ("setting", "shown"),
     [
-        ({"pipeline": 2}, "pipeline_parallel_size=2"),
         ({"compile_options": {}}, "compile=True"),  # `compile=True`: no options, still compiling
         ({"compile_options": {"mode": "default"}}, "compile={'mode': 'default'}"),
     ],
 )
 def test_settings_that_do_not_compose_yet_are_refused(setting, shown):
-    kwargs = {"pipeline": 1, "compile_options": None, **setting}
+    kwargs = {"compile_options": None, **setting}
     with pytest.raises(ValueError, match=rf"context_parallel_size=2, {re.escape(shown)}\)` is not supported yet"):
         check_settings("FullyShardStrategy", 2, **kwargs)
 
 
 def test_settings_that_compose_pass():
-    check_settings("FullyShardStrategy", 2, pipeline=1, compile_options=None)
+    check_settings("FullyShardStrategy", 2, compile_options=None)
 
 
 def test_checkpointing_a_module_enclosing_the_split_blocks_is_refused():

@@ -24,7 +24,7 @@ def test_context_parallel_sizes_are_candidates_only_with_a_sequence_length_they_
     layouts, _ = enumerate_layouts(4, 4, 1, layers=4, batch_size=2, seq_len=16)
     assert {c.dims.context for c in layouts} == {1, 2, 4}
     cp = [c for c in layouts if c.dims.context > 1]
-    assert all(c.dims.pipeline == 1 for c in cp)  # CP does not compose with pipelining yet
+    assert {(c.dims.pipeline, c.dims.context) for c in cp} == {(1, 2), (1, 4), (2, 2)}  # CP within each stage
     assert {c.activation_checkpointing for c in cp} == {False, True}  # the recomputation is context-parallel too
     assert {c.dims.tensor_parallel * c.dims.context for c in cp} <= {2, 4}
     assert cp[0].strategy_kwargs()["context_parallel_size"] == cp[0].dims.context
@@ -39,7 +39,8 @@ def test_a_global_batch_is_split_over_the_data_parallel_ranks_left_by_context_pa
 
     layouts, _ = enumerate_layouts(4, 4, 1, layers=4, batch_size=BatchRule(global_batch=4), seq_len=16)
     for layout in (c for c in layouts if c.dims.context > 1):
-        assert layout.dims.data_parallel == 4 // (layout.dims.tensor_parallel * layout.dims.context)
+        d = layout.dims
+        assert d.data_parallel == 4 // (d.pipeline * d.tensor_parallel * d.context)
 
 
 def _mesh(layout: Layout, activations: int) -> MeshMemory:
@@ -55,6 +56,24 @@ def test_the_cost_model_charges_the_exchange_and_divides_the_compute():
     assert split.time.communication > plain.time.communication  # the key/value exchange on top of FSDP's
     assert split.seconds_per_sample > plain.seconds_per_sample  # CP never pays for speed alone
     assert split.memory.activations == plain.memory.activations // 2
+
+
+def test_under_pipelining_the_boundary_carries_the_part_and_each_rank_exchanges_for_its_stages():
+    """PP 2 x CP 2 against PP 2 alone and CP 2 alone (8 ranks, the same microbatches): the stage boundary's sends
+    halve, and each pipeline rank's key/value exchange covers half the layers."""
+    profile = PRESETS["h100-node"]
+
+    def priced(pp: int, cp: int):
+        dims = ParallelDims.resolve(8, 8, pipeline_parallel_size=pp, context_parallel_size=cp)
+        layout = Layout(dims, False, "1F1B" if pp > 1 else None, 2)
+        return estimate(layout, FACTS, _mesh(layout, 8 * GIB), profile)
+
+    pipelined, both, split = priced(2, 1), priced(2, 2), priced(1, 2)
+    assert both.time.compute == pipelined.time.compute / 2
+    exchange = split.time.communication - priced(1, 1).time.communication  # CP alone: all 16 layers
+    stage_exchange = both.time.communication - pipelined.time.communication  # 8 layers, but PP's sends halve
+    assert 0 < stage_exchange < exchange
+    assert both.memory.activations == pipelined.memory.activations // 2
 
 
 def test_the_search_chooses_context_parallelism_when_only_it_fits():
