@@ -24,9 +24,11 @@ record (a segfault, `os.kill`) shows as that case's error ("started, never ended
 after it.
 
 Writing cases: do all the work, collectives included, inside the case's function, so a skipped case skips all of
-it; build strategies and modules there too. Return JSON-serialisable values on rank 0 (other ranks' values are
-ignored). A case must not depend on an earlier case's side effects; share an expensive reference run between
-cases with `functools.cache`, which reruns it in the next case if it raised.
+it; build strategies and modules there too. The runner puts the environment back after each case (a case that seeds
+leaves `PL_GLOBAL_SEED` behind, which changes how Lightning's sampler shuffles the next case's data). Return
+JSON-serialisable values on rank 0 (other ranks' values are ignored). A case must not depend on an earlier case's
+side effects; share an expensive reference run between cases with `functools.cache`, which reruns it in the next
+case if it raised.
 """
 
 from __future__ import annotations
@@ -49,6 +51,17 @@ ABORT_GRACE_S = 15.0
 #: Exit status of a rank whose launch stopped early (the records say why).
 STOPPED_EXIT_CODE = 3
 SKIP_ENV = "DPAR_TEST_SKIP_CASES"
+
+
+def _restore_environment(saved: dict[str, str]) -> None:
+    """Put `os.environ` back as it was before a case: what a case sets (`seed_everything`'s `PL_GLOBAL_SEED`, which
+    Lightning's distributed sampler shuffles with; LightningCLI seeds by default) must not reach the next case, which
+    may be another test file's in a shared launch."""
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,7 @@ class CaseRunner:
             self._current = (sequence, case, time.monotonic())
         started = time.monotonic()
         value, error = None, None
+        environment = dict(os.environ)
         try:
             value = case.fn()
             if self.rank == 0:
@@ -109,6 +123,8 @@ class CaseRunner:
                 value = None
         except (Exception, SystemExit):  # SystemExit: e.g. argument parsing inside LightningCLI
             value, error = None, traceback.format_exc()
+        finally:
+            _restore_environment(environment)
         with self._lock:
             if self._stopping:  # the watchdog stopped the launch while this case ran; it exits the process
                 self._block_forever()
