@@ -95,6 +95,7 @@ __all__ = [
     "training_data_source",
     "transformers_attention_implementation",
     "transformers_module_initialiser",
+    "transformers_supports_sdpa",
     "transformers_tp_plan_attribute",
     "tree_leaves",
     "tree_map",
@@ -115,10 +116,8 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
 
 
 def grouped_mm() -> Callable[..., torch.Tensor] | None:
-    """`torch._grouped_mm(input, weights, offs=...)`, one matmul per group of rows, where this torch has it.
-
-    There is no public grouped GEMM in torch; MoE experts computed as one grouped matmul instead of a loop over the
-    experts is what torchtitan and transformers' `grouped_mm` experts use on GPUs (it runs on CPU too, in fp32)."""
+    """`torch._grouped_mm(input, weights, offs=...)`, one matmul per group of rows, where this torch has it: no public
+    grouped GEMM exists; torchtitan's and transformers' `grouped_mm` experts use it (it runs on CPU too, in fp32)."""
     return getattr(torch, "_grouped_mm", None)
 
 
@@ -153,20 +152,17 @@ def swapped_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> I
 
 
 def layer_sync_requested(strategy: Any) -> bool:
-    """Whether `Trainer(sync_batchnorm=True)` was given: Lightning's connector sets it on every `ParallelStrategy` as
-    the private `_layer_sync`, which its own strategies read in `setup` (there is no public accessor)."""
+    """Whether `Trainer(sync_batchnorm=True)` was given (Lightning's private `_layer_sync`; no public accessor)."""
     return getattr(strategy, "_layer_sync", None) is not None
 
 
 def detect_anomaly_requested(trainer: Any) -> bool:
-    """Whether the Trainer was made with `detect_anomaly=True`: Lightning keeps the flag only as `_detect_anomaly`
-    and turns anomaly mode on around the training stage, after the strategy's setup, where it must be refused."""
+    """Whether the Trainer was made with `detect_anomaly=True` (kept only as `_detect_anomaly`; refused in setup)."""
     return bool(getattr(trainer, "_detect_anomaly", False))
 
 
 def privateuse1_backend_name() -> str:
-    """The out-of-tree device backend's name (`"privateuseone"` unless renamed): `SyncBatchNorm.forward` accepts it
-    besides cuda/hpu/xpu, and torch exposes it only through `torch._C`."""
+    """The out-of-tree device backend's name, which `SyncBatchNorm` accepts (only `torch._C` exposes it)."""
     return torch._C._get_privateuse1_backend_name()
 
 
@@ -276,6 +272,11 @@ def transformers_tp_plan_attribute(model: Any) -> Any:
     """The whole-model tensor-parallel plan transformers merges in `post_init` (`_tp_plan`); read-only, and the
     only place the plans of the model's heads (e.g. `lm_head`) are combined with the base model's."""
     return getattr(model, "_tp_plan", None)
+
+
+def transformers_supports_sdpa(module: Any) -> bool:
+    """Whether a transformers model's family has an SDPA attention at all (class flag `_supports_sdpa`; Gemma 2 not)."""
+    return bool(getattr(type(module), "_supports_sdpa", True))
 
 
 def transformers_attention_implementation(module: Any) -> str | None:

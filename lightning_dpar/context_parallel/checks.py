@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_dpar._private_api import transformers_attention_implementation
+from lightning_dpar._private_api import transformers_attention_implementation, transformers_supports_sdpa
 from lightning_dpar.helpers import has_parameters, is_under
 
 __all__ = [
@@ -111,11 +111,15 @@ def check_model(root: nn.Module) -> None:
                 " `output_router_logits=False` (the experts train exactly without it), or `context_parallel_size=1`."
             )
         if implementation is not None and implementation != "sdpa":
+            fix = (
+                "Build the model with `attn_implementation='sdpa'`"
+                if transformers_supports_sdpa(module)
+                else f"transformers has no SDPA attention for {type(module).__name__}: train a family that has one"
+            )
             raise ValueError(
                 f"Module {name or '(root)'!r} ({type(module).__name__}) uses attn_implementation={implementation!r};"
-                " context parallelism makes attention that calls torch's scaled_dot_product_attention"
-                " context-parallel. Build the model with `attn_implementation='sdpa'`, or set"
-                " `context_parallel_size=1`."
+                f" context parallelism makes attention that calls torch's scaled_dot_product_attention"
+                f" context-parallel. {fix}, or set `context_parallel_size=1`."
             )
 
 

@@ -140,6 +140,7 @@ ERRORS = {
     "padding_mask": r"`attention_mask` masks some tokens",
     "eager_attention": r"\(LlamaForCausalLM\) uses attn_implementation='eager'",
     "manual_attention": r"Block 'model.blocks.0' \(\w*Block\) ran under context parallelism without calling",
+    "family_without_sdpa": r"\(Gemma2ForCausalLM\) uses attn_implementation=.* transformers has no SDPA attention",
     "checkpointing_around_the_blocks": r"`activation_checkpointing` selects 'model', which encloses the blocks",
     "router_loss": r"\(Qwen3MoeForCausalLM\) adds its router's load-balancing loss",
     "per_rank_not_a_causal_lm": r"`context_parallel_loss='per_rank'` computes the loss .* GPTModule holds none",

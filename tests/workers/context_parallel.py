@@ -263,6 +263,7 @@ def group_context_parallel_errors() -> Iterator[Case]:
     yield case("padding_mask", cp(), HFModule, lambda: PaddedTokens(SEQ))
     yield case("eager_attention", cp(), lambda: HFModule(attn="eager"), lambda: Tokens(SEQ))
     yield case("manual_attention", cp(), ManualAttentionGPT, gpt_data)
+    yield case("family_without_sdpa", cp(), lambda: HFModule("Gemma2Config", head_dim=8), lambda: Tokens(SEQ))
     yield case("checkpointing_around_the_blocks", cp(activation_checkpointing=["model"]), GPTModule, gpt_data)
     router_loss = dict(num_experts=4, moe_intermediate_size=16, head_dim=8, output_router_logits=True)
     yield case("router_loss", cp(), lambda: HFModule("Qwen3MoeConfig", **router_loss), lambda: Tokens(SEQ))
