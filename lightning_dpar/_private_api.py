@@ -398,3 +398,33 @@ def waited(output: Any) -> Any:
     if type(output) in (tuple, list) and any(isinstance(item, AsyncCollectiveTensor) for item in output):
         return type(output)(waited(item) for item in output)
     return output
+
+
+# A forked child (the layout search's, `layout_search.isolated`) must plan on a fake process group of its own, but
+# inherits this process's groups: torch keeps them in module-level maps behind `distributed_c10d._world` (documented
+# there as an experimental extension point) and refuses a second default group. Shutting the inherited groups down
+# (`destroy_process_group`), or only dropping the last reference to one, runs its destructor, which joins gloo threads
+# that do not exist in the child (an abort: "std::system_error: Invalid argument") or aborts NCCL communicators the
+# parent still uses. The child therefore takes them out of torch's maps and keeps them referenced until it exits (by
+# `os._exit`, which runs no destructor). The group counter is kept, so the child's new group names never repeat an
+# inherited one in torch's C++ registry. Checked on torch 2.11.0, 2.13.0 and 2.15.0.
+_FORGOTTEN_PROCESS_GROUPS: list[Any] = []
+
+
+def forget_inherited_process_groups() -> None:
+    """In a forked child: no process group, as if none had been started (the parent's are untouched)."""
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._world
+    registries = (
+        world.pg_map,
+        world.pg_names,
+        world.pg_group_ranks,
+        world.pg_backend_config,
+        world.tags_to_pg,
+        world.pg_to_tag,
+    )
+    _FORGOTTEN_PROCESS_GROUPS.append((world.default_pg, [dict(registry) for registry in registries]))
+    for registry in registries:
+        registry.clear()
+    world.default_pg = None

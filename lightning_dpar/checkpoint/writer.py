@@ -95,6 +95,19 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self.timings: deque[SaveTiming] = deque(maxlen=100)  # recent saves, for benchmarks and logs
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The settings alone: what `start_method="spawn"` sends each new rank with the strategy (its lock, thread
+        and process group cannot travel, and a fresh rank has no save of its own in flight)."""
+        if self._in_flight is not None or self._thread is not None:
+            raise TypeError(
+                "A checkpoint writer with a save in flight cannot be sent to another process: call"
+                " `strategy.wait_for_checkpoint()` first."
+            )
+        return {"async_save": self.async_save, "timeout": self.timeout}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
     # ------------------------------------------------------------------ public
     def save(
         self, tensor_state: dict[str, Any], metadata: dict[str, Any], path: str, per_rank: dict[str, Any] | None = None

@@ -1,70 +1,131 @@
-"""The layout search where a process group exists already: in a fresh Python process.
+"""The layout search where training will run: in a forked copy of this process, which ends with the search.
 
 The search plans each candidate mesh with the dry run, on a fake process group of N ranks, which torch can only
 create in a process without a default group. A second `dpar_auto` Trainer in a process whose first Trainer started
-the real group (or a `Trainer` in a process that started one itself) would fail there. And a process about to train
-should not host the fake worlds at all: the device meshes they build leave process-group names behind, and a later
-real mesh's DTensors can resolve to groups that no longer exist (seen on 4 gloo ranks: "Could not resolve the process
-group registered under the name 3" when gathering a 2-D state dict). `AutoParallelStrategy` therefore always searches
-in a child (`in_child=True`); `search_anywhere` runs the same search there
-(`python -m lightning_dpar.layout_search.isolated IN OUT`): the model goes over as its meta copy, the result comes back
-pickled. The child costs a Python start and the imports (seconds); the search
-and its result are the same as in this process.
+the real group (or a Ray Train worker, whose group Ray starts before the training function) would fail there. And a
+process about to train should not host the fake worlds at all: the device meshes they build leave process-group
+names behind, and a later real mesh's DTensors can resolve to groups that no longer exist (seen on 4 gloo ranks:
+"Could not resolve the process group registered under the name 3" when gathering a 2-D state dict).
+`AutoParallelStrategy` therefore always searches in a child (`in_child=True`).
+
+The child is a fork (`os.fork`), not a fresh interpreter: it holds the user's model as this process holds it, so a
+`LightningModule` defined in the user's script (`__main__`), in a notebook, or sent to a Ray worker by value needs no
+import by name, and nothing is written to a file another process could replace. In the child the process groups
+inherited from this process are forgotten, never used or shut down (`_private_api.forget_inherited_process_groups`),
+and it runs on one CPU thread, on meta tensors only (no accelerator call: a CUDA context does not survive a fork).
+Its answer comes back through a pipe only the two processes hold; it leaves with `os._exit`, running none of this
+process's exit hooks, and if this process dies first, it stops within a second instead of finishing a search nobody
+reads. The documented refusals (`ValueError`, `TypeError`: a bad size, a plan that cannot run) are raised here with
+their own message; anything else fails with the child's traceback.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
-from typing import Any
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import lightning as L
 import torch
 import torch.distributed as dist
 
-from lightning_dpar.layout_search.probe import meta_copy, search_model
+from lightning_dpar._private_api import forget_inherited_process_groups
+from lightning_dpar.layout_search.probe import search_model
 from lightning_dpar.layout_search.search import SearchResult
 
-__all__ = ["search_anywhere"]
+__all__ = ["run_in_fork", "search_anywhere"]
+
+T = TypeVar("T")
+
+#: The exceptions a search raises by design (a bad size, a plan that cannot run), re-raised here as they are.
+_REFUSALS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}
 
 
 def search_anywhere(module: L.LightningModule, *args: Any, in_child: bool = False, **kwargs: Any) -> SearchResult:
     """`search_model(module, *args, **kwargs)`, in this process when it has no process group and `in_child` is
-    false, else in a child process."""
+    false, else in a forked child (`run_in_fork`)."""
     if not in_child and not dist.is_initialized():
         return search_model(module, *args, **kwargs)
-    with tempfile.TemporaryDirectory(prefix="dpar-layout-") as directory:
-        request, answer = Path(directory) / "request.pt", Path(directory) / "answer.pkl"
-        torch.save({"module": meta_copy(module), "args": args, "kwargs": kwargs}, request)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
-            env.pop(name, None)  # the child is no rank of this world
-        done = subprocess.run(
-            [sys.executable, "-m", "lightning_dpar.layout_search.isolated", str(request), str(answer)],
-            env=env,
-            capture_output=True,
-            text=True,
+    return run_in_fork(search_model, module, *args, **kwargs)
+
+
+def run_in_fork(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`function(*args, **kwargs)` in a forked child of this process; its result (pickled through a pipe) or its
+    `ValueError` / `TypeError` (re-raised here with the same message)."""
+    if not hasattr(os, "fork"):
+        raise RuntimeError(
+            f"`dpar_auto` searches the layouts in a forked process, which {sys.platform} cannot create. Choose the"
+            " layout with `python -m lightning_dpar plan --auto ...` and give its sizes to"
+            " `FSDPTensorParallelStrategy`."
         )
-        if done.returncode:
-            raise RuntimeError(f"The layout search in a child process failed:\n{done.stderr[-4000:]}")
-        kind, value = pickle.loads(answer.read_bytes())
-    if kind == "error":
-        raise ValueError(value)
-    return value
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # else what this process has buffered would be written twice, once by the child
+    read_end, write_end = os.pipe()
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        os.close(read_end)
+        _child_main(function, args, kwargs, write_end, parent)  # never returns
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        answer = pipe.read()
+    _, status = os.waitpid(child, 0)
+    if not answer:
+        raise RuntimeError(
+            f"The layout search's child process (pid {child}) ended without an answer ({_describe(status)}); its"
+            " output above says why."
+        )
+    kind, value = pickle.loads(answer)  # written by the child through a pipe no other process holds
+    if kind == "result":
+        return value
+    if kind in _REFUSALS:
+        raise _REFUSALS[kind](value)
+    raise RuntimeError(f"The layout search in a child process failed:\n{value}")
 
 
-def _main(request: str, answer: str) -> None:
-    given = torch.load(request, weights_only=False)
+def _child_main(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], write_end: int, parent: int
+) -> None:
+    """The child's whole life: the call, its answer written to the pipe, and `os._exit`."""
+    code = 0
     try:
-        outcome: tuple[str, Any] = ("result", search_model(given["module"], *given["args"], **given["kwargs"]))
+        threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+        forget_inherited_process_groups()
+        torch.set_num_threads(1)  # a fork inherits no OpenMP thread pool to run on
+        outcome: tuple[str, Any] = ("result", function(*args, **kwargs))
     except (ValueError, TypeError) as err:
-        outcome = ("error", str(err))
-    Path(answer).write_bytes(pickle.dumps(outcome))
+        outcome = ("TypeError" if isinstance(err, TypeError) else "ValueError", str(err))
+    except BaseException:
+        outcome = ("error", traceback.format_exc())
+    try:
+        answer = pickle.dumps(outcome)
+    except Exception:
+        answer = pickle.dumps(("error", traceback.format_exc()))
+    try:
+        with os.fdopen(write_end, "wb") as pipe:
+            pipe.write(answer)
+    except BaseException:
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
 
 
-if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
+def _exit_with(parent: int) -> None:
+    """Stop the child once its parent is gone (killed by its launcher, say): nobody would read its answer."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _describe(status: int) -> str:
+    """How a child process ended, from its `os.waitpid` status."""
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit code {os.waitstatus_to_exitcode(status)}"

@@ -20,13 +20,26 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dpar import AutoParallelStrategy
 from lightning_dpar.examples.gpt import GPT
-from tests.workers.auto_layout import TinyGPT
 from tests.workers.cases import Case
 from tests.workers.common import full_params, trainer_for
 from tests.workers.hf_models import SEQ, VOCAB, TokenIds
 
 #: Sequences per optimizer step over all data-parallel ranks.
 GLOBAL = 8
+
+
+class TinyGPT(GPT):
+    """The example GPT, 4 layers of width 32; SGD, so that the comparison measures gradients."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_embd=32)
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
 def sized_loader(trainer: L.Trainer, global_batch: int = GLOBAL) -> DataLoader:

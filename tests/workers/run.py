@@ -55,7 +55,6 @@ MODULES = [
         "ray_train",
         "moe",
         "activations",
-        "auto_layout",
         "auto_data",
         "sweep",
         "context_parallel",

@@ -1,0 +1,92 @@
+"""The layout search in a forked child (`lightning_dpar.layout_search.isolated`): it needs no import of the model's
+class by name, survives the process group of the process it forks from (which it neither uses nor shuts down),
+and hands back results and refusals as they were raised."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_dpar.examples.gpt import GPT
+from lightning_dpar.layout_search.isolated import run_in_fork, search_anywhere
+from lightning_dpar.layout_search.profiles import PRESETS
+from lightning_dpar.parallel_dims import init_fake_process_group
+
+
+def _class_only_in_memory(base: type, **namespace) -> type:
+    """A class as a user's script defines it: its module is `__main__`, where pickle could not find it by name."""
+    cls = type("ScriptModule", (base,), {"__module__": "__main__", **namespace})
+    assert not hasattr(__import__("__main__"), "ScriptModule")
+    return cls
+
+
+def _describe_in_child(obj: object) -> tuple[int, str, int]:
+    return os.getpid(), type(obj).__qualname__, obj.value()  # type: ignore[attr-defined]
+
+
+def test_the_child_runs_on_an_object_whose_class_cannot_be_imported():
+    cls = _class_only_in_memory(object, value=lambda self: 42)
+    pid, name, value = run_in_fork(_describe_in_child, cls())
+    assert pid != os.getpid() and (name, value) == ("ScriptModule", 42)
+
+
+def _raise(kind: type[BaseException], message: str) -> None:
+    raise kind(message)
+
+
+@pytest.mark.parametrize("kind", [ValueError, TypeError])
+def test_a_refusal_reaches_the_caller_with_its_type_and_message(kind):
+    with pytest.raises(kind, match=r"^`tensor_parallel_size=3` does not divide 4 ranks\.$"):
+        run_in_fork(_raise, kind, "`tensor_parallel_size=3` does not divide 4 ranks.")
+
+
+def test_any_other_failure_reaches_the_caller_with_the_childs_traceback():
+    with pytest.raises(RuntimeError, match=r"(?s)failed:\n.*in _raise.*KeyError: 'boom'"):
+        run_in_fork(_raise, KeyError, "boom")
+
+
+def test_a_child_that_dies_without_answering_is_reported_with_its_exit():
+    with pytest.raises(RuntimeError, match=r"ended without an answer \(exit code 7\)"):
+        run_in_fork(os._exit, 7)
+
+
+def test_a_result_that_cannot_be_sent_back_is_the_childs_failure():
+    with pytest.raises(RuntimeError, match=r"(?s)failed:.*pickle"):
+        run_in_fork(lambda: lambda: None)  # a lambda does not pickle
+
+
+def _fake_world_size(world_size: int) -> tuple[int, str]:
+    init_fake_process_group(0, world_size)
+    try:
+        return dist.get_world_size(), dist.get_backend()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_child_forgets_the_parents_process_group_and_the_parent_keeps_it(gloo_world):
+    """A `dpar_auto` Trainer after another Trainer, or in a Ray worker: the process group exists before the search."""
+    assert run_in_fork(_fake_world_size, 8) == (8, "fake")
+    assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+    value = torch.ones(2)
+    dist.all_reduce(value)  # the parent's group still works
+    assert value.tolist() == [1.0, 1.0]
+
+
+def _tiny_gpt() -> type:
+    def __init__(self) -> None:
+        GPT.__init__(self, vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
+
+    return _class_only_in_memory(GPT, __init__=__init__)
+
+
+def test_the_search_of_a_script_defined_model_in_a_child_equals_the_search_here():
+    model = _tiny_gpt()()
+    args = (2, 1, PRESETS["cpu-gloo"], 4)
+    here, there = search_anywhere(model, *args), search_anywhere(model, *args, in_child=True)
+    assert there.best is not None and here.best is not None
+    assert there.best.layout == here.best.layout
+    assert [e.layout for e in there.ranked] == [e.layout for e in here.ranked]
+    assert [e.memory.total for e in there.ranked] == [e.memory.total for e in here.ranked]
