@@ -5,7 +5,7 @@ Per step, on every rank of every live group:
 
 1. `start_step`: a quorum with the lighthouse (synchronous: a group that must heal has healed when it returns, before
    the forward). The quorum fixes the groups that take part in this step. Then the group's ranks agree that a heal
-   was whole (`_settle`): if any rank healed and any other failed, every rank raises `HealFailedError`.
+   was whole (`_quorum`): if any rank healed and another failed, every rank raises `HealFailedError`.
 2. Lightning's closure (forward, backward; FSDP reduces gradients inside the group), then `average_gradients`: every
    gradient's local shard is averaged over the groups in the quorum (one flat all-reduce per dtype).
 3. Clipping and `on_before_optimizer_step` hooks, then `commit`: torchft's `should_commit`; the optimizer steps only
@@ -68,9 +68,10 @@ class StepRecord:
 class HealRecord:
     """A heal of this rank from a live peer: the state it received replaced its own.
 
-    A relaunched group records one when it joins a running job; every group but the quorum's first records one at
-    the start of a run (torchft's initial synchronisation: `ft_step` 0 and `batch_idx` None, the peer's weights as
-    built, before any batch or checkpoint load); a group that fell behind a committed step records one mid-run.
+    A relaunched group's ranks record one when it joins a running job; a group that fell behind a committed step
+    records one mid-run. At the start of a run torchft's initial synchronisation copies each rank's weights as built
+    from one group (chosen per group rank), and those ranks record one with `ft_step` 0 and `batch_idx` None (before
+    any batch or checkpoint load).
     """
 
     #: torchft's step counter after the heal: the live group's committed steps.
@@ -145,11 +146,10 @@ class ReplicaGroups:
         everyone = tuple(range(config.num_replica_groups))
         deadline = time.monotonic() + config.start_timeout
         while True:
-            remaining = deadline - time.monotonic()
-            try:
-                self._quorum(joining=True, timeout=min(config.quorum_timeout, max(remaining, 0.1)))
-            except TimeoutError as error:  # torchft's quorum timed out: the lighthouse formed none in time
-                if time.monotonic() < deadline:
+            try:  # the whole remaining budget: torchft's `Manager` is unusable after a quorum that timed out
+                self._quorum(joining=True, timeout=max(deadline - time.monotonic(), 0.1))
+            except TimeoutError as error:  # the lighthouse formed no quorum in time
+                if time.monotonic() < deadline - 1:
                     raise
                 raise self._start_timeout_error(everyone, None) from error
             if self.groups == everyone or self.manager.current_step() > 0:
