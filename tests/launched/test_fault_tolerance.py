@@ -446,8 +446,7 @@ def test_ray_restarts_the_killed_group_only_and_it_heals(ray_run):
     survivors, relaunched = records(out, "ray_g0"), records(out, "ray_g1")
     assert len(survivors) == 1 and len(relaunched) == 1, (list(survivors), list(relaunched))
     survivor, healed = next(iter(survivors.values())), next(iter(relaunched.values()))
-    # Group 0 never stopped: one process trained every batch from the one it joined at (the first quorum can form
-    # before the other worker has started) to the end.
+    # Group 0 never stopped: one process trained every batch from the one it joined at to the end.
     first = survivor["batches"][0]
     assert first < RAY_KILL_AT and survivor["batches"] == list(range(first, RAY_STEPS)), survivor["batches"]
     assert len(list(out.glob("pid_0_*"))) == 1 and len(list(out.glob("pid_1_*"))) == 2
