@@ -16,6 +16,7 @@ from lightning_dpar.fault_tolerance.config import (
     FaultTolerance,
     LighthouseUnreachableError,
 )
+from lightning_dpar.fault_tolerance.replica_group import HealFailedError, StartTimeoutError
 from lightning_dpar.fault_tolerance.strategy import (
     FaultTolerantFSDPTensorParallelStrategy,
     FaultTolerantFullyShardStrategy,
@@ -30,5 +31,7 @@ __all__ = [
     "FaultTolerantFSDPTensorParallelStrategy",
     "FaultTolerantFullyShardStrategy",
     "FaultTolerantReplicateStrategy",
+    "HealFailedError",
     "LighthouseUnreachableError",
+    "StartTimeoutError",
 ]

@@ -8,7 +8,7 @@ import importlib.util
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning_dpar.fault_tolerance.config import FaultTolerance, check_lighthouse_reachable
+from lightning_dpar.fault_tolerance.config import LIGHTHOUSE_PROBE_TIMEOUT, FaultTolerance, check_lighthouse_reachable
 
 if TYPE_CHECKING:
     from lightning_dpar.parallel_dims import ParallelDims
@@ -45,7 +45,7 @@ def check_fault_tolerance(config: FaultTolerance, dims: ParallelDims, reach_ligh
         )
     if reach_lighthouse:
         assert resolved.lighthouse is not None
-        check_lighthouse_reachable(resolved.lighthouse)
+        check_lighthouse_reachable(resolved.lighthouse, min(LIGHTHOUSE_PROBE_TIMEOUT, resolved.quorum_timeout))
     return resolved
 
 

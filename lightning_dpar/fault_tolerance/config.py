@@ -8,13 +8,15 @@ lets a group drop out and rejoin without stopping the others. See docs/fault_tol
 
 from __future__ import annotations
 
+import http.client
 import os
-import socket
+import time
 from dataclasses import dataclass, replace
 from urllib.parse import urlparse
 
 __all__ = [
     "LIGHTHOUSE_ENV",
+    "LIGHTHOUSE_PROBE_TIMEOUT",
     "NUM_REPLICA_GROUPS_ENV",
     "REPLICA_GROUP_ENV",
     "FaultTolerance",
@@ -29,6 +31,10 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
 #: How many replica groups the job has when all are up.
 NUM_REPLICA_GROUPS_ENV = "NUM_REPLICA_GROUPS"
+
+
+#: The longest the lighthouse check waits for an answer (seconds; `quorum_timeout` when that is shorter).
+LIGHTHOUSE_PROBE_TIMEOUT = 10.0
 
 
 class LighthouseUnreachableError(ConnectionError):
@@ -51,7 +57,13 @@ class FaultTolerance:
             split one world into groups).
         timeout: seconds for collectives across groups, commits and healing transfers; a group that hangs (rather
             than dies) is dropped after it.
-        quorum_timeout: seconds a group waits for a quorum (a relaunched group waits here for the others).
+        quorum_timeout: seconds a group waits for a quorum (a relaunched group waits here for the others); it also
+            bounds the check that the lighthouse answers at all (at most `LIGHTHOUSE_PROBE_TIMEOUT` of it).
+        start_timeout: seconds the first quorum of a run (or of a restart of every group) waits until every one of
+            the `num_replica_groups` groups has joined it; then it fails naming the missing groups. A run never
+            starts with fewer groups, whatever `--min_replicas` the lighthouse got (a group that started alone would
+            train batches whose other shards are never trained). A group relaunched into a running job does not wait
+            for all: it heals from the live groups.
     """
 
     replica_group: int | None = None
@@ -61,6 +73,7 @@ class FaultTolerance:
     group_size: int | None = None
     timeout: float = 60.0
     quorum_timeout: float = 120.0
+    start_timeout: float = 300.0
 
     def resolved(self, environ: dict[str, str] | None = None) -> FaultTolerance:
         """The config with every unset field taken from the environment, validated; raises `ValueError` naming the
@@ -90,7 +103,7 @@ class FaultTolerance:
                 f"`min_replica_groups={self.min_replica_groups!r}` is invalid: expected 1..{groups} (the number of"
                 " replica groups)."
             )
-        for name in ("timeout", "quorum_timeout"):
+        for name in ("timeout", "quorum_timeout", "start_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"`{name}={value!r}` is invalid: expected a positive number of seconds.")
@@ -125,9 +138,11 @@ def check_world_split(total_ranks: int, group_size: int) -> int:
     return total_ranks // group_size
 
 
-def check_lighthouse_reachable(address: str, timeout: float = 5.0) -> None:
-    """Open (and close) a TCP connection to the lighthouse; raises `LighthouseUnreachableError` naming the address
-    and `$TORCHFT_LIGHTHOUSE` when nothing answers, before any process group or quorum waits on it."""
+def check_lighthouse_reachable(address: str, timeout: float = LIGHTHOUSE_PROBE_TIMEOUT) -> None:
+    """Ask the lighthouse for its status page (an HTTP GET on its port, which torchft's lighthouse serves beside its
+    RPCs); raises `LighthouseUnreachableError` naming the address and `$TORCHFT_LIGHTHOUSE` when nothing listens, or
+    when something accepts the connection but sends no HTTP answer within `timeout` seconds (a wrong port, a hung
+    lighthouse), before any process group or quorum waits on it."""
     parsed = urlparse(address if "://" in address else f"http://{address}")
     host, port = parsed.hostname, parsed.port
     if not host or not port:
@@ -135,12 +150,22 @@ def check_lighthouse_reachable(address: str, timeout: float = 5.0) -> None:
             f"Lighthouse address {address!r} is invalid: expected `http://host:port` (from"
             f" `FaultTolerance(lighthouse=...)` or ${LIGHTHOUSE_ENV})."
         )
+    started = time.monotonic()
+    connection = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
-    except OSError as error:
+        connection.request("GET", "/status")
+        connection.getresponse().read()
+    except (OSError, http.client.HTTPException) as error:
+        waited = time.monotonic() - started
+        what = (
+            f"nothing answered within {waited:.1f} s (a connection was accepted, no HTTP answer came)"
+            if isinstance(error, TimeoutError)
+            else f"{type(error).__name__}: {error}"
+        )
         raise LighthouseUnreachableError(
-            f"No torchft lighthouse answers at {address} ({error}); the address comes from"
+            f"No torchft lighthouse answers at {address} ({what}); the address comes from"
             f" `FaultTolerance(lighthouse=...)` or ${LIGHTHOUSE_ENV}. Start it first (`torchft_lighthouse"
             " --min_replicas 1 --bind [::]:29510`) and point every replica group at it."
         ) from error
+    finally:
+        connection.close()

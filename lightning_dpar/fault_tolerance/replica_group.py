@@ -4,14 +4,18 @@ Lightning's optimizer step.
 Per step, on every rank of every live group:
 
 1. `start_step`: a quorum with the lighthouse (synchronous: a group that must heal has healed when it returns, before
-   the forward). The quorum fixes the groups that take part in this step.
+   the forward). The quorum fixes the groups that take part in this step. Then the group's ranks agree that a heal
+   was whole (`_quorum`): if any rank healed and another failed, every rank raises `HealFailedError`.
 2. Lightning's closure (forward, backward; FSDP reduces gradients inside the group), then `average_gradients`: every
    gradient's local shard is averaged over the groups in the quorum (one flat all-reduce per dtype).
 3. Clipping and `on_before_optimizer_step` hooks, then `commit`: torchft's `should_commit`; the optimizer steps only
    if every group of the quorum finished the step without error. A step that does not commit changes no weights.
 
-`history` records each step (batch index, groups in the quorum, committed, wall time) for the callbacks and tests
-that report what the survivors did while a group was down.
+The first quorum (`join`, in the strategy's `setup`) is taken again until it holds every group, unless it finds a
+running job (a live group has committed steps: this group heals from it); see `FaultTolerance.start_timeout`.
+
+`history` records each step (batch index, the groups in the quorum, committed, wall time) and `heals` each heal, for
+the callbacks and tests that report what the survivors did while a group was down.
 """
 
 from __future__ import annotations
@@ -23,12 +27,25 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
-from lightning_dpar.fault_tolerance.config import FaultTolerance
+from lightning_dpar.fault_tolerance.config import REPLICA_GROUP_ENV, FaultTolerance
 
-__all__ = ["HealRecord", "ReplicaGroups", "StepRecord"]
+__all__ = ["HealFailedError", "HealRecord", "ReplicaGroups", "StartTimeoutError", "StepRecord"]
+
+#: Seconds between two tries of the first quorum while groups are missing from it.
+START_POLL_INTERVAL = 0.5
+
+
+class HealFailedError(RuntimeError):
+    """A heal reached some ranks of a group and not others: the group stops whole rather than train mixed state."""
+
+
+class StartTimeoutError(TimeoutError):
+    """The first quorum of a run did not hold every replica group within `FaultTolerance.start_timeout`."""
 
 
 @dataclass(frozen=True)
@@ -38,20 +55,32 @@ class StepRecord:
     batch_idx: int
     #: torchft's step counter before the step (committed steps since the job started).
     ft_step: int
-    #: Groups in this step's quorum, and this group's rank among them.
+    #: The number of groups in this step's quorum, and this group's rank among them.
     participants: int
     participating_rank: int | None
     committed: bool
     wall_time: float
+    #: The groups (`replica_group` numbers) in this step's quorum, ascending.
+    groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class HealRecord:
-    """A heal of this rank from a live peer."""
+    """A heal of this rank from a live peer: the state it received replaced its own.
 
+    A relaunched group's ranks record one when it joins a running job; a group that fell behind a committed step
+    records one mid-run. At the start of a run torchft's initial synchronisation copies each rank's weights as built
+    from one group (chosen per group rank), and those ranks record one with `ft_step` 0 and `batch_idx` None (before
+    any batch or checkpoint load).
+    """
+
+    #: torchft's step counter after the heal: the live group's committed steps.
     ft_step: int
+    #: The batch the live group was about to train, where this group continues; None before any batch.
     batch_idx: int | None
+    #: Bytes of tensor data this rank received (its shards of the weights and optimizer state, loop state).
     bytes_received: int
+    #: When the state was applied (`time.time()`).
     wall_time: float
 
 
@@ -68,11 +97,13 @@ class ReplicaGroups:
         load_state_dict: Callable[[dict[str, Any]], None],
     ) -> None:
         from torchft import Manager
-        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         self.config = config
+        self.device = device
+        self._group_size = group_size
         timeout, quorum_timeout = timedelta(seconds=config.timeout), timedelta(seconds=config.quorum_timeout)
-        pg = ProcessGroupGloo(timeout=timeout) if device.type == "cpu" else ProcessGroupNCCL(timeout=timeout)
+        pg = _recording_process_group(device, timeout)
+        self._pg = pg
         self.manager = Manager(
             pg=pg,
             load_state_dict=load_state_dict,
@@ -101,15 +132,83 @@ class ReplicaGroups:
     def start_step(self) -> None:
         """The quorum for the next step, unless `join` already took it."""
         if not self._quorum_ready:
-            self.manager.start_quorum()
+            self._quorum(joining=False)
         self._quorum_ready = False
         self._step_started = time.time()
 
     def join(self) -> None:
         """Take the first step's quorum now (in `setup`, before Lightning's loop starts): a relaunched group heals
-        here, so its loop and sampler start at the batch the live groups are about to train."""
-        self.manager.start_quorum()
+        here, so its loop and sampler start at the batch the live groups are about to train. Before any group has
+        committed a step, a quorum without every group is taken again (every `START_POLL_INTERVAL` s) until all
+        joined or `start_timeout` passed; raises `StartTimeoutError` naming the missing groups."""
+        config = self.config
+        assert config.num_replica_groups is not None
+        everyone = tuple(range(config.num_replica_groups))
+        deadline = time.monotonic() + config.start_timeout
+        while True:
+            try:  # the whole remaining budget: torchft's `Manager` is unusable after a quorum that timed out
+                self._quorum(joining=True, timeout=max(deadline - time.monotonic(), 0.1))
+            except TimeoutError as error:  # the lighthouse formed no quorum in time
+                if time.monotonic() < deadline - 1:
+                    raise
+                raise self._start_timeout_error(everyone, None) from error
+            if self.groups == everyone or self.manager.current_step() > 0:
+                break  # every group, or a running job this group healed into
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._start_timeout_error(everyone, self.groups)
+            time.sleep(min(START_POLL_INTERVAL, remaining))
         self._quorum_ready = True
+
+    def _start_timeout_error(self, everyone: tuple[int, ...], seen: tuple[int, ...] | None) -> StartTimeoutError:
+        config = self.config
+        if seen is None:
+            found = "the lighthouse formed no quorum (it waits for `--min_replicas` groups)"
+            missing = [g for g in everyone if g != config.replica_group]
+        else:
+            found = f"the last quorum held groups {list(seen)}"
+            missing = [g for g in everyone if g not in seen]
+        return StartTimeoutError(
+            f"Replica group {config.replica_group}: the first quorum of this run did not hold all"
+            f" {config.num_replica_groups} groups within `start_timeout={config.start_timeout}` s ({found}); missing:"
+            f" groups {missing}. A run starts with every group (`num_replica_groups={config.num_replica_groups}`):"
+            f" launch the missing groups with `{REPLICA_GROUP_ENV}=<g>` and the same lighthouse, or raise"
+            " `FaultTolerance(start_timeout=...)`."
+        )
+
+    def _quorum(self, joining: bool, timeout: float | None = None) -> None:
+        """One torchft quorum, then the group's agreement that whatever heal it brought reached every rank: a heal
+        that reached some ranks and not others raises `HealFailedError` on every rank of the group (before any
+        forward on mixed state); at the join, a failed heal or quorum raises too (nothing was trained yet)."""
+        heals_before = len(self.heals)
+        self.manager.start_quorum(timeout=None if timeout is None else timedelta(seconds=timeout))
+        healed = len(self.heals) > heals_before
+        error = self.manager.errored()
+        flags = torch.tensor([int(healed), int(error is not None)], device=self.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, flags)
+        else:
+            gathered = [flags]
+        healed_ranks = [r for r, f in enumerate(gathered) if f[0]]
+        failed_ranks = [r for r, f in enumerate(gathered) if f[1]]
+        if failed_ranks and (healed_ranks or joining):
+            heal = self.heals[-1] if healed else None
+            raise HealFailedError(
+                f"Replica group {self.config.replica_group} failed to heal from a live group"
+                f" (quorum of groups {list(self.groups)}"
+                + (f", torchft step {heal.ft_step}, batch {heal.batch_idx}" if heal is not None else "")
+                + f"): ranks {healed_ranks} received the state, ranks {failed_ranks} failed"
+                f" ({'this rank: ' + str(error) if error is not None else 'see their logs'}). No rank of the group"
+                " trains on part of a heal: every rank stops. Relaunch the group: it heals again from a live group"
+                " (if no group is left, relaunch every group with the same `ckpt_path`)."
+            ) from error
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """The groups in the current quorum (`replica_group` numbers, ascending): torchft numbers a quorum's ranks
+        `group * group_size + group_rank` (the group from `replica_id`'s trailing digits)."""
+        return tuple(sorted({rank // self._group_size for rank in self._pg.quorum_ranks}))
 
     @property
     def participants(self) -> int:
@@ -137,7 +236,7 @@ class ReplicaGroups:
         participants = self.manager.num_participants()
         rank = self.manager.participating_rank()
         committed = self.manager.should_commit()
-        self.history.append(StepRecord(batch_idx, ft_step, participants, rank, committed, time.time()))
+        self.history.append(StepRecord(batch_idx, ft_step, participants, rank, committed, time.time(), self.groups))
         return committed
 
     def writes_checkpoints(self) -> bool:
@@ -149,3 +248,25 @@ class ReplicaGroups:
         if not self.closed:
             self.manager.shutdown(wait=False)
             self.closed = True
+
+
+def _recording_process_group(device: torch.device, timeout: timedelta) -> Any:
+    """torchft's process group across the groups (gloo on CPU, NCCL on GPU) that keeps the ranks of the quorum it was
+    last configured for (`quorum_ranks`): torchft's `Manager` passes them to `configure` at each new quorum and keeps
+    no other record of which groups a quorum holds."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    base = ProcessGroupGloo if device.type == "cpu" else ProcessGroupNCCL
+
+    class Recording(base):  # type: ignore[misc, valid-type]
+        quorum_ranks: list[int] = []
+
+        @override
+        def configure(self, *args: Any, **kwargs: Any) -> None:
+            # torchft 0.2.0 calls configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank,
+            # group_world_size, global_ranks).
+            ranks = kwargs["global_ranks"] if "global_ranks" in kwargs else args[7] if len(args) > 7 else None
+            self.quorum_ranks = list(ranks or [])
+            super().configure(*args, **kwargs)
+
+    return Recording(timeout=timeout)

@@ -8,6 +8,11 @@ group), the steps it took (`StepRecord`s), its heals, and its Lightning batch in
 the run: steps, optimizer, data size, the batch at which group `DPAR_FT_MARK_GROUP` writes `OUT/mark` (the test
 kills that group when it appears), and the pause per step while fewer groups than all are in the quorum (so that
 survivors take a measurable number of steps while a group is down).
+
+Two test hooks make a heal cut short deterministic (`HookedStrategy`): on a live group, `DPAR_FT_HEAL_PAUSE_RANK=r`
+makes group rank `r` write `OUT/heal_paused` and sleep instead of handing torchft its state when a relaunched group
+heals from it (its other ranks serve theirs), so the test can kill the source in the middle of the transfer; on any
+group, each heal this rank applied writes `OUT/healed_g<group>_r<rank>_<pid>`.
 """
 
 from __future__ import annotations
@@ -42,6 +47,22 @@ class ScheduledModule(ParityModule):
         optimizer = super().configure_optimizers()
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, **SCHEDULE)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class HookedStrategy(FaultTolerantFullyShardStrategy):
+    """The strategy with the test hooks of the module docstring (nothing changes without the variables)."""
+
+    def _healing_payload(self):
+        pause_rank = os.environ.get("DPAR_FT_HEAL_PAUSE_RANK")
+        if pause_rank is not None and self.global_rank == int(pause_rank) and self._heal_position is not None:
+            (Path(sys.argv[2]) / "heal_paused").write_text(str(time.time()))
+            time.sleep(3600)  # the test kills this group now
+        return super()._healing_payload()
+
+    def _heal(self, payload):
+        super()._heal(payload)
+        group = self.fault_tolerance.replica_group
+        (Path(sys.argv[2]) / f"healed_g{group}_r{self.global_rank}_{os.getpid()}").write_text(str(time.time()))
 
 
 def _env_int(name: str, default: int) -> int:
@@ -109,9 +130,12 @@ def main(mode: str, out: Path) -> None:
         strategy = FullyShardStrategy(replicate_size=2)
         group = -1
     else:
-        config = FaultTolerance(timeout=float(os.environ.get("DPAR_FT_TIMEOUT", "30")))
+        config = FaultTolerance(
+            timeout=float(os.environ.get("DPAR_FT_TIMEOUT", "30")),
+            start_timeout=float(os.environ.get("DPAR_FT_START_TIMEOUT", "120")),
+        )
         context = {"context_parallel_size": 2} if mode == "ft_cp" else {}
-        strategy = FaultTolerantFullyShardStrategy(fault_tolerance=config, **context)
+        strategy = HookedStrategy(fault_tolerance=config, **context)
         group = int(os.environ["REPLICA_GROUP_ID"])
     pace = Pace(
         out,

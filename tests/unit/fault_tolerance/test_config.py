@@ -4,6 +4,7 @@ input names the value, what is valid and the fix."""
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
@@ -54,6 +55,7 @@ def test_bad_group_numbers(env, match):
     [
         (FaultTolerance(min_replica_groups=3), r"`min_replica_groups=3` is invalid: expected 1\.\.2"),
         (FaultTolerance(timeout=0), r"`timeout=0` is invalid: expected a positive number of seconds"),
+        (FaultTolerance(start_timeout=-1), r"`start_timeout=-1` is invalid: expected a positive number of seconds"),
         (FaultTolerance(group_size=0), r"`group_size=0` is invalid"),
     ],
 )
@@ -84,8 +86,26 @@ def test_an_unreachable_lighthouse_names_the_address_and_the_variable():
         check_lighthouse_reachable("http://nohost")
 
 
-def test_a_reachable_lighthouse_passes():
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        check_lighthouse_reachable(f"http://127.0.0.1:{server.getsockname()[1]}", timeout=2)
+def test_a_lighthouse_that_accepts_and_never_answers_is_refused_within_the_bound():
+    """A listening socket nobody serves (a wrong port, a hung lighthouse): the connection is accepted, no answer
+    comes; refused after the bound, like a closed port, naming the address and the variable."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(
+            LighthouseUnreachableError,
+            match=rf"No torchft lighthouse answers at {address} \(nothing answered within 1\.\d s .*TORCHFT_LIGHTHOUSE",
+        ):
+            check_lighthouse_reachable(address, timeout=1)
+        assert time.monotonic() - started < 3
+
+
+def test_a_real_lighthouse_passes():
+    coordination = pytest.importorskip("torchft.coordination")
+    lighthouse = coordination.LighthouseServer(bind="[::]:0", min_replicas=1)
+    try:
+        check_lighthouse_reachable(lighthouse.address(), timeout=5)
+    finally:
+        lighthouse.shutdown()

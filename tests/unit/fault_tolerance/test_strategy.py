@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import lightning as L
 import pytest
@@ -67,18 +68,38 @@ def test_no_lighthouse_fails_before_any_process_group(monkeypatch):
     assert not dist.is_initialized()
 
 
+def test_a_silent_lighthouse_fails_within_quorum_timeout_before_any_process_group(monkeypatch):
+    """Something accepts connections at the address and never answers: refused through the Trainer within
+    `quorum_timeout` (here 1 s, shorter than the 10 s probe bound), naming the address and the variable."""
+    pytest.importorskip("torchft")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        config = FaultTolerance(replica_group=0, num_replica_groups=2, lighthouse=address, quorum_timeout=1)
+        strategy = lightning_dpar.FaultTolerantFullyShardStrategy(fault_tolerance=config)
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, max_steps=1)
+        started = time.monotonic()
+        refused = rf"at {address} \(nothing answered within 1\.\d s.*TORCHFT_LIGHTHOUSE"
+        with pytest.raises(LighthouseUnreachableError, match=refused):
+            trainer.fit(BoringModel())
+        assert time.monotonic() - started < 3
+    assert not dist.is_initialized()
+
+
 def test_gradient_accumulation_fails_before_any_process_group(monkeypatch):
     pytest.importorskip("torchft")
-    with socket.socket() as server:  # a lighthouse address that answers: the refusal comes first anyway
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        config = FaultTolerance(
-            replica_group=0, num_replica_groups=2, lighthouse=f"http://127.0.0.1:{server.getsockname()[1]}"
-        )
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)  # a lighthouse that answers: the refusal is next
+    try:
+        config = FaultTolerance(replica_group=0, num_replica_groups=2, lighthouse=lighthouse.address())
         strategy = lightning_dpar.FaultTolerantFullyShardStrategy(fault_tolerance=config)
         trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, accumulate_grad_batches=2)
         with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\)` is not supported"):
             trainer.fit(BoringModel())
+    finally:
+        lighthouse.shutdown()
     assert not dist.is_initialized()
 
 
