@@ -416,15 +416,24 @@ def forget_inherited_process_groups() -> None:
     from torch.distributed import distributed_c10d
 
     world = distributed_c10d._world
-    registries = (
-        world.pg_map,
-        world.pg_names,
-        world.pg_group_ranks,
-        world.pg_backend_config,
-        world.tags_to_pg,
-        world.pg_to_tag,
-    )
-    _FORGOTTEN_PROCESS_GROUPS.append((world.default_pg, [dict(registry) for registry in registries]))
+    registries = [getattr(world, name) for name in _C10D_REGISTRIES if getattr(world, name, None) is not None]
+    _FORGOTTEN_PROCESS_GROUPS.append((world.default_pg, [registry.copy() for registry in registries]))
     for registry in registries:
         registry.clear()
     world.default_pg = None
+
+
+#: Every map and list of process-group state `_world` keeps (those of newer torch versions when present): the groups,
+#: their names, ranks, backends and tags, pending coalesced collectives, torchcomms communicators (which the child's
+#: `destroy_process_group` would otherwise finalize) and flight-recorder hooks (torch 2.15).
+_C10D_REGISTRIES = (
+    "pg_map",
+    "pg_names",
+    "pg_group_ranks",
+    "pg_backend_config",
+    "tags_to_pg",
+    "pg_to_tag",
+    "pg_coalesce_state",
+    "comms",
+    "pg_flight_recorder_hooks",
+)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -63,18 +64,35 @@ def run_in_fork(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             " layout with `python -m lightning_dpar plan --auto ...` and give its sizes to"
             " `FSDPTensorParallelStrategy`."
         )
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()  # else what this process has buffered would be written twice, once by the child
+    _flush_output()  # else what this process has buffered would be written twice, once by the child
     read_end, write_end = os.pipe()
     parent = os.getpid()
-    child = os.fork()
-    if child == 0:
+    try:
+        child = os.fork()
+    except OSError as error:  # e.g. ENOMEM under strict memory overcommit, with a large model in CPU memory
         os.close(read_end)
-        _child_main(function, args, kwargs, write_end, parent)  # never returns
+        os.close(write_end)
+        raise RuntimeError(
+            f"`dpar_auto` could not fork its layout search ({error}). Choose the layout with"
+            " `python -m lightning_dpar plan --auto ...` and give its sizes to `FSDPTensorParallelStrategy`."
+        ) from error
+    if child == 0:
+        try:
+            os.close(read_end)
+            _child_main(function, args, kwargs, write_end, parent)
+        finally:
+            os._exit(70)  # whatever went wrong, the child never returns into the caller's code
     os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        answer = pipe.read()
-    _, status = os.waitpid(child, 0)
+    reaped = False
+    try:
+        with os.fdopen(read_end, "rb") as pipe:
+            answer = pipe.read()
+        _, status = os.waitpid(child, 0)
+        reaped = True
+    finally:
+        if not reaped:  # interrupted (Ctrl-C in a notebook): nobody will read the search
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
     if not answer:
         raise RuntimeError(
             f"The layout search's child process (pid {child}) ended without an answer ({_describe(status)}); its"
@@ -109,12 +127,20 @@ def _child_main(
     try:
         with os.fdopen(write_end, "wb") as pipe:
             pipe.write(answer)
-    except BaseException:
+    except BaseException:  # the parent is gone: nobody to answer
         code = 1
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(code)
+    _flush_output()
+    os._exit(code)
+
+
+def _flush_output() -> None:
+    """Flush standard output and error, whatever they are (closed, replaced, a broken pipe)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except BaseException:  # output that cannot be flushed is lost, not a reason to fail
+            pass
 
 
 def _exit_with(parent: int) -> None:

@@ -73,7 +73,8 @@ def script2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def torchrun4(tmp_path_factory) -> Path:
     directory = user_directory(tmp_path_factory, "torchrun4")
-    run_user(torchrun_args(4, Path("gpt_train.py"), "out", "auto", "auto_budget", "auto_split"), directory)
+    cases = ("auto", "auto_budget", "auto_split")
+    run_user(torchrun_args(4, Path("gpt_train.py"), "out", *cases), directory, SCRIPT_DEVICES="4")
     return directory / "out"
 
 

@@ -5,6 +5,7 @@ and hands back results and refusals as they were raised."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -85,8 +86,50 @@ def _tiny_gpt() -> type:
 def test_the_search_of_a_script_defined_model_in_a_child_equals_the_search_here():
     model = _tiny_gpt()()
     args = (2, 1, PRESETS["cpu-gloo"], 4)
-    here, there = search_anywhere(model, *args), search_anywhere(model, *args, in_child=True)
+    # The child first: on torch 2.11 and 2.15 (CUDA builds) a child forked after a search in this process prices a
+    # few activation bytes differently (up to 0.06%), which no dpar_auto rank does (each forks before any search).
+    there, here = search_anywhere(model, *args, in_child=True), search_anywhere(model, *args)
     assert there.best is not None and here.best is not None
     assert there.best.layout == here.best.layout
     assert [e.layout for e in there.ranked] == [e.layout for e in here.ranked]
     assert [e.memory.total for e in there.ranked] == [e.memory.total for e in here.ranked]
+
+
+def _registries_left() -> dict[str, int]:
+    """The size of every map and list of process-group state torch's `_world` keeps, in the child."""
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._world
+    sized = {}
+    for name in [n for n, v in vars(type(world)).items() if isinstance(v, property)]:
+        try:
+            value = getattr(world, name)
+        except ValueError:  # `pg_config_info` needs a default group: derived from the maps, none of its own
+            continue
+        if isinstance(value, (dict, list)):
+            sized[name] = value
+    return {"default_pg": int(world.default_pg is not None), **{name: len(value) for name, value in sized.items()}}
+
+
+def test_the_child_forgets_every_registry_of_process_groups(gloo_world):
+    """A registry a newer torch adds and `forget_inherited_process_groups` misses shows up here."""
+    left = run_in_fork(_registries_left)
+    assert "pg_map" in left and "pg_names" in left
+    assert left == dict.fromkeys(left, 0)
+
+
+class _BrokenOutput:
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        raise BrokenPipeError
+
+
+def _answer_with_broken_output() -> int:
+    sys.stdout = _BrokenOutput()
+    return 1
+
+
+def test_a_child_whose_output_is_broken_still_answers_and_exits():
+    assert run_in_fork(_answer_with_broken_output) == 1
