@@ -137,17 +137,18 @@ def token_batch(batch_size: int, seq_len: int) -> tuple[int, int]:
 
 
 def default_seq_len(module: nn.Module) -> int | None:
-    """The model's context length, if it says: `block_size` (hparams or attribute) or a transformers config's
-    `max_position_embeddings`."""
+    """The model's context length, if it says: `block_size` (hparams, or an attribute of the model or one of its
+    modules, such as the example GPT's decoder) or a transformers config's `max_position_embeddings`. The modules
+    are read as well as the hparams because a subclass's hparams are its own arguments (LightningCLI, for one,
+    records only those), not its base class's."""
     hparams = dict(getattr(module, "hparams", {}) or {})
-    for value in (hparams.get("block_size"), getattr(module, "block_size", None)):
-        if isinstance(value, int) and value > 0:
-            return value
+    candidates = [hparams.get("block_size")]
     for sub in module.modules():
-        value = getattr(getattr(sub, "config", None), "max_position_embeddings", None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+        candidates += [
+            getattr(sub, "block_size", None),
+            getattr(getattr(sub, "config", None), "max_position_embeddings", None),
+        ]
+    return next((value for value in candidates if isinstance(value, int) and value > 0), None)
 
 
 def search_model(

@@ -146,14 +146,15 @@ def test_consolidate_then_load_from_checkpoint_in_another_script(script2):
 @pytest.mark.slow
 def test_plan_and_plan_auto_on_a_class_from_the_script(script2):
     """The dry run imports the class by `--model.class_path gpt_train.ScriptGPT` (the script's guard keeps it from
-    training); `plan --auto` on the batch the script trains makes the choice `dpar_auto` made in it."""
+    training); `plan --auto` on the batch the script trains (its length read off the model, as `dpar_auto` reads
+    it) makes the choice `dpar_auto` made in it."""
     plan = run_user(
         ["-m", "lightning_dpar", "plan", "--model.class_path", "gpt_train.ScriptGPT", "--world-size", "2"], script2
     )
     assert "ScriptGPT" in plan.stdout or "model.blocks" in plan.stdout, plan.stdout[-2000:]
     auto = run_user(
         ["-m", "lightning_dpar", "plan", "--auto", "--model.class_path", "gpt_train.ScriptGPT", "--world-size", "2",
-         "--batch-size", "4", "--seq-len", "9", "--trainer.precision", "32-true"],
+         "--batch-size", "4", "--trainer.precision", "32-true"],
         script2,
     )  # fmt: skip
     chosen = case(script2 / "out", "auto")["chosen"]

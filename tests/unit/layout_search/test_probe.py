@@ -76,3 +76,21 @@ def test_each_layouts_activations_are_the_dry_runs_estimate_of_that_layout(pipel
     for rank, memory in enumerate(priced.ranks):
         assert memory.activations == reported.peak(rank, checkpointing=False)
         assert memory.activations_checkpointed == reported.peak(rank, checkpointing=True)
+
+
+def test_the_sequence_length_is_read_off_a_module_when_the_hparams_lack_it():
+    """A subclass's hparams are its own arguments (LightningCLI records only those): the decoder says its length."""
+    import lightning as L
+
+    from lightning_dpar.examples.gpt import Decoder
+    from lightning_dpar.layout_search.probe import default_seq_len
+
+    class Wrapper(L.LightningModule):
+        def __init__(self, width: int = 16) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.model = Decoder(64, 12, 1, 2, width, 0, 2, False)
+
+    wrapper = Wrapper()
+    assert "block_size" not in wrapper.hparams
+    assert default_seq_len(wrapper) == 12
