@@ -24,7 +24,7 @@ See `docs/architecture.md`. The folders, in layers (none imports one below it; t
 - `layout_search/`: the automatic layout search and `dpar_auto`;
 - `fault_tolerance/`: per-step fault tolerance across torchft replica groups (`dpar_ft_hsdp`, optional extra `ft`);
 - `cli`, `__main__`, `progress`, `performance_monitor`, `ray`, `examples/`: the command line and user-facing tools;
-- `_private_api`: every private torch / Lightning API; `helpers`: small shared helpers; `agreement`: ranks agree on
+- `_private_api`: every private API (a module per library); `helpers`: small shared helpers; `agreement`: ranks agree on
   the first problem before a collective (all three leaves).
 """
 

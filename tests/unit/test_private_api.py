@@ -1,6 +1,7 @@
-"""Every private torch / Lightning name the package uses goes through `lightning_dpar/_private_api.py`.
+"""Every private torch / Lightning name the package uses goes through `lightning_dpar/_private_api/` (one module per
+library).
 
-Read from the source (AST), outside `_private_api.py`:
+Read from the source (AST), outside `_private_api/`:
 - imports of a private torch/Lightning module or name;
 - private attributes read or set on objects other than `self`/`cls` (`module._trainer`), including through
   `getattr`/`setattr`/`hasattr` with a constant name, when the name belongs to torch/Lightning (set or defined by
@@ -44,8 +45,11 @@ def _is_private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
+PRIVATE_API = PACKAGE / "_private_api"
+
+
 def _package_files() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py") if p.name != "_private_api.py")
+    return sorted(p for p in PACKAGE.rglob("*.py") if PRIVATE_API not in p.parents)
 
 
 @cache
@@ -72,7 +76,7 @@ def _private_names_of(cls: type) -> frozenset[str]:
 def _own_names() -> set[str]:
     """Private names the package itself defines: functions, classes, and attributes it assigns."""
     names = set()
-    for path in [*_package_files(), PACKAGE / "_private_api.py"]:
+    for path in [*_package_files(), *PRIVATE_API.rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
