@@ -134,3 +134,17 @@ def _answer_with_broken_output() -> int:
 
 def test_a_child_whose_output_is_broken_still_answers_and_exits():
     assert run_in_fork(_answer_with_broken_output) == 1
+
+
+def test_the_searchs_own_refusal_reaches_the_caller_from_the_child():
+    """A script's model with no sequence length: the search refuses it inside the child, in its own words."""
+    import lightning as L
+    from torch import nn
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.net = nn.Linear(8, 8)
+
+    mlp = _class_only_in_memory(L.LightningModule, __init__=__init__)()
+    with pytest.raises(ValueError, match=r"^The sequence length is unknown: .* Pass `seq_len`"):
+        search_anywhere(mlp, 2, 1, PRESETS["cpu-gloo"], 4, in_child=True)
