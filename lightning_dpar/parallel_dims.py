@@ -225,6 +225,11 @@ def is_sharded(placement: Placement) -> bool:
     return not placement.is_replicate() and not placement.is_partial()
 
 
+#: The meshes built in this process (`ParallelMeshes.build`), by (sizes, device, collective device type), each with
+#: the default process group it was built on.
+_BUILT_MESHES: dict[tuple[ParallelDims, torch.device, str], tuple[dist.ProcessGroup, ParallelMeshes]] = {}
+
+
 @dataclass(frozen=True)
 class ParallelMeshes:
     """Every mesh of a run, built once from its `ParallelDims` (`ParallelDims.build_meshes`) and handed out by name:
@@ -251,12 +256,32 @@ class ParallelMeshes:
     @classmethod
     def build(cls, dims: ParallelDims, device: torch.device, device_type: str | None = None) -> ParallelMeshes:
         """The meshes of `dims` on the current process group; `device_type` (default: `device.type`) is the one
-        the meshes' collectives run on (the dry run builds CPU meshes for a meta-device model)."""
+        the meshes' collectives run on (the dry run builds CPU meshes for a meta-device model).
+
+        Built once per layout and default process group, then reused: torch creates new process groups for every
+        mesh it builds and keeps them until the process exits (a gloo group holds three threads, some of them
+        polling), so a process that runs many Trainers one after the other (a sweep, a notebook, Ray workers, a
+        test launch of a hundred cases) would otherwise pile up groups and slow every collective. A mesh holds no
+        state of a run, so reusing it changes nothing but the groups' count. A new default process group (after
+        `destroy_process_group()`) builds new meshes."""
+        collective_device = device_type or device.type
+        world_group = dist.group.WORLD if dist.is_initialized() else None
+        for stale in [key for key, (group, _) in _BUILT_MESHES.items() if group is not world_group]:
+            del _BUILT_MESHES[stale]  # meshes of a destroyed default group: their groups are gone with it
+        key = (dims, device, collective_device)
+        if key in _BUILT_MESHES:
+            return _BUILT_MESHES[key][1]
+        meshes = cls._build(dims, device, collective_device)
+        _BUILT_MESHES[key] = (dist.group.WORLD, meshes)  # `init_device_mesh` starts the default group if none was
+        return meshes
+
+    @classmethod
+    def _build(cls, dims: ParallelDims, device: torch.device, device_type: str) -> ParallelMeshes:
         sizes = (dims.replicate, dims.shard, dims.tensor_parallel)
         names = (REPLICATE, SHARD, TENSOR_PARALLEL)
         if dims.pipeline > 1:
             sizes, names = (dims.pipeline, *sizes), (PIPELINE, *names)
-        world = init_device_mesh(device_type or device.type, sizes, mesh_dim_names=names)
+        world = init_device_mesh(device_type, sizes, mesh_dim_names=names)
         if dims.context > 1:  # context-parallel peers (adjacent shard ranks) share a batch
             view = unflatten_mesh(world, SHARD, (dims.shard // dims.context, dims.context), (DATA_SHARD, CONTEXT))
             data_parallel = flatten_mesh(view[REPLICATE, DATA_SHARD], DATA_PARALLEL)

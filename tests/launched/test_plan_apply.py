@@ -56,6 +56,14 @@ def test_tensor_parallel_size_not_dividing_a_dimension_fails_on_every_rank(world
 
 
 @pytest.mark.slow
+def test_trainers_one_after_another_in_one_process_add_no_process_groups(world2):
+    result = world2["trainers_in_one_process"]
+    assert result["same_meshes"], result
+    first, *later = result["threads"]
+    assert all(count < first + 3 for count in later), result  # one more gloo group would be three more threads
+
+
+@pytest.mark.slow
 def test_a_mid_epoch_resume_says_in_one_line_that_it_is_exact(world2):
     result = world2["resume_message"]
     assert result["lightning_warning"] == []  # "dataloader is not resumable" contradicted the exact resume

@@ -54,3 +54,20 @@ def test_the_expert_view_splits_the_shard_dim(fake_world, replicate, expert, sha
     fsdp = meshes.expert_fsdp
     assert fsdp is not None
     assert fsdp.ndim == (1 if replicate == 1 else 2)
+
+
+def test_meshes_are_built_once_per_layout_and_default_group(fake_world):
+    """torch keeps every process group it creates until the process exits: a second Trainer of the same layout in
+    one process reuses the meshes (and their groups) instead of adding more; a new default group builds new ones."""
+    fake_world(4)
+    dims = ParallelDims.resolve(4, 4, tensor_parallel_size=2)
+    first = dims.build_meshes(torch.device("cpu"))
+    assert ParallelDims.resolve(4, 4, tensor_parallel_size=2).build_meshes(torch.device("cpu")) is first
+    other = ParallelDims.resolve(4, 4, tensor_parallel_size=4).build_meshes(torch.device("cpu"))
+    assert other is not first and other.tensor_parallel.size() == 4
+    assert dims.build_meshes(torch.device("meta"), device_type="cpu") is not first  # another device: its own meshes
+    torch.distributed.destroy_process_group()
+    fake_world(4)
+    rebuilt = dims.build_meshes(torch.device("cpu"))
+    assert rebuilt is not first and rebuilt.fsdp.size() == 2
+    assert rebuilt.fsdp.get_group() is not None  # its groups belong to the new default group

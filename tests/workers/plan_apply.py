@@ -203,6 +203,24 @@ class OddWidths(TopLevelBlocks):
 def group_ordinary_errors() -> Iterator[Case]:
     yield Case("bypassed_unit_replicate", lambda: error_case(ReplicateStrategy(), BypassesItsUnit))
     yield Case("tp_does_not_divide", lambda: error_case(FSDPTensorParallelStrategy(tensor_parallel_size=2), OddWidths))
+    yield Case("trainers_in_one_process", trainers_in_one_process_case)
+
+
+def _threads() -> int:
+    """This process's threads, native ones included (a gloo process group holds three)."""
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+def trainers_in_one_process_case() -> dict | None:
+    """Three Trainers of one layout, one after the other in one process (a sweep, a notebook): the later ones reuse
+    the first one's meshes, so the process's process groups and threads stay as they were after the first."""
+    threads, meshes = [], []
+    for _ in range(3):
+        trainer = trainer_for(FSDPTensorParallelStrategy(tensor_parallel_size=2), max_steps=1)
+        trainer.fit(TopLevelBlocks(), loader(RegressionData(), BATCH))
+        threads.append(_threads())
+        meshes.append(trainer.strategy.meshes)
+    return {"threads": threads, "same_meshes": all(m is meshes[0] for m in meshes)}
 
 
 class _Records(logging.Handler):
