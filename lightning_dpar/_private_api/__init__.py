@@ -1,7 +1,7 @@
 """Every private API the package relies on, one module per library it reaches into: `torch_distributed`,
 `torch_core` (the rest of torch), `lightning`, `transformers` and `torchmetrics`.
 
-Each name has no public equivalent in the versions we support (torch>=2.11, lightning>=2.6, transformers>=5) and
+Each name has no public equivalent in the versions we support (torch>=2.11, lightning>=2.6, transformers>=5.17) and
 says why it is needed and which versions were checked. Keeping them here means an upgrade that moves one of them
 breaks exactly one module, and a reader can audit the whole exposure. The package imports them from here.
 """

@@ -21,15 +21,17 @@ from lightning_dpar.plan.selectors import fqn_matches
 from lightning_dpar.plan.styles import HF_STYLES, UNSUPPORTED_HF_STYLES
 
 __all__ = [
-    "EXPERTS_STYLE",
+    "EXPERTS_STYLES",
     "check_style_supported",
     "model_tp_plan",
     "transformers_experts",
     "transformers_tp_plan",
 ]
 
-#: The style a transformers model's `base_model_ep_plan` gives its experts modules.
-EXPERTS_STYLE = "ep_dispatch_experts"
+#: The styles a transformers model's `base_model_ep_plan` gives its experts modules: `"ep_dispatch_experts"` in
+#: transformers 5.24, `"moe_tp_experts"` in 5.17 (the GPU images' version; its EP plan also names the router,
+#: `"ep_router"`, which is not an experts module). Checked on 5.17.0 and 5.24.0.
+EXPERTS_STYLES = ("ep_dispatch_experts", "moe_tp_experts")
 
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -73,7 +75,7 @@ def transformers_experts(root: nn.Module) -> list[str] | None:
         prefix = getattr(model, "base_model_prefix", "")
         base = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
         for key, style in plan.items():
-            if style == EXPERTS_STYLE:
+            if style in EXPERTS_STYLES:
                 patterns.append(f"{fqn}.{base}{key}" if fqn else f"{base}{key}")
     return patterns or None
 

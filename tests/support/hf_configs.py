@@ -43,3 +43,15 @@ def decoder_config(config_class: str = "LlamaConfig", **settings: Any):
     import transformers
 
     return getattr(transformers, config_class)(**decoder_settings(**settings))
+
+
+def llama_plan_splits_the_embedding() -> bool:
+    """Whether this transformers' own Llama tensor-parallel plan splits the embedding (`embedding_rowwise`): 5.24's
+    does, 5.17's (the floor, the GPU images' version) leaves it replicated. `tp_plan="auto"` applies the model's own
+    plan either way, so a test of that plan asks which it is."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**decoder_settings(num_hidden_layers=1)))
+    return "model.embed_tokens" in (model._tp_plan or {})

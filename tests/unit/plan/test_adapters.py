@@ -18,6 +18,7 @@ from lightning_dpar.estimates import plan
 from lightning_dpar.estimates.state_memory import estimate_memory
 from lightning_dpar.plan import parse_tp_plan, resolve_tp_plan
 from lightning_dpar.plan.adapters import AdapterLayoutError, adapter_tp_plan, base_name_prefixes
+from tests.support.hf_configs import llama_plan_splits_the_embedding
 from tests.workers.peft import ALL_LINEAR, BASE_NAMES_PLAN, LoraLlama
 
 LAYER = "net.base_model.model.model.layers.0"
@@ -140,6 +141,9 @@ def test_adapters_that_cannot_be_exact_under_tensor_parallelism_are_refused(lora
 
 
 def test_an_adapted_embedding_under_the_auto_plan_is_refused_naming_its_qualified_class():
+    if not llama_plan_splits_the_embedding():  # transformers 5.17: the embedding stays whole, so its adapter too
+        assert not [fqn for fqn in tp_styles(meta_lora(["q_proj", "embed_tokens"])) if "embed_tokens" in fqn]
+        return
     with pytest.raises(AdapterLayoutError, match=r"is a peft\.tuners\.lora\.layer\.Embedding wrapping a torch\.nn"):
         tp_styles(meta_lora(["q_proj", "embed_tokens"]))
 

@@ -17,6 +17,7 @@ import lightning_dpar
 from lightning_dpar.estimates import plan
 from lightning_dpar.parallel.materialize import materialize_meta_tensors
 from lightning_dpar.plan import HF_STYLES, STYLE_NAMES, parse_tp_plan, resolve_tp_plan, transformers_tp_plan
+from tests.support.hf_configs import llama_plan_splits_the_embedding
 from tests.workers.hf_models import LlamaModule, TiedLlamaModule, initialised_like_materialisation
 
 
@@ -25,11 +26,14 @@ def test_auto_plan_is_the_models_plan_prefixed_by_where_it_sits():
         module = LlamaModule(build_seed=None)
     auto = transformers_tp_plan(module)
     assert auto["net.lm_head"] == "colwise_gather_output"
-    assert auto["net.model.embed_tokens"] == "embedding_rowwise"
     assert auto["net.model.layers.*.self_attn.k_proj"] == "colwise"
     styles = resolve_tp_plan(module, parse_tp_plan(auto), tensor_parallel_size=2)
     assert isinstance(styles["net.lm_head"], ColwiseParallel)
     assert styles["net.lm_head"].output_layouts == (Replicate(),)
+    if not llama_plan_splits_the_embedding():  # transformers 5.17: the model's plan keeps the embedding whole
+        assert "net.model.embed_tokens" not in auto and "net.model.embed_tokens" not in styles
+        return
+    assert auto["net.model.embed_tokens"] == "embedding_rowwise"
     assert isinstance(styles["net.model.embed_tokens"], RowwiseParallel)
     assert styles["net.model.embed_tokens"].input_layouts == (Replicate(),)
 
@@ -95,7 +99,8 @@ def test_compile_with_tensor_parallelism_on_a_transformers_model_is_planned(pipe
         tensor_parallel_size=2, tp_plan="auto", compile=True, pipeline_parallel_size=pipeline
     )
     module_plan = strategy.module_plan(module, strategy.resolve_dims(4, 4, 1), rank=0)
-    assert "net.model.embed_tokens" in module_plan.tensor_parallel
+    assert "net.model.layers.0.self_attn.q_proj" in module_plan.tensor_parallel
+    assert ("net.model.embed_tokens" in module_plan.tensor_parallel) == llama_plan_splits_the_embedding()
     assert "net.model.layers.0" in module_plan.compile_units
 
 
@@ -142,7 +147,8 @@ def test_plan_dry_run_of_llama_shows_the_mapped_plan_and_never_materialises():
     strategy = lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2)
     text = plan(strategy, module, world_size=4).render()
     assert "net.lm_head                          TP ColwiseParallel(output=Replicate())" in text
-    assert "net.model.embed_tokens               TP RowwiseParallel(input=Replicate())" in text
+    split_embedding = "net.model.embed_tokens               TP RowwiseParallel(input=Replicate())"
+    assert (split_embedding in text) == llama_plan_splits_the_embedding()  # the model's own plan (not in 5.17's)
     assert "FSDP unit" in text
     assert all(p.is_meta for p in module.parameters())
     with torch.device("meta"):
