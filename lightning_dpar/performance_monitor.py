@@ -113,6 +113,8 @@ class PerformanceMonitor(L.Callback):
         self.straggler_intervals = straggler_intervals
         #: Each straggler warned about: `{"rank", "host", "global_step", "own_time_s", "median_s"}`.
         self.stragglers: list[dict[str, Any]] = []
+        #: The last log interval's spread across ranks (the `perf/step_time_*`, `perf/own_time_*` metrics).
+        self.rank_spread: dict[str, float] = {}
         self._hosts: list[str] = []
         self._slow_run: tuple[int, int] | None = None  # (rank, intervals in a row)
         self._interval: list[float] = [0.0, 0.0, 0.0]  # step time, own time, batches since the last log
@@ -224,6 +226,7 @@ class PerformanceMonitor(L.Callback):
                 self._warn_straggler(trainer, slowest, owns[slowest], median)
         else:
             self._slow_run = None
+        self.rank_spread = metrics
         return metrics
 
     def _warn_straggler(self, trainer: L.Trainer, rank: int, own: float, median: float) -> None:
