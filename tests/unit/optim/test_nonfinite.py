@@ -96,7 +96,8 @@ class _Poisoned(ParityModule):
 
     def configure_optimizers(self):
         optimizer = make_optimizer("adam", self.parameters())
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def _one_process(skipped: set[int], stop: int = STEPS, accumulate: int = 1) -> dict[str, torch.Tensor]:
