@@ -202,9 +202,9 @@ class PerformanceMonitor(L.Callback):
         mine = torch.tensor([step_sum / max(batches, 1), own_sum / max(batches, 1)], dtype=torch.float64)
         if _distributed():
             device = trainer.strategy.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
-            gathered = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64, device=device)
-            dist.all_gather_into_tensor(gathered, mine.to(device))
-            per_rank = gathered.cpu().tolist()
+            gathered = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, mine.to(device))
+            per_rank = [t.cpu().tolist() for t in gathered]
         else:
             per_rank = [mine.tolist()]
         steps, owns = [r[0] for r in per_rank], [r[1] for r in per_rank]

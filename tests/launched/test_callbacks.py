@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.workers.callbacks import SLOW_RANK, SLOW_S
+
 SHARED_LAUNCH = {2: "monitor"}
 
 
@@ -32,9 +34,8 @@ def test_counts_global_samples_over_data_parallel_ranks_and_gathers_memory(monit
 def test_a_rank_slowed_in_its_step_is_named_with_its_host(monitored):
     """Rank 1 sleeps 0.3 s in each step on CPU: after 3 log intervals in a row above the median by over 50%, one
     warning names it and its host; the spread across ranks shows it as the slowest."""
-    from tests.workers.callbacks import SLOW_RANK, SLOW_S
-
     result = monitored["monitor_straggler"]
+    print(f"straggler report: {result['stragglers']}; last interval: {result['spread']}")
     (report,) = result["stragglers"]
     assert report["rank"] == SLOW_RANK and report["own_time_s"] > SLOW_S, report
     (warning,) = result["warnings"]

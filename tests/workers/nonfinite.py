@@ -88,7 +88,8 @@ def run(make_strategy, where: str, value: float, mode: str, clip: float | None, 
     return {
         "errors": gather_objects(error),
         "poisoned": [p for p in gather_objects(module.poisoned) if p is not None],
-        "max_abs_diff": max(float((params[k].float() - want[k]).abs().max()) for k in want),
+        # The full parameters are on rank 0 (whose value the case returns).
+        "max_abs_diff": max(float((params[k].float() - want[k]).abs().max()) for k in want) if params else None,
         "skipped_metric": gather_objects(None if metric is None else float(metric)),
         "global_step": trainer.global_step,
     }
