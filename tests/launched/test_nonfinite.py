@@ -1,9 +1,9 @@
 """The non-finite step guard (`lightning_dpar.optim.nonfinite`) through real Trainers on 2 and 4 gloo ranks (cases in
 `tests/workers/nonfinite.py`, in the shared launch): a NaN or Inf in one rank's local gradient shard after the
 reduction, in one rank's loss, or in one pipeline stage only, under DDP, FSDP, HSDP, 2D and pipeline parallelism,
-with and without gradient-norm clipping. `"raise"` stops every rank before the step naming the step and the
-parameter (the weights are those of the steps before); `"skip"` ends equal to one process that skipped that step,
-with the skip counted on every rank. No case hangs (each would time out)."""
+with and without gradient-norm clipping, and under expert and context parallelism. `"raise"` stops every rank
+before the step naming the step and the parameter (the weights are those of the steps before); `"skip"` ends equal
+to one process that skipped that step, with the skip counted on every rank. No case hangs (each would time out)."""
 
 from __future__ import annotations
 
@@ -46,3 +46,14 @@ def test_nonfinite_step_raises_or_skips_on_every_rank(shared_launch, world, name
     else:
         assert errors == [None] * world, errors
         assert result["skipped_metric"] == [1.0] * world, result  # in `callback_metrics` on every rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ep_grad_nan_raise", "cp_grad_nan_raise"])
+def test_expert_and_context_parallel_steps_stop_on_every_rank(shared_launch, name):
+    result = shared_launch(2)[f"nonfinite2_{name}"]
+    errors = result["errors"]
+    assert all(e is not None and e["type"] == "NonFiniteError" for e in errors), errors
+    assert len({e["message"] for e in errors}) == 1, errors
+    (poisoned,) = result["poisoned"]
+    assert f"global step {BAD_STEP}: the gradients of rank {BAD_RANK}: {poisoned}" in errors[0]["message"], errors

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
 from lightning_dpar.optim.nonfinite import SKIPPED_METRIC
@@ -41,17 +42,45 @@ class Poisoned(ParityModule):
         return loss
 
     def on_after_backward(self):
-        if self.where != "grad" or not self._now():
-            return
-        for name, param in self.named_parameters():
-            local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-            if local is not None and local.numel():
-                local.view(-1)[0] = self.value
-                self.poisoned = name
-                return
+        if self.where == "grad" and self._now():
+            self.poisoned = poison_first_gradient(self, self.value)
 
     def _now(self) -> bool:
         return self.global_step == BAD_STEP and dist.get_rank() == self.bad_rank
+
+
+def poison_first_gradient(module: torch.nn.Module, value: float) -> str | None:
+    """Set the first element of this rank's first non-empty local gradient shard to `value`; its parameter's name."""
+    for name, param in module.named_parameters():
+        local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        if local is not None and local.numel():
+            local.view(-1)[0] = value
+            return name
+    return None
+
+
+def poisoned(base: type) -> type:
+    """`base` whose rank `BAD_RANK` gradient goes NaN at step `BAD_STEP` (its name in `poisoned`)."""
+
+    class PoisonedModel(base):  # type: ignore[misc, valid-type]
+        poisoned: str | None = None
+
+        def on_after_backward(self):
+            if self.global_step == BAD_STEP and dist.get_rank() == BAD_RANK:
+                self.poisoned = poison_first_gradient(self, math.nan)
+
+    return PoisonedModel
+
+
+def raise_case(strategy, make_module, data) -> dict:
+    """`"raise"` (the default) on a model of its own: every rank's error and the poisoned parameter."""
+    module = make_module()
+    error = None
+    try:
+        trainer_for(strategy, max_steps=STEPS).fit(module, DataLoader(data, batch_size=BATCH))
+    except Exception as err:
+        error = {"type": type(err).__name__, "message": str(err)}
+    return {"errors": gather_objects(error), "poisoned": [p for p in gather_objects(module.poisoned) if p]}
 
 
 def reference(skip: bool, clip: float | None, dp: int) -> dict[str, torch.Tensor]:
@@ -134,6 +163,19 @@ def group_nonfinite() -> Iterator[Case]:
             return run(strategy, where, value, mode, clip, dp)
 
         yield Case(f"nonfinite{world}_{name}", case, timeout_s=240)
+    if world == 2:  # expert and context parallelism, once: every rank stops naming the parameter
+        from tests.workers.context_parallel import GPTModule, gpt_data
+        from tests.workers.hf_models import TokenIds
+        from tests.workers.moe import ExampleMoE
+
+        yield Case(
+            "nonfinite2_ep_grad_nan_raise",
+            lambda: raise_case(FullyShardStrategy(expert_parallel_size=2), poisoned(ExampleMoE), TokenIds()),
+        )
+        yield Case(
+            "nonfinite2_cp_grad_nan_raise",
+            lambda: raise_case(FullyShardStrategy(context_parallel_size=2), poisoned(GPTModule), gpt_data()),
+        )
 
 
 GROUPS = {"nonfinite": group_nonfinite}
