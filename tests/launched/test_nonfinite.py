@@ -57,3 +57,9 @@ def test_expert_and_context_parallel_steps_stop_on_every_rank(shared_launch, nam
     assert len({e["message"] for e in errors}) == 1, errors
     (poisoned,) = result["poisoned"]
     assert f"global step {BAD_STEP}: the gradients of rank {BAD_RANK}: {poisoned}" in errors[0]["message"], errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_with_every_value_finite_the_guard_changes_no_bit_under_2d_clipping(shared_launch, world):
+    assert shared_launch(world)[f"nonfinite{world}_two_d_clip_bit_parity"] is True

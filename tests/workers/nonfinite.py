@@ -124,6 +124,17 @@ def run(make_strategy, where: str, value: float, mode: str, clip: float | None, 
     }
 
 
+def bit_parity_case(make_strategy) -> bool:
+    """Whether `"raise"` and `"off"` train to the same bits with every value finite, clipping by norm (the guard's
+    flags ride in the norm's collectives over both mesh dims)."""
+    weights = {}
+    for mode in ("raise", "off"):
+        trainer = trainer_for(make_strategy(mode), max_steps=STEPS, gradient_clip_val=0.1)
+        trainer.fit(ParityModule(optimizer="adam"), loader(RegressionData(), BATCH))
+        weights[mode] = full_params(trainer)
+    return all(torch.equal(weights["raise"][k], weights["off"][k]) for k in weights["off"])
+
+
 def group_nonfinite() -> Iterator[Case]:
     world = world_size()
     dp2 = world // 2
@@ -163,6 +174,7 @@ def group_nonfinite() -> Iterator[Case]:
             return run(strategy, where, value, mode, clip, dp)
 
         yield Case(f"nonfinite{world}_{name}", case, timeout_s=240)
+    yield Case(f"nonfinite{world}_two_d_clip_bit_parity", lambda: bit_parity_case(two_d))
     if world == 2:  # expert and context parallelism, once: every rank stops naming the parameter
         from tests.workers.context_parallel import GPTModule, gpt_data
         from tests.workers.hf_models import TokenIds
