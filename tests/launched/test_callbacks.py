@@ -32,7 +32,7 @@ def test_counts_global_samples_over_data_parallel_ranks_and_gathers_memory(monit
 
 @pytest.mark.slow
 def test_a_rank_slowed_in_its_step_is_named_with_its_host(monitored):
-    """Rank 1 sleeps 0.3 s in each step on CPU: after 3 log intervals in a row above the median by over 50%, one
+    """Rank 1 sleeps 0.3 s in each of 8 steps on CPU: after 3 log intervals in a row above the median by over 50%, one
     warning names it and its host; the spread across ranks shows it as the slowest."""
     result = monitored["monitor_straggler"]
     print(f"straggler report: {result['stragglers']}; last interval: {result['spread']}")

@@ -52,7 +52,7 @@ class SlowRankModule(ParityModule):
 
 def straggler_case() -> dict:
     monitor = PerformanceMonitor(log_every_n_steps=1, straggler_fraction=0.5, straggler_intervals=3, summary=False)
-    trainer = trainer_for(ReplicateStrategy(), max_steps=5, callbacks=[monitor], log_every_n_steps=1)
+    trainer = trainer_for(ReplicateStrategy(), max_steps=8, callbacks=[monitor], log_every_n_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(SlowRankModule(), loader(RegressionData(), BATCH))
