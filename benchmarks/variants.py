@@ -204,7 +204,11 @@ def run_plain(family: str, compiled: bool, ctx: Context) -> Measurement:
 
 
 def run_lightning(
-    make_strategy: Callable[[Context], Any], module_cls: type, ctx: Context, checkpoint: str
+    make_strategy: Callable[[Context], Any],
+    module_cls: type,
+    ctx: Context,
+    checkpoint: str,
+    gradient_clip_val: float | None = None,
 ) -> Measurement:
     """`checkpoint`: "" (none), "trainer" (save/load through the strategy) or "async" (also `async_save`)."""
     clock = _clock(ctx)
@@ -221,6 +225,7 @@ def run_lightning(
         enable_model_summary=False,
         num_sanity_val_steps=0,
         profiler=RecordFunctionProfiler() if ctx.profile else None,
+        gradient_clip_val=gradient_clip_val,
     )
     with ctx.device:  # as the plain loops build theirs
         module = module_cls(ctx.size)
@@ -283,11 +288,11 @@ def _time_checkpoints(trainer: L.Trainer, checkpoint_root: str, with_async: bool
     return times
 
 
-def _dpar(name: str, compiled: bool) -> Callable[[Context], Any]:
+def _dpar(name: str, compiled: bool, on_nonfinite: str = "raise") -> Callable[[Context], Any]:
     def make(ctx: Context) -> Any:
         import lightning_dpar
 
-        kwargs = {"compile": (ctx.compile_options or True) if compiled else False}
+        kwargs = {"compile": (ctx.compile_options or True) if compiled else False, "on_nonfinite": on_nonfinite}
 
         if name == "2d":
             return lightning_dpar.FSDPTensorParallelStrategy(
@@ -363,6 +368,19 @@ def all_variants() -> list[Variant]:
                     lambda ctx, f=family, c=compiled: run_lightning(
                         _dpar(f, c), BenchModule, ctx, "" if c else "async"
                     ),
+                )
+            )
+        # The non-finite guard's cost (`on_nonfinite`), with and without gradient-norm clipping: `_unguarded` is
+        # `on_nonfinite="off"`, `_clip` clips at norm 1.0.
+        guard_runs = (("_unguarded", "off", None), ("_clip", "raise", 1.0), ("_clip_unguarded", "off", 1.0))
+        for suffix, mode, clip in guard_runs:
+            variants.append(
+                Variant(
+                    f"dpar_{family}{suffix}",
+                    family,
+                    "dpar",
+                    False,
+                    lambda ctx, f=family, m=mode, c=clip: run_lightning(_dpar(f, False, m), BenchModule, ctx, "", c),
                 )
             )
     return variants

@@ -23,11 +23,22 @@ Works with any strategy (the package's or Lightning's own) and any accelerator. 
   the Trainer's precision. FLOPs are never measured by tracing a batch: a dispatch mode active during a compiled
   block's first call would make dynamo skip that code for the rest of the process.
 - Memory of the records: the most recent `RECORDS_KEPT` batches; the summary's medians are over those.
+- stragglers: at each log interval every rank's mean step time and mean own time over the interval are gathered
+  (one all-gather of two floats per rank). A rank's own time runs from the end of its previous batch to its
+  backward: loading its batch and its forward, before the gradient synchronisation where data-parallel ranks wait
+  for the slowest (so every rank's wall step time is about the same, and the wall time alone cannot name the slow
+  one). Under FSDP or tensor parallelism the forward gathers parameters too, so a rank slow in its forward delays
+  the others' forwards as well; one slow in loading its batch (or in anything before its forward) still stands out.
+  Logged: `perf/step_time_{min,median,max}_s` across ranks, `perf/own_time_{min,median,max}_s` and
+  `perf/slowest_rank` (by own time). A rank whose own time exceeds the median by more than `straggler_fraction` over
+  `straggler_intervals` intervals in a row is named, with its host, in a warning (once per such run of intervals)
+  and in `stragglers`.
 """
 
 from __future__ import annotations
 
 import resource
+import socket
 import statistics
 import sys
 import time
@@ -38,6 +49,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dpar.estimates.state_memory import HeldState, format_bytes, held_state
 
@@ -75,6 +87,8 @@ class PerformanceMonitor(L.Callback):
         warmup_steps: first batches left out of the summary's medians (compilation, allocator warm-up).
         log_every_n_steps: how often to log; default: the Trainer's `log_every_n_steps`.
         summary: print the summary table on rank 0 when `fit` ends.
+        straggler_fraction: a rank is slow when its own time exceeds the median over ranks by this fraction.
+        straggler_intervals: log intervals in a row a rank must be slow before the warning names it.
     """
 
     def __init__(
@@ -85,9 +99,26 @@ class PerformanceMonitor(L.Callback):
         warmup_steps: int = 2,
         log_every_n_steps: int | None = None,
         summary: bool = True,
+        straggler_fraction: float = 0.2,
+        straggler_intervals: int = 3,
     ) -> None:
         if warmup_steps < 0:
             raise ValueError(f"`warmup_steps={warmup_steps}` must be >= 0.")
+        if straggler_fraction <= 0 or straggler_intervals < 1:
+            raise ValueError(
+                f"`straggler_fraction={straggler_fraction}` must be > 0 and `straggler_intervals={straggler_intervals}`"
+                " >= 1."
+            )
+        self.straggler_fraction = straggler_fraction
+        self.straggler_intervals = straggler_intervals
+        #: Each straggler warned about: `{"rank", "host", "global_step", "own_time_s", "median_s"}`.
+        self.stragglers: list[dict[str, Any]] = []
+        #: The last log interval's spread across ranks (the `perf/step_time_*`, `perf/own_time_*` metrics).
+        self.rank_spread: dict[str, float] = {}
+        self._hosts: list[str] = []
+        self._slow_run: tuple[int, int] | None = None  # (rank, intervals in a row)
+        self._interval: list[float] = [0.0, 0.0, 0.0]  # step time, own time, batches since the last log
+        self._own_start: float | None = None
         self.tokens_per_sample = tokens_per_sample
         self.flops_per_sample = flops_per_sample
         self.peak_flops = peak_flops
@@ -119,6 +150,11 @@ class PerformanceMonitor(L.Callback):
         self._model_parallel_size = _model_parallel_size(pl_module)
         self._parameter_count = _parameter_count(pl_module)
         self._peak_flops = self._device_peak_flops(trainer)
+        self._interval, self._slow_run, self.stragglers = [0.0, 0.0, 0.0], None, []
+        self._hosts = [socket.gethostname()]
+        if _distributed():
+            self._hosts = [""] * dist.get_world_size()
+            dist.all_gather_object(self._hosts, socket.gethostname())
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -126,6 +162,13 @@ class PerformanceMonitor(L.Callback):
         if self._last is None:  # first batch (or first after validation): time from here
             self._sync(trainer)
             self._last = time.perf_counter()
+            self._own_start = self._last
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if self._own_start is not None:  # the first backward of the batch: loading and forward are done
+            self._sync(trainer)
+            self._interval[1] += time.perf_counter() - self._own_start
+            self._own_start = None
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -134,6 +177,9 @@ class PerformanceMonitor(L.Callback):
         now = time.perf_counter()
         assert self._last is not None
         step_time, self._last = now - self._last, now
+        self._own_start = now
+        self._interval[0] += step_time
+        self._interval[2] += 1
         samples, tokens = self._batch_size(batch)
         replicas = self._data_parallel_size
         record = {
@@ -146,10 +192,59 @@ class PerformanceMonitor(L.Callback):
         self._batches += 1
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if self._batches % max(every, 1) == 0:
-            self._log(trainer, self._metrics(trainer, record))
+            self._log(trainer, {**self._metrics(trainer, record), **self._spread(trainer)})
+
+    def _spread(self, trainer: L.Trainer) -> dict[str, float]:
+        """Every rank's mean step time and own time over the interval (one all-gather), their spread, the slowest
+        rank, and the straggler warning (see the module docstring)."""
+        step_sum, own_sum, batches = self._interval
+        self._interval = [0.0, 0.0, 0.0]
+        mine = torch.tensor([step_sum / max(batches, 1), own_sum / max(batches, 1)], dtype=torch.float64)
+        if _distributed():
+            device = trainer.strategy.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
+            gathered = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, mine.to(device))
+            per_rank = [t.cpu().tolist() for t in gathered]
+        else:
+            per_rank = [mine.tolist()]
+        steps, owns = [r[0] for r in per_rank], [r[1] for r in per_rank]
+        slowest = max(range(len(owns)), key=owns.__getitem__)
+        median = statistics.median(owns)
+        metrics = {
+            "perf/step_time_min_s": min(steps),
+            "perf/step_time_median_s": statistics.median(steps),
+            "perf/step_time_max_s": max(steps),
+            "perf/own_time_min_s": min(owns),
+            "perf/own_time_median_s": median,
+            "perf/own_time_max_s": owns[slowest],
+            "perf/slowest_rank": float(slowest),
+        }
+        if len(owns) > 1 and owns[slowest] > median * (1 + self.straggler_fraction):
+            run = self._slow_run[1] + 1 if self._slow_run is not None and self._slow_run[0] == slowest else 1
+            self._slow_run = (slowest, run)
+            if run == self.straggler_intervals:
+                self._warn_straggler(trainer, slowest, owns[slowest], median)
+        else:
+            self._slow_run = None
+        self.rank_spread = metrics
+        return metrics
+
+    def _warn_straggler(self, trainer: L.Trainer, rank: int, own: float, median: float) -> None:
+        host = self._hosts[rank] if rank < len(self._hosts) else "?"
+        report = {"rank": rank, "host": host, "global_step": trainer.global_step, "own_time_s": own, "median_s": median}
+        self.stragglers.append(report)
+        rank_zero_warn(
+            f"Straggler: rank {rank} on host {host!r} took {own:.4f} s per batch before its backward (loading and"
+            f" forward) over the last {self.straggler_intervals} log intervals, {own / median - 1:.0%} above the"
+            f" median rank's {median:.4f} s (threshold {self.straggler_fraction:.0%}), at global step"
+            f" {trainer.global_step}. Every collective waits for it: look at that host (its data loading, device"
+            " clocks and temperature, other processes).",
+            category=RuntimeWarning,
+        )
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last = None  # validation time is not training step time
+        self._own_start = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         peak = _peak_memory_bytes(trainer)
@@ -282,6 +377,10 @@ class PerformanceMonitor(L.Callback):
     def _sync(self, trainer: L.Trainer) -> None:
         if self._is_cuda(trainer):
             torch.cuda.synchronize(trainer.strategy.root_device)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:

@@ -10,6 +10,7 @@ Per step, on every rank of every live group:
    gradient's local shard is averaged over the groups in the quorum (one flat all-reduce per dtype).
 3. Clipping and `on_before_optimizer_step` hooks, then `commit`: torchft's `should_commit`; the optimizer steps only
    if every group of the quorum finished the step without error. A step that does not commit changes no weights.
+   A step the non-finite guard skipped (NaN or Inf after the average) votes against committing (`vote_against`).
 
 The first quorum (`join`, in the strategy's `setup`) is taken again until it holds every group, unless it finds a
 running job (a live group has committed steps: this group heals from it); see `FaultTolerance.start_timeout`.
@@ -238,6 +239,12 @@ class ReplicaGroups:
         committed = self.manager.should_commit()
         self.history.append(StepRecord(batch_idx, ft_step, participants, rank, committed, time.time(), self.groups))
         return committed
+
+    def vote_against(self, batch_idx: int, reason: str) -> None:
+        """This step is not committed by this group (its ranks skipped the optimizer step): the error is reported to
+        torchft, whose commit vote then fails on every rank of the group; recorded in `history`."""
+        self.manager.report_error(RuntimeError(reason))
+        self.commit(batch_idx)
 
     def writes_checkpoints(self) -> bool:
         """Whether this group writes the checkpoints: the first group of the current quorum (a dead group never

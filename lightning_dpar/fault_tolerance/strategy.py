@@ -10,7 +10,8 @@ Lightning hooks it adds to (each delegating to `replica_group`, `healing` and `c
   data-parallel ranks `g * dp .. g * dp + dp - 1` of a `G * dp`-rank HSDP run would;
 - `setup`: the `Manager` made and the first quorum taken, so a relaunched group heals before its loop starts;
 - `on_train_batch_start`: what a peer would send if it healed now (loop progress, data position, RNG);
-- `optimizer_step`: quorum, gradients averaged across groups after the closure, the step only if committed;
+- `optimizer_step`: quorum, gradients averaged across groups after the closure, the step only if committed (a step
+  the non-finite guard skipped, `on_nonfinite="skip"`, is not committed: the group votes against it);
 - `save_checkpoint` / `remove_checkpoint`: only the first group of the quorum writes.
 """
 
@@ -238,7 +239,11 @@ class _FaultTolerant:
             return output
 
         gate = _CommitGate(optimizer, lambda: groups.commit(batch_idx))
-        return super().optimizer_step(gate, closure_then_average, model, **kwargs)  # type: ignore[misc]
+        output = super().optimizer_step(gate, closure_then_average, model, **kwargs)  # type: ignore[misc]
+        guard = self.nonfinite  # type: ignore[attr-defined]
+        if guard is not None and guard.last_skipped:  # non-finite after the average: this group does not commit
+            groups.vote_against(batch_idx, "the step's loss or gradients were non-finite (`on_nonfinite='skip'`)")
+        return output
 
     # ------------------------------------------------------------------ checkpoints
     @override

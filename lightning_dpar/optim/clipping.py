@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_dpar.optim.nonfinite import StepFlags
 from lightning_dpar.parallel_dims import is_sharded
 
 __all__ = ["GradientClipper", "clip_grad_norm_", "clip_grad_value_", "total_grad_norm"]
@@ -46,6 +47,8 @@ class _Group:
 
     positions: tuple[int, ...]
     reduce_over: tuple[dist.ProcessGroup, ...]
+    #: How many ranks those reductions reach together (distinct dims of one mesh: the product of their sizes).
+    reach: int = 1
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class _GradientGroups:
     def of(cls, params: Sequence[Tensor]) -> _GradientGroups:
         positions: dict[tuple, list[int]] = {}
         reduce_over: dict[tuple, tuple[dist.ProcessGroup, ...]] = {}
+        reach: dict[tuple, int] = {}
         for position, param in enumerate(params):
             grad = param.grad
             assert grad is not None
@@ -69,16 +73,14 @@ class _GradientGroups:
                 # would be summed in another order, and the same run would clip differently.
                 key: tuple = (_local(grad).device, mesh, grad.placements)
                 if key not in reduce_over:
-                    reduce_over[key] = tuple(
-                        mesh.get_group(dim)
-                        for dim, placement in enumerate(grad.placements)
-                        if is_sharded(placement) and mesh.size(dim) > 1
-                    )
+                    dims = [d for d, p in enumerate(grad.placements) if is_sharded(p) and mesh.size(d) > 1]
+                    reduce_over[key] = tuple(mesh.get_group(dim) for dim in dims)
+                    reach[key] = math.prod(mesh.size(dim) for dim in dims)
             else:
                 key = (grad.device, None, None)
                 reduce_over.setdefault(key, ())
             positions.setdefault(key, []).append(position)
-        groups = tuple(_Group(tuple(positions[key]), reduce_over[key]) for key in positions)
+        groups = tuple(_Group(tuple(positions[key]), reduce_over[key], reach.get(key, 1)) for key in positions)
         return cls(tuple(weakref.ref(p) for p in params), groups)
 
     def matches(self, params: Sequence[Tensor]) -> bool:
@@ -109,28 +111,57 @@ class GradientClipper:
         """The norm of all gradients as if they were one full, unsharded vector; identical on every rank."""
         return self._total_norm(self._grouped_local_grads(parameters), float(norm_type))
 
-    def _total_norm(self, grouped: list[tuple[list[Tensor], _Group]], norm_type: float) -> Tensor:
+    def _total_norm(
+        self, grouped: list[tuple[list[Tensor], _Group]], norm_type: float, fold: StepFlags | None = None
+    ) -> Tensor:
+        """The norm; with `fold`, the non-finite step flags (`optim.nonfinite`) ride along its reductions: this
+        rank's suspicion is added from the local parts before any reduction, and `fold.agreed` says whether the
+        reductions reached every rank (one group's reductions with the pipeline's cover the world, and the
+        flags pass through each); where they did not (replicated gradients), the guard reduces the flags itself."""
         if not grouped and not self.across:
             return torch.tensor(0.0)
         is_inf = math.isinf(norm_type)
+        op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
         device = grouped[0][0][0].device if grouped else (self.device or torch.device("cpu"))
-        total = torch.zeros((), device=device, dtype=torch.float32)
-        for grads, group in grouped:
+        parts = []
+        for grads, _ in grouped:
             # Per-tensor norms in fp32 (bf16 gradients too), in one fused kernel per group.
             norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32)).to(device)
-            part = norms.max() if is_inf else norms.pow(norm_type).sum()
-            for process_group in group.reduce_over:
-                dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=process_group)
+            parts.append(norms.max() if is_inf else norms.pow(norm_type).sum())
+        carried = None
+        if fold is not None:
+            for part in parts:
+                fold.suspect(~torch.isfinite(part))
+            across = math.prod(dist.get_world_size(group) for group in self.across)
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            covered = any(group.reach * across == world for _, group in grouped) or (not grouped and across == world)
+            carried = torch.cat([fold.values.to(device), torch.tensor([0.0 if covered else 1.0], device=device)])
+        total = torch.zeros((), device=device, dtype=torch.float32)
+        for part, (_, group) in zip(parts, grouped):
+            part, carried = _all_reduce(part, carried, group.reduce_over, op)
             total = torch.maximum(total, part) if is_inf else total + part
-        for process_group in self.across:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=process_group)
+        total, carried = _all_reduce(total, carried, self.across, op)
+        if fold is not None:
+            assert carried is not None
+            fold.values, fold.agreed = carried[:-1].clone(), not bool(carried[-1])
         return total if is_inf else total.pow(1.0 / norm_type)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """Scale gradients in place so their global norm is at most `max_norm`; returns the norm before clipping."""
+    def clip_grad_norm_(
+        self,
+        parameters: Iterable[Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+        fold: StepFlags | None = None,
+        before_scaling: Callable[[], None] | None = None,
+    ) -> Tensor:
+        """Scale gradients in place so their global norm is at most `max_norm`; returns the norm before clipping.
+        `fold`: a non-finite step's flags, agreed along the norm's reductions; `before_scaling` runs between the
+        norm and the scaling (the guard's verdict)."""
         grouped = self._grouped_local_grads(parameters)
-        total = self._total_norm(grouped, float(norm_type))
+        total = self._total_norm(grouped, float(norm_type), fold)
+        if before_scaling is not None:
+            before_scaling()
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grads, _ in grouped:
             torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
@@ -142,6 +173,22 @@ class GradientClipper:
         for grads, _ in self._grouped_local_grads(parameters):
             torch._foreach_clamp_min_(grads, -clip_value)
             torch._foreach_clamp_max_(grads, clip_value)
+
+
+def _all_reduce(
+    value: Tensor, carried: Tensor | None, groups: Sequence[dist.ProcessGroup], op: dist.ReduceOp
+) -> tuple[Tensor, Tensor | None]:
+    """`value` reduced over each of `groups` in turn; `carried` (flags) in the same collectives, as one vector."""
+    if carried is None:
+        for group in groups:
+            dist.all_reduce(value, op=op, group=group)
+        return value, None
+    if not groups:
+        return value, carried
+    vector = torch.cat([value.reshape(1), carried])
+    for group in groups:
+        dist.all_reduce(vector, op=op, group=group)
+    return vector[0], vector[1:]
 
 
 def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:

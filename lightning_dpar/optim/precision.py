@@ -19,6 +19,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_dpar.optim import clipping
+from lightning_dpar.optim.nonfinite import NonFiniteGuard
 
 __all__ = [
     "DparPrecision",
@@ -46,6 +47,8 @@ class DparPrecision(Precision):
         #: (DDP-style replicate). `None`: the wrapper (FSDP2's MixedPrecisionPolicy) handles it.
         self._autocast_device_type: str | None = None
         self._clipper = clipping.GradientClipper()
+        #: The strategy's non-finite guard (`optim.nonfinite`), whose flags gradient-norm clipping agrees on.
+        self.nonfinite: NonFiniteGuard | None = None
 
     def mixed_precision_policy(self, root_unit: bool = False) -> MixedPrecisionPolicy:
         """Policy for a `fully_shard` unit. Root units return fp32 outputs so the loss is computed in fp32."""
@@ -103,7 +106,16 @@ class DparPrecision(Precision):
         self._clipper = clipping.GradientClipper(across=(group,), device=device)
 
     def clip_grad_by_norm(self, optimizer: Optimizable, clip_val: int | float) -> None:
-        self._clipper.clip_grad_norm_(self.main_params(optimizer), float(clip_val))
+        """With the non-finite guard, its flags are agreed on along the norm's reductions, and its verdict runs
+        before any gradient is scaled."""
+        guard = self.nonfinite
+        step = guard.pending if guard is not None else None
+        if guard is None or step is None or not step.deferred or step.decided:
+            self._clipper.clip_grad_norm_(self.main_params(optimizer), float(clip_val))
+            return
+        self._clipper.clip_grad_norm_(
+            self.main_params(optimizer), float(clip_val), fold=step.flags, before_scaling=guard.decide
+        )
 
     def clip_grad_by_value(self, optimizer: Optimizable, clip_val: int | float) -> None:
         self._clipper.clip_grad_value_(self.main_params(optimizer), float(clip_val))

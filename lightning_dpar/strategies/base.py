@@ -51,6 +51,7 @@ from lightning_dpar.helpers import attached_trainer, has_parameters
 from lightning_dpar.hf_weights.pretrained import PretrainedSpec, to_pretrained_weights
 from lightning_dpar.optim import distributed_muon, shard_probe
 from lightning_dpar.optim.exactness import ParameterLayout, check_optimizers
+from lightning_dpar.optim.nonfinite import NonFiniteGuard, OnNonFinite, check_mode
 from lightning_dpar.optim.precision import DparPrecision, to_dpar_precision
 from lightning_dpar.parallel import parallelize
 from lightning_dpar.parallel.compilation import CompileSpec, compile_options
@@ -105,6 +106,11 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             (`"auto"`: those of one node); see `lightning_dpar.experts.parallel`.
         expert_modules: the experts modules (class names or globs); default: a transformers model's
             `base_model_ep_plan`, else the experts contract (`lightning_dpar.plan.experts`).
+        on_nonfinite: what a step whose loss or gradients hold NaN or Inf on any rank does, checked once per optimizer
+            step after the gradients are reduced and before clipping: `"raise"` (default: every rank raises
+            `NonFiniteError` before the optimizer step, naming the step, the parameters and the ranks), `"skip"`
+            (the step is skipped on every rank and counted in the `nonfinite/skipped_steps` metric; too many in a
+            row raise) or `"off"`. See `lightning_dpar.optim.nonfinite` and docs/nonfinite.md.
         pretrained: a Hugging Face `save_pretrained` directory (or `PretrainedWeights(path, prefix, strict)`) read
             into the model once it is parallelised, each rank reading only its shards; skipped when a checkpoint is
             resumed (`ckpt_path`), but for an adapter-only checkpoint's frozen base. See
@@ -133,6 +139,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         pipeline: PipelineConfig | None = None,
         expert_parallel_size: SizeArg = 1,
         expert_modules: Sequence[ModuleSelector] | None = None,
+        on_nonfinite: OnNonFinite = "raise",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -146,6 +153,8 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        #: The non-finite step guard (`optim.nonfinite`); None with `on_nonfinite="off"`.
+        self.nonfinite = NonFiniteGuard(on_nonfinite) if check_mode(on_nonfinite) != "off" else None
         if start_method not in ("popen", "fork", "spawn"):
             raise ValueError(f"`start_method={start_method!r}` is invalid; use 'popen', 'fork' or 'spawn'.")
         if pipeline_parallel_size != 1 and checkpoint_format == "full":
@@ -368,6 +377,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             for optimizer in self.optimizers:
                 if layout.split_by and self._computes_whole_updates(optimizer):
                     distributed_muon.install(optimizer)
+        self.precision_plugin.nonfinite = self.nonfinite  # gradient-norm clipping agrees on its flags
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
@@ -24,6 +26,7 @@ from lightning_dpar.conformance.callback_checks import optimizer_problem
 from lightning_dpar.context_parallel import check_batch
 from lightning_dpar.experts.router_loss import GlobalRouterLoss
 from lightning_dpar.helpers import attached_trainer, key_value_cache_configs, without_key_value_cache
+from lightning_dpar.optim.nonfinite import SKIPPED_METRIC, NonFiniteGuard, parameter_names
 from lightning_dpar.parallel import parallelize
 
 if TYPE_CHECKING:
@@ -47,6 +50,8 @@ class StepHooks(ParallelStrategy):
     #: whose gradient all-reduce / reduce-scatter `block_backward_sync` switches off.
     applied: parallelize.AppliedPlan | None
     _backward_sync_blocked: bool
+    #: The non-finite step guard (`lightning_dpar.optim.nonfinite`); None with `on_nonfinite="off"`.
+    nonfinite: NonFiniteGuard | None
 
     @property
     def _fsdp_units(self) -> list[FSDPModule]:
@@ -133,17 +138,49 @@ class StepHooks(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """The step, then every FSDP unit's parameters sharded again: a root, or a unit no backward went through
-        (all its parameters frozen), keeps them unsharded, and callbacks between steps must see the shards
-        (`parallelize.reshard`)."""
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        """The step, checked for NaN and Inf first (`lightning_dpar.optim.nonfinite`), then every FSDP unit's
+        parameters sharded again: a root, or a unit no backward went through (all its parameters frozen), keeps them
+        unsharded, and callbacks between steps must see the shards (`parallelize.reshard`)."""
+        step = partial(super().optimizer_step, optimizer, model=model, **kwargs)
+        output = step(closure) if self.nonfinite is None else self._checked_step(step, closure, optimizer)
         parallelize.reshard(self._fsdp_units)
+        return output
+
+    def _checked_step(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], opt: Any) -> Any:
+        """`step(closure)` through the non-finite guard: its verdict comes from gradient-norm clipping when that runs
+        (Lightning's own `configure_gradient_clipping`, by norm), else right after the closure; under `"skip"` the
+        count of skipped steps is logged."""
+        guard, module = self.nonfinite, self.lightning_module
+        assert guard is not None and module is not None
+        trainer = attached_trainer(module)
+        clip = trainer.gradient_clip_val if trainer is not None else None
+        deferred = (
+            trainer is not None
+            and module.automatic_optimization
+            and clip is not None
+            and float(clip) > 0
+            and trainer.gradient_clip_algorithm in (None, "norm")
+            and not is_overridden("configure_gradient_clipping", module)
+        )
+        output = guard.optimizer_step(
+            step,
+            closure,
+            parameters=lambda: list(self.precision_plugin.main_params(opt)),
+            names=lambda: parameter_names([module]),
+            global_step=trainer.global_step if trainer is not None else -1,
+            device=self.root_device,
+            deferred=deferred,
+        )
+        if guard.mode == "skip" and trainer is not None:
+            module.log(SKIPPED_METRIC, float(guard.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
         return output
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """With pipeline parallelism the schedule already ran every microbatch's backward inside `training_step`;
         its gradients are added here, between the hooks around backward."""
+        if self.nonfinite is not None:
+            self.nonfinite.note_loss(closure_loss)
         if self._pipeline is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         return self._pipeline.backward(self, closure_loss)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.conftest import subprocess_env
 from tests.support.fault_tolerance import (
@@ -38,7 +39,7 @@ from tests.support.fault_tolerance import (
     rejoin_step,
     step_log,
 )
-from tests.support.models import RegressionData, global_batches, reference_train
+from tests.support.models import Net, RegressionData, global_batches, make_optimizer, reference_train
 
 pytest.importorskip("torchft.coordination")  # skips cleanly without the `ft` extra
 
@@ -131,6 +132,40 @@ def test_context_parallelism_inside_each_replica_group_matches_one_process(conte
         assert [(h["participants"], h["committed"]) for h in record["history"]] == [(GROUPS, True)] * 3
         assert max_diff(record["params"], want) < 1e-5
         assert record["context_parallel_bytes"] > 0  # the sequences were split: keys and values exchanged
+
+
+@pytest.fixture(scope="module")
+def nonfinite_run(tmp_path_factory) -> Path:
+    """Group 0's reduced gradient is NaN at step 1, before the average across groups; `on_nonfinite="skip"`."""
+    out = tmp_path_factory.mktemp("ft_nonfinite")
+    job = Job(out)
+    env = {"DPAR_FT_STEPS": "3", "DPAR_FT_NAN_AT": "1", "DPAR_FT_NAN_GROUP": "0"}
+    try:
+        deadline = time.time() + TIMEOUT
+        groups = [job.launch("ft", GROUP_SIZE, f"g{g}", REPLICA_GROUP_ID=str(g), **env) for g in range(GROUPS)]
+        for g, proc in enumerate(groups):
+            job.wait(proc, f"g{g}", deadline)
+    finally:
+        job.close()
+    return out
+
+
+def test_a_non_finite_step_is_committed_by_no_group_and_skipped_by_every_group(nonfinite_run):
+    """The NaN reaches both groups through the average: each skips the step and votes against committing it, and
+    both end equal to one process that skipped that step."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = make_optimizer("adam", model.parameters())
+    for step, (x, y) in enumerate(global_batches(RegressionData(), GROUPS * GROUP_SIZE, BATCH, 3)):
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        if step != 1:
+            optimizer.step()
+    want = {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+    for g in range(GROUPS):
+        record = rank0(nonfinite_run, f"ft_g{g}")
+        assert [(h["batch_idx"], h["committed"]) for h in record["history"]] == [(0, True), (1, False), (2, True)]
+        assert max_diff(record["params"], want) < 1e-5
 
 
 # ---------------------------------------------------------------------- a killed group

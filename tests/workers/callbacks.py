@@ -1,11 +1,16 @@
 """Cases for `tests/launched/test_callbacks.py`: `PerformanceMonitor` under data parallelism (global samples = batch x
-dp) and tensor parallelism (a TP group counts once)."""
+dp) and tensor parallelism (a TP group counts once), and a straggler: one rank slowed by a sleep in its step."""
 
 from __future__ import annotations
 
+import time
+import warnings
 from collections.abc import Iterator
 
-from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, PerformanceMonitor
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, PerformanceMonitor, ReplicateStrategy
 from tests.support.models import TP_PLAN, ParityModule, RegressionData, loader
 from tests.workers.cases import Case
 from tests.workers.common import BATCH, trainer_for, world_size
@@ -30,6 +35,34 @@ def monitor_case(make_strategy, dp: int, tp: int) -> dict:
     }
 
 
+#: The rank slowed down, and by how much per step (s).
+SLOW_RANK, SLOW_S = 1, 0.3
+
+
+class SlowRankModule(ParityModule):
+    """Rank `SLOW_RANK` sleeps in each step before its forward; no synchronised logging inside the step (the others
+    would wait there for it, and their own time would grow alike)."""
+
+    def training_step(self, batch, batch_idx):
+        if dist.get_rank() == SLOW_RANK:
+            time.sleep(SLOW_S)
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+
+def straggler_case() -> dict:
+    monitor = PerformanceMonitor(log_every_n_steps=1, straggler_fraction=0.5, straggler_intervals=3, summary=False)
+    trainer = trainer_for(ReplicateStrategy(), max_steps=8, callbacks=[monitor], log_every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(SlowRankModule(), loader(RegressionData(), BATCH))
+    return {
+        "stragglers": monitor.stragglers,
+        "warnings": [str(w.message) for w in caught if "Straggler" in str(w.message)],
+        "spread": monitor.rank_spread,
+    }
+
+
 def group_monitor() -> Iterator[Case]:
     world = world_size()
     yield Case("monitor_fsdp", lambda: monitor_case(FullyShardStrategy, world, 1))
@@ -39,6 +72,7 @@ def group_monitor() -> Iterator[Case]:
             lambda: FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN), world // 2, 2
         ),
     )
+    yield Case("monitor_straggler", straggler_case)
 
 
 GROUPS = {"monitor": group_monitor}

@@ -5,9 +5,10 @@
 
 Every rank writes `OUT/<mode>_g<group>_r<rank>_<pid>.pt`: the full parameters after training (gathered within the
 group), the steps it took (`StepRecord`s), its heals, and its Lightning batch indices. `DPAR_FT_*` variables shape
-the run: steps, optimizer, data size, the batch at which group `DPAR_FT_MARK_GROUP` writes `OUT/mark` (the test
-kills that group when it appears), and the pause per step while fewer groups than all are in the quorum (so that
-survivors take a measurable number of steps while a group is down).
+the run: steps, optimizer, data size, a NaN put into one group's gradients at one step (`DPAR_FT_NAN_AT`,
+`DPAR_FT_NAN_GROUP`, with `on_nonfinite="skip"`), the batch at which group `DPAR_FT_MARK_GROUP` writes `OUT/mark`
+(the test kills that group when it appears), and the pause per step while fewer groups than all are in the quorum
+(so that survivors take a measurable number of steps while a group is down).
 
 Two test hooks make a heal cut short deterministic (`HookedStrategy`): on a live group, `DPAR_FT_HEAL_PAUSE_RANK=r`
 makes group rank `r` write `OUT/heal_paused` and sleep instead of handing torchft its state when a relaunched group
@@ -63,6 +64,18 @@ class HookedStrategy(FaultTolerantFullyShardStrategy):
         super()._heal(payload)
         group = self.fault_tolerance.replica_group
         (Path(sys.argv[2]) / f"healed_g{group}_r{self.global_rank}_{os.getpid()}").write_text(str(time.time()))
+
+
+class PoisonedModule(ParityModule):
+    """NaN in the first gradient element of group rank 1 of group `DPAR_FT_NAN_GROUP` at global step
+    `DPAR_FT_NAN_AT`, after the group reduced its gradients and before the average across groups."""
+
+    def on_after_backward(self):
+        group = self.trainer.strategy.fault_tolerance.replica_group
+        if group == _env_int("DPAR_FT_NAN_GROUP", -1) and self.global_step == _env_int("DPAR_FT_NAN_AT", -1):
+            if self.trainer.global_rank == 1:
+                grad = self.model.out.bias.grad
+                (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("nan")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -134,7 +147,9 @@ def main(mode: str, out: Path) -> None:
             timeout=float(os.environ.get("DPAR_FT_TIMEOUT", "30")),
             start_timeout=float(os.environ.get("DPAR_FT_START_TIMEOUT", "120")),
         )
-        context = {"context_parallel_size": 2} if mode == "ft_cp" else {}
+        context: dict = {"context_parallel_size": 2} if mode == "ft_cp" else {}
+        if "DPAR_FT_NAN_AT" in os.environ:
+            context["on_nonfinite"] = "skip"
         strategy = HookedStrategy(fault_tolerance=config, **context)
         group = int(os.environ["REPLICA_GROUP_ID"])
     pace = Pace(
@@ -155,6 +170,7 @@ def main(mode: str, out: Path) -> None:
         trainer.fit(GPTModule(), DataLoader(gpt_data(), batch_size=common.BATCH))
     else:
         module_class = ScheduledModule if os.environ.get("DPAR_FT_SCHEDULER") == "1" else ParityModule
+        module_class = PoisonedModule if "DPAR_FT_NAN_AT" in os.environ else module_class
         trainer.fit(module_class(optimizer=optimizer), loader(data, BATCH), ckpt_path=resume)
     _save(trainer, pace, out, mode, group)
 

@@ -59,6 +59,7 @@ MODULES = [
         "sweep",
         "context_parallel",
         "context_parallel_pipeline",
+        "nonfinite",
     )
 ]
 
