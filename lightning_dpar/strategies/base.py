@@ -12,13 +12,12 @@ from one mixin per concern, each in the module named after it:
 The hooks delegate: planning to `lightning_dpar.plan.plan_modules` (with this strategy's `plan_options`), applying
 the plan to `lightning_dpar.parallel.parallelize.apply_plan`, pretrained weights to
 `lightning_dpar.hf_weights.pretrained`. A concrete
-strategy only says how it wraps the model for data parallelism (`data_parallel_wrapper`) and what its arguments add
-to the plan (`plan_options`).
+strategy only says what its arguments add to the plan (`plan_options`, the data-parallel wrapper's settings
+included).
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -297,11 +296,6 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         assert dims is not None, "the mesh sizes are resolved in `setup_environment`"
         return plan_modules(module, dims, self.plan_options, self.global_rank if rank is None else rank)
 
-    @abstractmethod
-    def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:
-        """The function that applies this strategy's data-parallel wrapper on `meshes`; it sets no strategy state,
-        so the `plan` dry run can call it on a fake world."""
-
     @property
     def compile_options(self) -> dict[str, Any] | None:
         """The `torch.compile` options each compile unit gets; `None` when not compiling."""
@@ -315,12 +309,18 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
     def apply_plan(
         self, module: nn.Module, plan: ModulePlan, meshes: ParallelMeshes, dry_run: bool = False
     ) -> parallelize.AppliedPlan:
-        """`plan` applied to `module` on `meshes` with this strategy's wrapper: the training code path, which the
-        `plan` dry run takes too (`dry_run`: meta tensors stay on the meta device, nothing is compiled). Sets no
-        strategy state."""
-        wrapper = self.data_parallel_wrapper(meshes)
-        compiled = None if dry_run else self._compile_options
-        return parallelize.apply_plan(module, plan, meshes, wrapper, compile_options=compiled, materialize=not dry_run)
+        """`plan` applied to `module` on `meshes` (every step of `parallelize.STEPS`, the data-parallel wrapper's
+        settings read from the plan) in this strategy's mixed precision: the training code path, which the `plan`
+        dry run takes too (`dry_run`: meta tensors stay on the meta device, nothing is compiled). Sets no strategy
+        state."""
+        return parallelize.apply_plan(
+            module,
+            plan,
+            meshes,
+            mixed_precision=self.precision_plugin.mixed_precision_policy,
+            compile_options=None if dry_run else self._compile_options,
+            materialize=not dry_run,
+        )
 
     def _parallelize(self, module: pl.LightningModule) -> parallelize.AppliedPlan:
         """This run's plan applied to `module`, shards materialised, and the pipeline's runtime built."""
