@@ -12,13 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_dpar.context_parallel.checks import (
-    check_batch,
-    check_checkpointed_modules,
-    check_model,
-    check_pipeline_split,
-    sequence_blocks,
-)
+import lightning_dpar.context_parallel.checks as checks
 from lightning_dpar.context_parallel.loss import causal_lm_loss_module, check_loss_mode
 from lightning_dpar.context_parallel.runtime import ContextParallel
 from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes
@@ -58,11 +52,11 @@ def plan_context_parallel(
             " pipeline stages. Use `context_parallel_loss='whole'` (the default, exact for any loss) with pipelining,"
             " or `pipeline_parallel_size=1`."
         )
-    check_model(module)
-    blocks = [name for name, _ in sequence_blocks(module)]
-    check_checkpointed_modules(blocks, checkpointed)
+    checks.check_model(module)
+    blocks = [name for name, _ in checks.sequence_blocks(module)]
+    checks.check_checkpointed_modules(blocks, checkpointed)
     if stages is not None:
-        check_pipeline_split(blocks, stages)
+        checks.check_pipeline_split(blocks, stages)
     return ContextParallelPlan(blocks, causal_lm_loss_module(module, blocks) if per_rank else None)
 
 
@@ -85,6 +79,6 @@ def around_step(runtime: ContextParallel, training: bool, args: Sequence[Any]) -
     """Around each step's forward: a training batch checked first (no masked tokens, before the step's first
     collective), then each sequence split across the context-parallel ranks."""
     if training and args:
-        check_batch(args[0])
+        checks.check_batch(args[0])
     with runtime.active():
         yield
