@@ -80,6 +80,7 @@ class _FaultTolerant:
     strategy_description: str
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description, override=True)
         cls.register_class_names(strategy_registry)  # type: ignore[attr-defined]
