@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ __all__ = [
     "Applying",
     "MixedPrecision",
     "Step",
+    "StepContext",
     "apply_activation_checkpointing",
     "apply_compile",
     "apply_ddp_replicate",
@@ -71,6 +73,10 @@ __all__ = [
 
 #: A unit's mixed-precision policy, given whether it is a top-level unit (the strategy's precision plugin's).
 MixedPrecision = Callable[[bool], MixedPrecisionPolicy]
+
+#: What a step does around each training or evaluation step's forward, given whether it trains and the step's
+#: arguments: a context manager.
+StepContext = Callable[[bool, Sequence[Any]], AbstractContextManager[None]]
 
 
 @dataclass
@@ -101,29 +107,34 @@ class AppliedPlan:
     pipeline: PipelinedModel | None = None
     context_parallel: ContextParallel | None = None
 
-    @contextmanager
-    def around_step(self, training: bool, args: Sequence[Any] = ()) -> Generator[None, None, None]:
-        """What every step of `STEPS` that has one does around each training or evaluation step's forward (`args`:
-        the step's arguments, the batch first), in the order of the steps."""
-        with ExitStack() as stack:
-            for step in STEPS:
-                if step.around_step is not None:
-                    context = step.around_step(self, training, args)
-                    if context is not None:
-                        stack.enter_context(context)
-            yield
+    step_contexts: tuple[StepContext, ...] = ()
+
+    def around_step(self, training: bool, args: Sequence[Any] = ()) -> AbstractContextManager[None]:
+        """What the steps of this run that have one (`step_contexts`, in the order of `STEPS`) do around each
+        training or evaluation step's forward (`args`: the step's arguments, the batch first)."""
+        if len(self.step_contexts) == 1:
+            return self.step_contexts[0](training, args)
+        return _each_entered(self.step_contexts, training, args)
+
+
+@contextmanager
+def _each_entered(contexts: Sequence[StepContext], training: bool, args: Sequence[Any]) -> Generator[None, None, None]:
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context(training, args))
+        yield
 
 
 @dataclass(frozen=True)
 class Step:
     """One step of the parallelisation: its `name`, how it applies its slice of the plan to the model (`apply`:
     reading its meshes and earlier steps' results from `Applying`, recording its own there), and, if it has one,
-    what it does around each training or evaluation step (`around_step(applied, training, args)`: a context
-    manager, or `None` where this run needs none)."""
+    what it does around each training or evaluation step (`around_step(applying)`, once applied: its
+    `StepContext`, or `None` where this run needs none, so a step costs nothing per step where it does nothing)."""
 
     name: str
     apply: Callable[[nn.Module, ModulePlan, Applying], None]
-    around_step: Callable[[AppliedPlan, bool, Sequence[Any]], AbstractContextManager[None] | None] | None = None
+    around_step: Callable[[Applying], StepContext | None] | None = None
 
 
 def _pipeline_split(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
@@ -153,11 +164,9 @@ def _context_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> 
     applying.context_parallel = context_parallel_step.apply_context_parallel(root, part, applying.meshes, stages)
 
 
-def _context_parallel_around_step(
-    applied: AppliedPlan, training: bool, args: Sequence[Any]
-) -> AbstractContextManager[None] | None:
-    runtime = applied.context_parallel
-    return None if runtime is None else context_parallel_step.around_step(runtime, training, args)
+def _context_parallel_around_step(applying: Applying) -> StepContext | None:
+    runtime = applying.context_parallel
+    return None if runtime is None else partial(context_parallel_step.around_step, runtime)
 
 
 def _activation_checkpointing(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
@@ -230,8 +239,15 @@ def apply_plan(
     for step in STEPS:
         step.apply(root, plan, applying)
     fsdp_modules = [module for module in root.modules() if isinstance(module, FSDPModule)]
+    contexts = [step.around_step(applying) for step in STEPS if step.around_step is not None]
     return AppliedPlan(
-        plan, root, applying.grad_sync_modules, fsdp_modules, applying.pipeline, applying.context_parallel
+        plan,
+        root,
+        applying.grad_sync_modules,
+        fsdp_modules,
+        applying.pipeline,
+        applying.context_parallel,
+        tuple(context for context in contexts if context is not None),
     )
 
 

@@ -102,8 +102,9 @@ class StepHooks(ParallelStrategy):
         sequence split across the context-parallel ranks)."""
         if self._buffer_sync is not None:
             self._buffer_sync.before_forward()
+        steps = self.applied if self.applied is not None and self.applied.step_contexts else None
         with (
-            self.applied.around_step(training, args) if self.applied is not None else nullcontext(),
+            steps.around_step(training, args) if steps is not None else nullcontext(),
             self._router_loss.active() if self._router_loss is not None else nullcontext(),
             without_key_value_cache(self._cache_configs) if training and self._cache_configs else nullcontext(),
         ):

@@ -102,8 +102,31 @@ def test_apply_plan_walks_every_step_and_the_data_parallel_step_reads_its_settin
     assert len(applied.fsdp_modules) == 3 and applied.pipeline is None and applied.context_parallel is None
     module.model(torch.randn(3, 4)).sum()
     assert not isinstance(module.model.blocks[0].weight, DTensor)  # `reshard_after_forward=False`, from the plan
-    with applied.around_step(training=True, args=({"attention_mask": torch.zeros(1, 2)},)):
-        pass  # no step of this plan does anything around a step
+    assert applied.step_contexts == ()  # no step of this plan does anything around a step
+
+
+def test_around_a_step_the_steps_contexts_are_entered_in_order_and_left_in_reverse():
+    from contextlib import contextmanager
+
+    events = []
+
+    def context(name):
+        @contextmanager
+        def around(training, args):
+            events.append(f"enter {name} {training} {args}")
+            yield
+            events.append(f"exit {name}")
+
+        return around
+
+    applied = parallelize.AppliedPlan(None, nn.Linear(1, 1), [], [], step_contexts=(context("a"), context("b")))
+    with applied.around_step(True, (1,)):
+        events.append("step")
+    assert events == ["enter a True (1,)", "enter b True (1,)", "step", "exit b", "exit a"]
+    single = parallelize.AppliedPlan(None, nn.Linear(1, 1), [], [], step_contexts=(context("c"),))
+    with single.around_step(False):
+        pass
+    assert events[-2:] == ["enter c False ()", "exit c"]
 
 
 def test_apply_plan_replicates_when_the_plan_says_replicate(one_rank_group):
