@@ -46,6 +46,8 @@ from lightning_dpar.conformance.buffers import BufferSync
 from lightning_dpar.conformance.callback_checks import refuse_unsupported_callbacks
 from lightning_dpar.conformance.trainer_checks import check_anomaly_detection, check_pipeline_optimization
 from lightning_dpar.conformance.weight_averaging import lay_out_averaged_copies
+from lightning_dpar.fault_tolerance.config import FaultTolerance
+from lightning_dpar.fault_tolerance.strategy import compose_fault_tolerance
 from lightning_dpar.helpers import attached_trainer, has_parameters
 from lightning_dpar.hf_weights.pretrained import PretrainedSpec, to_pretrained_weights
 from lightning_dpar.optim import distributed_muon, shard_probe
@@ -108,6 +110,9 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             into the model once it is parallelised, each rank reading only its shards; skipped when a checkpoint is
             resumed (`ckpt_path`), but for an adapter-only checkpoint's frozen base. See
             `lightning_dpar.hf_weights.pretrained`.
+        fault_tolerance: a `FaultTolerance` makes each launch one torchft replica group, the groups replicating
+            (the strategy's class is then composed with the fault-tolerant hooks, `compose_fault_tolerance`); `None`
+            (default): no fault tolerance. See docs/fault_tolerance.md.
     """
 
     strategy_name = "dpar"
@@ -137,6 +142,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -188,6 +194,8 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self.checkpoints = CheckpointManager(
             checkpoint_format, async_save, timeout, checkpoint_weights, to_pretrained_weights(pretrained)
         )
+        if fault_tolerance is not None:  # any strategy: its class composed with the fault-tolerant hooks
+            compose_fault_tolerance(self, fault_tolerance)
 
     @classmethod
     def register_class_names(cls, strategy_registry: StrategyRegistryType) -> None:
