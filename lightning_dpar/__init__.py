@@ -32,12 +32,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dpar.checkpoint import CheckpointLoadError
 from lightning_dpar.checkpoint.module_from_checkpoint import load_from_checkpoint
-from lightning_dpar.fault_tolerance import (
-    FaultTolerance,
-    FaultTolerantFSDPTensorParallelStrategy,
-    FaultTolerantFullyShardStrategy,
-    FaultTolerantReplicateStrategy,
-)
+from lightning_dpar.fault_tolerance import FaultTolerance, with_fault_tolerance
 from lightning_dpar.hf_weights.pretrained import PretrainedWeights
 from lightning_dpar.layout_search.strategy import AutoParallelStrategy
 from lightning_dpar.optim.exactness import OptimizerLayoutError, declare_update_kind
@@ -52,6 +47,18 @@ from lightning_dpar.strategies import (
 )
 
 __version__ = "0.1.0"
+
+#: The registered fault-tolerant strategies: each strategy given `fault_tolerance=` is its class composed with the
+#: fault-tolerant hooks (any strategy, `AutoParallelStrategy` included); these three are registered by name.
+FaultTolerantFullyShardStrategy = with_fault_tolerance(
+    FullyShardStrategy, "dpar_ft_hsdp", "FSDP2 in each torchft replica group, groups replicate", __name__
+)
+FaultTolerantReplicateStrategy = with_fault_tolerance(
+    ReplicateStrategy, "dpar_ft_replicate", "DDP in each torchft replica group, groups replicate", __name__
+)
+FaultTolerantFSDPTensorParallelStrategy = with_fault_tolerance(
+    FSDPTensorParallelStrategy, "dpar_ft_2d", "TP + FSDP2 in each torchft replica group, groups replicate", __name__
+)
 
 for _strategy in (
     ReplicateStrategy,

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_dpar.checkpoint import hf_export, peft_export
+import lightning_dpar.checkpoint.hf_export as hf_export
+import lightning_dpar.checkpoint.peft_export as peft_export
 from lightning_dpar.checkpoint.adapter_only import refuse_without_base
 from lightning_dpar.checkpoint.errors import CheckpointLoadError
 from lightning_dpar.checkpoint.offline_reader import OfflineCheckpoint

@@ -16,8 +16,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
+import lightning_dpar.checkpoint.adapter_only as adapter_only
 from lightning_dpar.agreement import first_problem
-from lightning_dpar.checkpoint import adapter_only
 from lightning_dpar.checkpoint.contents import LoadReport
 from lightning_dpar.checkpoint.errors import CheckpointLoadError, CheckpointSaveError
 from lightning_dpar.checkpoint.full import FullFormat

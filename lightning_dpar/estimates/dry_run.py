@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.optim import Optimizer
 
+import lightning_dpar.estimates.state_memory as state_memory
 from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
-from lightning_dpar.estimates import state_memory
 from lightning_dpar.estimates.activations import ActivationEstimate, TraceCache, estimate_activations
 from lightning_dpar.estimates.experts import describe_experts
 from lightning_dpar.estimates.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow

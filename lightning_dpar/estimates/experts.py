@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_dpar.estimates import state_memory
+import lightning_dpar.estimates.state_memory as state_memory
 from lightning_dpar.estimates.report import group_modules
 from lightning_dpar.experts.parallel import local_expert_range
 from lightning_dpar.helpers import is_under

@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_dpar.estimates import state_memory
+import lightning_dpar.estimates.state_memory as state_memory
 from lightning_dpar.estimates.activations import ActivationEstimate
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.schedule import schedule_spec

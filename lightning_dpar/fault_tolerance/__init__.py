@@ -4,7 +4,8 @@ is down, and a relaunched group heals from a live peer and rejoins. See docs/fau
 - `config`: `FaultTolerance`, resolved from arguments and the environment; `checks`: refusals before any collective;
 - `replica_group`: the torchft `Manager` and the per-step protocol (quorum, average across groups, commit);
 - `healing`: what a live group sends a recovering one, and how it is applied;
-- `strategy`: the strategies (`dpar_ft_hsdp`, `dpar_ft_replicate`, `dpar_ft_2d`).
+- `strategy`: the hooks any strategy gets with `fault_tolerance=` (`with_fault_tolerance`; registered as
+  `dpar_ft_hsdp`, `dpar_ft_replicate`, `dpar_ft_2d`).
 
 Importing this package needs no torchft; building a `Manager` does.
 """
@@ -17,21 +18,17 @@ from lightning_dpar.fault_tolerance.config import (
     LighthouseUnreachableError,
 )
 from lightning_dpar.fault_tolerance.replica_group import HealFailedError, StartTimeoutError
-from lightning_dpar.fault_tolerance.strategy import (
-    FaultTolerantFSDPTensorParallelStrategy,
-    FaultTolerantFullyShardStrategy,
-    FaultTolerantReplicateStrategy,
-)
+from lightning_dpar.fault_tolerance.strategy import FaultTolerantHooks, compose_fault_tolerance, with_fault_tolerance
 
 __all__ = [
     "LIGHTHOUSE_ENV",
     "NUM_REPLICA_GROUPS_ENV",
     "REPLICA_GROUP_ENV",
     "FaultTolerance",
-    "FaultTolerantFSDPTensorParallelStrategy",
-    "FaultTolerantFullyShardStrategy",
-    "FaultTolerantReplicateStrategy",
+    "FaultTolerantHooks",
     "HealFailedError",
     "LighthouseUnreachableError",
     "StartTimeoutError",
+    "compose_fault_tolerance",
+    "with_fault_tolerance",
 ]

@@ -1,6 +1,8 @@
-"""The fault-tolerant strategies: a mixin over the package's strategies that makes each launch one torchft replica
-group (FSDP, HSDP or tensor parallelism stay inside the group) and averages gradients across the groups in each
-step's quorum. The LightningModule does not change. See docs/fault_tolerance.md for the step semantics.
+"""Fault tolerance composed with any of the package's strategies: `FaultTolerantHooks`, put in front of a strategy
+class by `with_fault_tolerance` when the strategy is given `fault_tolerance=FaultTolerance(...)` (as it is given
+`context_parallel_size`), makes each launch one torchft replica group (FSDP, HSDP, tensor, context or pipeline
+parallelism stay inside the group) and averages gradients across the groups in each step's quorum. The
+LightningModule does not change. See docs/fault_tolerance.md for the step semantics.
 
 Lightning hooks it adds to (each delegating to `replica_group`, `healing` and `checks`):
 
@@ -13,14 +15,18 @@ Lightning hooks it adds to (each delegating to `replica_group`, `healing` and `c
 - `optimizer_step`: quorum, gradients averaged across groups after the closure, the step only if committed (a step
   the non-finite guard skipped, `on_nonfinite="skip"`, is not committed: the group votes against it);
 - `save_checkpoint` / `remove_checkpoint`: only the first group of the quorum writes.
+
+The registered `dpar_ft_hsdp`, `dpar_ft_replicate` and `dpar_ft_2d` are `FullyShardStrategy`, `ReplicateStrategy` and
+`FSDPTensorParallelStrategy` composed this way (`lightning_dpar.FaultTolerantFullyShardStrategy`, ...).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
@@ -38,18 +44,15 @@ from lightning_dpar.fault_tolerance.healing import (
 )
 from lightning_dpar.fault_tolerance.replica_group import HealRecord, ReplicaGroups
 from lightning_dpar.helpers import attached_trainer
-from lightning_dpar.strategies import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_dpar.parallel_dims import ParallelDims
 
-__all__ = [
-    "FaultTolerantFSDPTensorParallelStrategy",
-    "FaultTolerantFullyShardStrategy",
-    "FaultTolerantReplicateStrategy",
-]
+__all__ = ["FaultTolerantHooks", "compose_fault_tolerance", "with_fault_tolerance"]
+
+StrategyClass = TypeVar("StrategyClass", bound=type)
 
 #: Lightning's batch progress under the fit loop's state dict.
 _BATCH_PROGRESS = "epoch_loop.batch_progress"
@@ -73,20 +76,30 @@ class _CommitGate:
         return getattr(self._optimizer, name)
 
 
-class _FaultTolerant:
-    """The fault-tolerant hooks; mixed in before one of the package's strategies (see the module docstring)."""
+class FaultTolerantHooks(ParallelStrategy):
+    """The fault-tolerant hooks; put in front of one of the package's strategies by `with_fault_tolerance` (see the
+    module docstring). A `ParallelStrategy` itself, so a strategy composed with it keeps its object layout
+    (`compose_fault_tolerance` changes an existing strategy's class)."""
 
-    #: The name the strategy registers with Lightning, and its description.
+    #: The name the strategy registers with Lightning, and its description (the registered `dpar_ft_*` strategies).
     strategy_name: str
     strategy_description: str
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description, override=True)
-        cls.register_class_names(strategy_registry)  # type: ignore[attr-defined]
+        """Register a class `with_fault_tolerance` gave a name of its own (`dpar_ft_hsdp`); others are reached by
+        their strategy's name with `fault_tolerance=` (`dpar_auto`'s stays `dpar_auto`'s)."""
+        if "strategy_description" in vars(cls):
+            strategy_registry.register(cls.strategy_name, cls, description=cls.strategy_description, override=True)
+            cls.register_class_names(strategy_registry)  # type: ignore[attr-defined]
 
     def __init__(self, *args: Any, fault_tolerance: FaultTolerance | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._start_fault_tolerance(fault_tolerance)
+
+    def _start_fault_tolerance(self, fault_tolerance: FaultTolerance | None) -> None:
+        """The hooks' state, `fault_tolerance` checked (`None`: everything from the environment)."""
         if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
             raise TypeError(
                 f"`fault_tolerance={fault_tolerance!r}` is invalid: expected a"
@@ -281,24 +294,40 @@ class _FaultTolerant:
         super().teardown()  # type: ignore[misc]
 
 
-class FaultTolerantFullyShardStrategy(_FaultTolerant, FullyShardStrategy):
-    """`FullyShardStrategy` whose launch is one torchft replica group: FSDP shards inside the group, the groups
-    replicate (HSDP with a fault-tolerant replicate dim). Args: `fault_tolerance` (`FaultTolerance`; default: all
-    from the environment), then those of `FullyShardStrategy`."""
-
-    strategy_name = "dpar_ft_hsdp"
-    strategy_description = "FSDP2 in each torchft replica group, groups replicate"
+#: The composed class of each strategy class, made once: given `fault_tolerance` twice, a strategy is the same class.
+_COMPOSED: dict[type, type] = {}
 
 
-class FaultTolerantReplicateStrategy(_FaultTolerant, ReplicateStrategy):
-    """`ReplicateStrategy` (DDP) whose launch is one torchft replica group: plain data parallelism across groups."""
+def with_fault_tolerance(
+    strategy: StrategyClass, registered_name: str | None = None, description: str = "", module: str | None = None
+) -> StrategyClass:
+    """`strategy` with `FaultTolerantHooks` in front: the class a strategy given `fault_tolerance=FaultTolerance(...)`
+    becomes (`compose_fault_tolerance`), one per strategy class whatever its layout (`dpar_auto` included).
 
-    strategy_name = "dpar_ft_replicate"
-    strategy_description = "DDP in each torchft replica group, groups replicate"
+    `registered_name` and `description` name it in Lightning's registry (`dpar_ft_hsdp`: the first call for a
+    strategy class decides), and `module` is where it can be imported from (`lightning_dpar`), so a LightningCLI
+    config and pickle find it by name. A class that has the hooks already is returned as it is."""
+    if issubclass(strategy, FaultTolerantHooks):
+        return strategy
+    composed = _COMPOSED.get(strategy)
+    if composed is None:
+        name = f"FaultTolerant{strategy.__name__}"
+        attributes: dict[str, Any] = {
+            "__doc__": f"`{strategy.__name__}` whose launch is one torchft replica group; the groups replicate."
+            " Args: `fault_tolerance` (`FaultTolerance`; default: all from the environment), then those of"
+            f" `{strategy.__name__}`.",
+            "__module__": module or __name__,
+            "__qualname__": name,
+        }
+        if registered_name is not None:
+            attributes |= {"strategy_name": registered_name, "strategy_description": description}
+        composed = _COMPOSED[strategy] = type(name, (FaultTolerantHooks, strategy), attributes)
+    return composed  # type: ignore[return-value]
 
 
-class FaultTolerantFSDPTensorParallelStrategy(_FaultTolerant, FSDPTensorParallelStrategy):
-    """`FSDPTensorParallelStrategy` whose launch is one torchft replica group: TP and FSDP inside the group."""
-
-    strategy_name = "dpar_ft_2d"
-    strategy_description = "TP + FSDP2 in each torchft replica group, groups replicate"
+def compose_fault_tolerance(strategy: object, fault_tolerance: FaultTolerance) -> None:
+    """Make `strategy` (built without the hooks) fault-tolerant: its class becomes its class composed with the hooks
+    (`with_fault_tolerance`, the same object layout plus methods), and the hooks' state is set. What a strategy's
+    `fault_tolerance` argument does (`DparStrategy.__init__`), so no strategy needs a subclass of its own."""
+    strategy.__class__ = with_fault_tolerance(type(strategy))
+    FaultTolerantHooks._start_fault_tolerance(strategy, fault_tolerance)  # type: ignore[arg-type]

@@ -31,10 +31,11 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+import lightning_dpar.hf_weights.hf_keys as hf_keys
+import lightning_dpar.hf_weights.peft_keys as peft_keys
 from lightning_dpar.experts.keys import FusedExperts, group_experts
 from lightning_dpar.experts.reader import FusedExpertsReader
 from lightning_dpar.helpers import class_name, is_under, show_names, transformers_models
-from lightning_dpar.hf_weights import hf_keys, peft_keys
 from lightning_dpar.hf_weights.key_matching import KeyMapping, describe, map_keys, tied_groups
 
 __all__ = [

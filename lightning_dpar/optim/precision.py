@@ -18,7 +18,7 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_dpar.optim import clipping
+import lightning_dpar.optim.clipping as clipping
 from lightning_dpar.optim.nonfinite import NonFiniteGuard
 
 __all__ = [

@@ -1,8 +1,8 @@
 """Applying a plan: the one pass that turns a model into its parallel form, in torchtitan's fixed order.
 
-- `parallelize`: `apply_plan(model, plan, meshes, ...)`, tensor parallelism, then activation checkpointing, then
-  `compile`, then FSDP (or DDP's `replicate`), then the meta tensors filled; the function training and the `plan` dry
-  run both call;
+- `parallelize`: `STEPS`, the ordered list of steps (pipeline split, tensor, expert and context parallelism,
+  activation checkpointing, `compile`, FSDP or DDP's `replicate`, the meta tensors filled), and `apply_plan(model,
+  plan, meshes, ...)`, which walks it: the function training and the `plan` dry run both call;
 - `fsdp_units`: the `fully_shard` wrapper that keeps a unit's outputs and gradients exact;
 - `materialize`: meta tensors into each rank's own shards, with the values one process would give them;
 - `compilation`: the `compile` argument's options checked, and compiled autograd's compiler;

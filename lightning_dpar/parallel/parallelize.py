@@ -1,8 +1,13 @@
-"""Applying a parallelism plan: one small function per concern, and `apply_plan`, which applies them in the fixed
-order pipeline split -> tensor parallel -> expert parallel -> context-parallel hooks -> activation checkpointing ->
-compile -> data-parallel wrapper (`fully_shard` or `replicate`) -> meta-device materialisation. Training and the
-`plan` dry run both go through `apply_plan`. The context-parallel hooks come before activation checkpointing, which
-gets their `context_fn`: a recomputed block's attention must be context-parallel again.
+"""Applying a parallelism plan: the ordered list of steps (`STEPS`), one per feature, and `apply_plan`, which walks
+it. In torchtitan's order: pipeline split -> tensor parallel -> expert parallel -> context parallel -> activation
+checkpointing -> compile -> data parallel (`fully_shard` or `replicate`) -> materialise. Training and the `plan` dry
+run both go through `apply_plan`. The context-parallel hooks come before activation checkpointing, which gets their
+`context_fn`: a recomputed block's attention must be context-parallel again.
+
+Each `Step` reads its slice of the `ModulePlan` (made once by `lightning_dpar.plan.plan_modules`), applies it with
+the meshes it needs, and may say what it does around each training or evaluation step (`AppliedPlan.around_step`).
+A feature's own code stays in its folder (`pipeline/`, `experts/`, `context_parallel/`); its step here only hands it
+its slice. A new feature is one more folder and one more `Step` at its place in `STEPS` (docs/architecture.md).
 
 Wrappers are applied to the LightningModule's children: Lightning calls `training_step` directly (not `forward`), so
 forward hooks on the LightningModule would never fire. A child that is only a container (`nn.ModuleList`,
@@ -13,8 +18,10 @@ LightningModule itself get a `fully_shard` unit on it whose forward methods are 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,7 +39,9 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, waited
+from lightning_dpar.context_parallel import step as context_parallel_step
 from lightning_dpar.context_parallel.runtime import ContextParallel
+from lightning_dpar.context_parallel.step import ContextParallelPlan
 from lightning_dpar.experts.parallel import apply_expert_parallel
 from lightning_dpar.parallel.fsdp_units import fully_shard_unit
 from lightning_dpar.parallel.materialize import materialize_meta_tensors
@@ -43,8 +52,12 @@ from lightning_dpar.plan.structure import direct_parameters
 from lightning_dpar.plan.ties import SharedOwners, TiedGroup, retie
 
 __all__ = [
+    "STEPS",
     "AppliedPlan",
-    "DataParallelWrapper",
+    "Applying",
+    "MixedPrecision",
+    "Step",
+    "StepContext",
     "apply_activation_checkpointing",
     "apply_compile",
     "apply_ddp_replicate",
@@ -58,16 +71,34 @@ __all__ = [
     "wait_before_compiled_units",
 ]
 
-#: Applies the data-parallel wrapper for a plan, given the pipeline stages' root modules (none without pipelining);
-#: returns the modules whose gradient sync `no_sync` controls.
-DataParallelWrapper = Callable[[nn.Module, ModulePlan, Sequence[nn.Module]], list[nn.Module]]
+#: A unit's mixed-precision policy, given whether it is a top-level unit (the strategy's precision plugin's).
+MixedPrecision = Callable[[bool], MixedPrecisionPolicy]
+
+#: What a step does around each training or evaluation step's forward, given whether it trains and the step's
+#: arguments: a context manager.
+StepContext = Callable[[bool, Sequence[Any]], AbstractContextManager[None]]
+
+
+@dataclass
+class Applying:
+    """What the walk over `STEPS` carries from step to step: its inputs (the meshes, whether meta tensors are
+    materialised, the `compile` options, the mixed-precision policy) and what earlier steps produced (the pipeline
+    stages, the context-parallel hooks, the modules whose gradient sync the strategy controls)."""
+
+    meshes: ParallelMeshes
+    materialize: bool = True
+    compile_options: Mapping[str, Any] | None = None
+    mixed_precision: MixedPrecision = field(default=lambda top_level: MixedPrecisionPolicy())
+    pipeline: PipelinedModel | None = None
+    context_parallel: ContextParallel | None = None
+    grad_sync_modules: list[nn.Module] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class AppliedPlan:
     """What applying `plan` to `module` produced: the modules whose gradient sync the strategy controls (`no_sync`),
     every FSDP unit (resharded between steps), with pipeline parallelism this rank's stages, and with context
-    parallelism the hooks that split each sequence (active around each step's forward)."""
+    parallelism the hooks that split each sequence (active around each step's forward, `around_step`)."""
 
     plan: ModulePlan
     module: nn.Module
@@ -76,56 +107,201 @@ class AppliedPlan:
     pipeline: PipelinedModel | None = None
     context_parallel: ContextParallel | None = None
 
+    step_contexts: tuple[StepContext, ...] = ()
+
+    def around_step(self, training: bool, args: Sequence[Any] = ()) -> AbstractContextManager[None]:
+        """What the steps of this run that have one (`step_contexts`, in the order of `STEPS`) do around each
+        training or evaluation step's forward (`args`: the step's arguments, the batch first)."""
+        if len(self.step_contexts) == 1:
+            return self.step_contexts[0](training, args)
+        return _each_entered(self.step_contexts, training, args)
+
+
+@contextmanager
+def _each_entered(contexts: Sequence[StepContext], training: bool, args: Sequence[Any]) -> Generator[None, None, None]:
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context(training, args))
+        yield
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the parallelisation: its `name`, how it applies its slice of the plan to the model (`apply`:
+    reading its meshes and earlier steps' results from `Applying`, recording its own there), and, if it has one,
+    what it does around each training or evaluation step (`around_step(applying)`, once applied: its
+    `StepContext`, or `None` where this run needs none, so a step costs nothing per step where it does nothing)."""
+
+    name: str
+    apply: Callable[[nn.Module, ModulePlan, Applying], None]
+    around_step: Callable[[Applying], StepContext | None] | None = None
+
+
+def _pipeline_split(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
+    """This rank's pipeline stages; the other stages' units are dropped first, so no rank ever allocates them."""
+    if plan.pipeline is not None:
+        device = applying.meshes.device if applying.materialize else torch.device("meta")
+        applying.pipeline = split_into_stages(root, plan.pipeline, plan.pipeline_rank, device)
+
+
+def _tensor_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
+    if plan.tensor_parallel:
+        apply_tensor_parallel(root, applying.meshes.tensor_parallel, plan.tensor_parallel, plan.tied)
+
+
+def _expert_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
+    if plan.experts:
+        assert applying.meshes.expert is not None, "an expert-parallel plan needs the expert mesh"
+        apply_expert_parallel(root, applying.meshes.expert, plan.experts)
+
+
+def _context_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
+    stages = None
+    if plan.pipeline is not None:  # this rank's stages: the other stages' blocks are remote units
+        split = plan.pipeline
+        stages = [split.stages[stage] for stage in split.stages_of_rank(plan.pipeline_rank)]
+    part = ContextParallelPlan(plan.context_parallel, plan.context_parallel_loss)
+    applying.context_parallel = context_parallel_step.apply_context_parallel(root, part, applying.meshes, stages)
+
+
+def _context_parallel_around_step(applying: Applying) -> StepContext | None:
+    runtime = applying.context_parallel
+    return None if runtime is None else partial(context_parallel_step.around_step, runtime)
+
+
+def _activation_checkpointing(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
+    context = applying.context_parallel
+    apply_activation_checkpointing(
+        root, plan.activation_checkpointing, context.checkpoint_contexts if context is not None else None
+    )
+
+
+def _compile(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
+    if applying.compile_options is not None:
+        apply_compile(root, plan.compile_units, applying.compile_options)
+        if applying.meshes.dims.tensor_parallel > 1:
+            wait_before_compiled_units(root, plan.compile_units)
+
+
+def _data_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
+    """The wrapper `plan.data_parallel` names, with its settings. A model whose `configure_model` applied
+    `fully_shard` itself is adopted as it is: its outermost units are the ones whose gradient sync the strategy
+    controls."""
+    if plan.adopted_sharded:
+        applying.grad_sync_modules = outermost_fsdp_modules(root)
+    else:
+        meshes, pipelined = applying.meshes, applying.pipeline
+        applying.grad_sync_modules = apply_data_parallel(root, plan, meshes, applying.mixed_precision, pipelined)
+    if applying.pipeline is not None:
+        applying.pipeline.install_unit_hooks()
+
+
+def _materialize(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
+    """Each rank allocates and initialises only its own shards (see `lightning_dpar.parallel.materialize`); the dry
+    run leaves meta tensors on the meta device."""
+    if applying.materialize:
+        materialize_meta_tensors(root, applying.meshes.device, plan.tied)
+
+
+#: The steps, in the order they apply (torchtitan's: a model is split into stages first, each stage's modules are
+#: tensor- and expert-parallelised, then wrapped for recomputation and compiled, and the data-parallel wrapper goes
+#: around all of it; shards are allocated last, once every layout is known). A new step goes at its place here.
+STEPS: tuple[Step, ...] = (
+    Step("pipeline split", _pipeline_split),
+    Step("tensor parallel", _tensor_parallel),
+    Step("expert parallel", _expert_parallel),
+    Step("context parallel", _context_parallel, _context_parallel_around_step),
+    Step("activation checkpointing", _activation_checkpointing),
+    Step("compile", _compile),
+    Step("data parallel", _data_parallel),
+    Step("materialise", _materialize),
+)
+
 
 def apply_plan(
     root: nn.Module,
     plan: ModulePlan,
     meshes: ParallelMeshes,
-    wrap_data_parallel: DataParallelWrapper,
     *,
+    mixed_precision: MixedPrecision | None = None,
     compile_options: Mapping[str, Any] | None = None,
     materialize: bool = True,
 ) -> AppliedPlan:
-    """Apply `plan` to `root` on `meshes`, in the fixed order, reading each step's mesh from `meshes`.
+    """Apply `plan` to `root` on `meshes`: each of `STEPS` in order, each reading its slice of the plan and its mesh.
 
-    `materialize=False` leaves meta-device tensors on the meta device (the `plan` dry run); otherwise each rank
-    allocates and initialises only its own shards on `meshes.device` (see `lightning_dpar.parallel.materialize`).
-    With pipeline parallelism the other stages' units are dropped first, so no rank ever allocates them.
+    `mixed_precision` gives each FSDP unit's policy (default: FSDP's, no casting); `compile_options=None` compiles
+    nothing; `materialize=False` leaves meta-device tensors on the meta device (the `plan` dry run), otherwise each
+    rank allocates and initialises only its own shards on `meshes.device`.
     """
-    pipelined = None
-    if plan.pipeline is not None:
-        device = meshes.device if materialize else torch.device("meta")
-        pipelined = split_into_stages(root, plan.pipeline, plan.pipeline_rank, device)
-    if plan.tensor_parallel:
-        apply_tensor_parallel(root, meshes.tensor_parallel, plan.tensor_parallel, plan.tied)
-    if plan.experts:
-        assert meshes.expert is not None, "an expert-parallel plan needs the expert mesh"
-        apply_expert_parallel(root, meshes.expert, plan.experts)
-    context = None
-    if plan.context_parallel:
-        assert meshes.context is not None, "a context-parallel plan needs the context-parallel mesh"
-        stages = None
-        if plan.pipeline is not None:  # this rank's stages: the other stages' blocks are remote units
-            split = plan.pipeline
-            stages = [split.stages[stage] for stage in split.stages_of_rank(plan.pipeline_rank)]
-        group = meshes.context.get_group()
-        context = ContextParallel.install(root, group, plan.context_parallel, plan.context_parallel_loss, stages)
-    recompute = context.checkpoint_contexts if context is not None else None
-    apply_activation_checkpointing(root, plan.activation_checkpointing, recompute)
-    if compile_options is not None:
-        apply_compile(root, plan.compile_units, compile_options)
-        if meshes.dims.tensor_parallel > 1:
-            wait_before_compiled_units(root, plan.compile_units)
-    stage_roots = list(pipelined.stages.values()) if pipelined is not None else []
-    # A model whose `configure_model` applied `fully_shard` itself is adopted as it is: its outermost units are the
-    # ones whose gradient sync the strategy controls.
-    wrapped = outermost_fsdp_modules(root) if plan.adopted_sharded else wrap_data_parallel(root, plan, stage_roots)
-    if pipelined is not None:
-        pipelined.install_unit_hooks()
-    if materialize:
-        materialize_meta_tensors(root, meshes.device, plan.tied)
+    applying = Applying(meshes, materialize, compile_options)
+    if mixed_precision is not None:
+        applying.mixed_precision = mixed_precision
+    for step in STEPS:
+        step.apply(root, plan, applying)
     fsdp_modules = [module for module in root.modules() if isinstance(module, FSDPModule)]
-    return AppliedPlan(plan, root, wrapped, fsdp_modules, pipelined, context)
+    contexts = [step.around_step(applying) for step in STEPS if step.around_step is not None]
+    return AppliedPlan(
+        plan,
+        root,
+        applying.grad_sync_modules,
+        fsdp_modules,
+        applying.pipeline,
+        applying.context_parallel,
+        tuple(context for context in contexts if context is not None),
+    )
+
+
+def apply_data_parallel(
+    root: nn.Module,
+    plan: ModulePlan,
+    meshes: ParallelMeshes,
+    mixed_precision: MixedPrecision,
+    pipelined: PipelinedModel | None = None,
+) -> list[nn.Module]:
+    """The data-parallel wrapper `plan.data_parallel` names, on its mesh; returns the modules whose gradient sync
+    `no_sync` controls. `pipelined`: this rank's pipeline stages, whose roots are the FSDP roots."""
+    settings = plan.data_parallel
+    if settings.reduce_dtype is None:
+        policy = mixed_precision
+    else:
+
+        def policy(top_level: bool) -> MixedPrecisionPolicy:
+            return replace(mixed_precision(top_level), reduce_dtype=settings.reduce_dtype)
+
+    if settings.wrapper == "replicate":
+        return apply_ddp_replicate(
+            root,
+            meshes.data_parallel.get_group(),
+            plan.data_parallel_roots,
+            plan.ignored,
+            settings.ddp_kwargs,
+            settings.comm_hook,
+            meshes.device,
+        )
+    if settings.wrapper == "fully_shard_replicas":
+        return apply_fully_shard(
+            root,
+            meshes.replicate_shard,
+            units=[],
+            mp_policy=policy,
+            top_level_units=plan.data_parallel_roots,
+            reshard_after_forward=False,
+            ignored_params=ignored_parameters(root, plan.ignored),
+        )
+    return apply_fully_shard(  # type: ignore[return-value]
+        root,
+        meshes.fsdp,
+        plan.shard_units,
+        policy,
+        top_level_units=plan.data_parallel_roots,
+        reshard_after_forward=settings.reshard_after_forward,
+        cpu_offload=settings.cpu_offload,
+        stage_roots=list(pipelined.stages.values()) if pipelined is not None else [],
+        final_unit=plan.pipeline.stages[-1][-1] if plan.pipeline is not None else None,
+        tied=plan.tied,
+        expert_units=plan.experts,
+        expert_mesh=meshes.expert_fsdp,
+    )
 
 
 def outermost_fsdp_modules(root: nn.Module) -> list[nn.Module]:

@@ -4,14 +4,39 @@ applies (`local_plan`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
+import torch
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar.helpers import is_under
 from lightning_dpar.pipeline.split import PipelineSplit
 
-__all__ = ["ModulePlan", "local_plan"]
+__all__ = ["DataParallelSettings", "ModulePlan", "local_plan"]
+
+#: The data-parallel wrappers: FSDP2 over the FSDP mesh, composable DDP, or FSDP2 over a shard group of size 1
+#: (replicas with tensor-parallel parameters, which DDP's reducer cannot hold).
+DataParallelWrapperName = Literal["fully_shard", "replicate", "fully_shard_replicas"]
+
+
+@dataclass(frozen=True)
+class DataParallelSettings:
+    """How the data-parallel step wraps the model: the strategy's arguments, frozen into the plan so the step reads
+    them from the plan (training and the dry run alike) instead of calling back into the strategy.
+
+    `wrapper` names the wrapper; `reshard_after_forward` and `cpu_offload` are `fully_shard`'s; `ddp_kwargs` and
+    `comm_hook` are composable `replicate`'s; `reduce_dtype` overrides the mixed-precision policy's gradient
+    reduction dtype (`comm_hook="bf16_compress"` with tensor parallelism).
+    """
+
+    wrapper: DataParallelWrapperName = "fully_shard"
+    reshard_after_forward: bool | int = True
+    cpu_offload: bool = False
+    ddp_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    comm_hook: Callable[..., Any] | None = None
+    reduce_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -40,6 +65,8 @@ class ModulePlan:
     `context_parallel_loss` names the transformers causal LM whose loss each rank computes on its own tokens
     (`context_parallel_loss="per_rank"`, `lightning_dpar.context_parallel.loss`); `None`: the last block's output is
     gathered whole.
+
+    `data_parallel` says how the data-parallel step wraps the model (`DataParallelSettings`).
     """
 
     tensor_parallel: dict[str, ParallelStyle]
@@ -56,22 +83,23 @@ class ModulePlan:
     experts: list[str] = field(default_factory=list)
     context_parallel: list[str] = field(default_factory=list)
     context_parallel_loss: str | None = None
+    data_parallel: DataParallelSettings = field(default_factory=DataParallelSettings)
 
 
 def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> ModulePlan:
     """`plan` (resolved on the whole model) restricted to the modules of `pipeline_rank`'s stages, with every unit of
     those stages an FSDP unit: units are what stages are made of, and each stage's FSDP root holds exactly them."""
     units = split.units_of_rank(pipeline_rank)
-    return ModulePlan(
+    return replace(
+        plan,
         tensor_parallel={fqn: style for fqn, style in plan.tensor_parallel.items() if is_under(fqn, units)},
         activation_checkpointing=[fqn for fqn in plan.activation_checkpointing if is_under(fqn, units)],
         shard_units=list(dict.fromkeys([*units, *(fqn for fqn in plan.shard_units if is_under(fqn, units))])),
         compile_units=[fqn for fqn in plan.compile_units if is_under(fqn, units)],
-        adopted=plan.adopted,
         pipeline=split,
         pipeline_rank=pipeline_rank,
         tied=[group for group in plan.tied if all(is_under(name, units) for name in group)],
         experts=[fqn for fqn in plan.experts if is_under(fqn, units)],
-        context_parallel=plan.context_parallel,  # every block: the hooks need the model's first and last
-        context_parallel_loss=plan.context_parallel_loss,
+        data_parallel_roots=[],  # each stage's root is its FSDP root
+        ignored=[],
     )

@@ -9,36 +9,33 @@ an adopted model is sharded already). Each fact is found once here and carried i
 and the strategies' wrappers only apply it. Pure (no process group): a plan that does not fit fails the same way on
 every rank before any collective, and in the dry run.
 
-A new parallelism (expert parallelism next) is one more step here, filling one more field of `ModulePlan`, and one
-more function in `lightning_dpar.parallel.parallelize` that applies it.
+The plan's slices are made in the order the steps apply (`lightning_dpar.parallel.parallelize.STEPS`): the
+pipeline split, tensor and expert parallelism, context parallelism (its own slice, from
+`lightning_dpar.context_parallel.step`), activation checkpointing, compile, the data-parallel wrapper's settings. A
+model with or without pipeline parallelism goes through the same calls; with it, the plan is then restricted to this
+rank's stages (`local_plan`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar.conformance.batchnorm import check_no_batch_norm_in_pipeline
-from lightning_dpar.context_parallel.checks import (
-    check_checkpointed_modules,
-    check_model,
-    check_pipeline_split,
-    sequence_blocks,
-)
-from lightning_dpar.context_parallel.loss import causal_lm_loss_module, check_loss_mode
+from lightning_dpar.context_parallel.step import plan_context_parallel
 from lightning_dpar.helpers import class_name, show_names
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
-from lightning_dpar.pipeline.split import resolve_split
+from lightning_dpar.pipeline.split import PipelineSplit, resolve_split
 from lightning_dpar.plan.adapters import adapter_tp_plan
 from lightning_dpar.plan.compile import compile_units
 from lightning_dpar.plan.experts import pattern_reaches, plan_experts
 from lightning_dpar.plan.initialisers import check_initialisable
-from lightning_dpar.plan.module_plan import ModulePlan, local_plan
+from lightning_dpar.plan.module_plan import DataParallelSettings, ModulePlan, local_plan
 from lightning_dpar.plan.selectors import (
     ModuleSelector,
     resolve_activation_checkpointing,
@@ -81,6 +78,9 @@ class PlanOptions:
         expert_modules: selectors of the experts modules split by expert parallelism (`None`: found by the experts
             contract, `lightning_dpar.plan.experts`).
         context_parallel_loss: `"whole"` or `"per_rank"` (`lightning_dpar.context_parallel.loss`).
+        data_parallel: how the data-parallel step wraps the model (`ModulePlan.data_parallel`); the planner adapts
+            it to the mesh (FSDP replicas for `replicate` with tensor parallelism; no resharding after forward under
+            a pipeline schedule that defers weight gradients).
     """
 
     strategy: str
@@ -96,6 +96,7 @@ class PlanOptions:
     ignored_modules: Sequence[ModuleSelector] = ()
     expert_modules: Sequence[ModuleSelector] | None = None
     context_parallel_loss: str = "whole"
+    data_parallel: DataParallelSettings = field(default_factory=DataParallelSettings)
 
 
 def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, rank: int = 0) -> ModulePlan:
@@ -109,63 +110,85 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
     check_not_wrapped_by_other_parallelism(module, options.strategy)
     parallelized = is_parallelized(module)
     blocks = repeated_blocks(module)
-    if dims.pipeline > 1:
-        return _pipeline_plan(module, dims, options, rank, parallelized, blocks)
     if parallelized:
-        _check_adoptable(module, dims, options)
-        shard_units = _shard_units(module, options, blocks)
-        sharded = has_fully_shard(module)  # the wrapper adds no units of its own, so needs no top-level units
-        roots = [] if sharded else data_parallel_roots(module)
-        units = compile_units(module, shard_units, blocks, roots or None)
-        return ModulePlan(
-            {},
-            [],
-            shard_units,
-            units,
-            adopted=True,
-            adopted_sharded=sharded,
-            data_parallel_roots=roots,
-            **_context_parallel(module, dims, options),
-        )
+        return _adopted_plan(module, dims, options, blocks)
+    shard_units = _shard_units(module, options, blocks)
+    split = _pipeline_split(module, dims, options, shard_units, blocks)
     tied = tied_parameters(module)
     experts = plan_experts(module, dims.expert, dims.shard, _expert_selectors(module, options))
     tensor_parallel = _tensor_parallel(module, dims, options, experts)
     check_tied_layouts(module, tied, tensor_parallel)
-    shard_units = _shard_units(module, options, blocks)
-    roots = data_parallel_roots(module)  # refuses containers holding parameters of their own
-    if options.ddp_units and dims.tensor_parallel == 1:  # with TP the replicas are FSDP units, which can share
+    roots = [] if split is not None else data_parallel_roots(module)  # refuses containers holding parameters
+    if split is None and options.ddp_units and dims.tensor_parallel == 1:  # with TP the replicas are FSDP units
         check_each_in_one_unit(tied, roots, options.strategy)
     ignored = select_modules(module, options.ignored_modules, "ignored_modules") if options.ignored_modules else []
     check_initialisable(module)
-    whole = _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, experts, roots, ignored)
-    context_parallel = _context_parallel(module, dims, options)
-    check_checkpointed_modules(context_parallel["context_parallel"], whole.activation_checkpointing)
-    return replace(whole, **context_parallel)
+    checkpointed = resolve_activation_checkpointing(module, options.activation_checkpointing, shard_units, blocks)
+    context = plan_context_parallel(
+        module,
+        dims,
+        options.context_parallel_loss,
+        options.strategy,
+        checkpointed,
+        split.stages if split is not None else None,
+    )
+    whole = ModulePlan(
+        tensor_parallel=tensor_parallel,
+        activation_checkpointing=checkpointed,
+        shard_units=shard_units,
+        compile_units=compile_units(module, shard_units, blocks, roots or None),
+        tied=tied,
+        experts=list(experts),
+        data_parallel_roots=roots,
+        ignored=list(ignored),
+        context_parallel=context.blocks,
+        context_parallel_loss=context.loss_module,
+        data_parallel=_data_parallel(dims, options),
+    )
+    if split is None:
+        return whole
+    return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
 
 
-def _pipeline_plan(
-    module: nn.Module, dims: ParallelDims, options: PlanOptions, rank: int, parallelized: bool, blocks: list[str]
-) -> ModulePlan:
-    """The split into stages, and the plan (resolved on the whole model) restricted to `rank`'s stages."""
-    if parallelized:
+def _adopted_plan(module: nn.Module, dims: ParallelDims, options: PlanOptions, blocks: list[str]) -> ModulePlan:
+    """The plan of a model the user parallelised in `configure_model`: no tensor or expert parallelism added, FSDP
+    units only if it applied none itself."""
+    if dims.pipeline > 1:
         raise TypeError(
             f"{class_name(module)} was already parallelised (in `configure_model` or before `fit`); with"
             " `pipeline_parallel_size > 1` the strategy splits the model into stages first and parallelises each"
             " stage itself. Remove the manual `fully_shard` / `parallelize_module` calls and give a `tp_plan`."
         )
+    _check_adoptable(module, dims, options)
+    shard_units = _shard_units(module, options, blocks)
+    sharded = has_fully_shard(module)  # the wrapper adds no units of its own, so needs no top-level units
+    roots = [] if sharded else data_parallel_roots(module)
+    context = plan_context_parallel(module, dims, options.context_parallel_loss, options.strategy, [], None)
+    return ModulePlan(
+        {},
+        [],
+        shard_units,
+        compile_units(module, shard_units, blocks, roots or None),
+        adopted=True,
+        adopted_sharded=sharded,
+        data_parallel_roots=roots,
+        context_parallel=context.blocks,
+        context_parallel_loss=context.loss_module,
+        data_parallel=_data_parallel(dims, options),
+    )
+
+
+def _pipeline_split(
+    module: nn.Module, dims: ParallelDims, options: PlanOptions, shard_units: list[str], blocks: list[str]
+) -> PipelineSplit | None:
+    """The split into pipeline stages (the pipeline step's slice of the plan); `None` without pipelining."""
+    if dims.pipeline == 1:
+        return None
     config = options.pipeline
     assert config is not None, "a strategy that pipelines gives its pipeline settings"
     config.check(dims.pipeline)
-    if dims.context > 1 and options.context_parallel_loss == "per_rank":
-        raise ValueError(
-            f"`{options.strategy}(pipeline_parallel_size={dims.pipeline}, context_parallel_size={dims.context},"
-            " context_parallel_loss='per_rank')` is not supported yet: the per-rank loss is not implemented across"
-            " pipeline stages. Use `context_parallel_loss='whole'` (the default, exact for any loss) with pipelining,"
-            " or `pipeline_parallel_size=1`."
-        )
     check_no_batch_norm_in_pipeline(module, dims.pipeline)
-    shard_units = _shard_units(module, options, blocks)
-    split = resolve_split(
+    return resolve_split(
         module,
         shard_units or blocks,
         config.split,
@@ -174,58 +197,19 @@ def _pipeline_plan(
         config.schedule.placement,
         config.call_order,
     )
-    check_initialisable(module)
-    tied = tied_parameters(module)
-    experts = plan_experts(module, dims.expert, dims.shard, _expert_selectors(module, options))
-    tensor_parallel = _tensor_parallel(module, dims, options, experts)
-    check_tied_layouts(module, tied, tensor_parallel)
-    whole = _whole_plan(module, options, tensor_parallel, shard_units, blocks, tied, experts)
-    context_parallel = _context_parallel(module, dims, options)
-    check_checkpointed_modules(context_parallel["context_parallel"], whole.activation_checkpointing)
-    check_pipeline_split(context_parallel["context_parallel"], split.stages)
-    whole = replace(whole, **context_parallel)
-    return local_plan(whole, split, pipeline_rank=rank // (dims.world_size // dims.pipeline))
 
 
-def _whole_plan(
-    module: nn.Module,
-    options: PlanOptions,
-    tensor_parallel: dict[str, ParallelStyle],
-    shard_units: list[str],
-    blocks: list[str],
-    tied: list[tuple[str, ...]],
-    experts: Sequence[str] = (),
-    data_parallel_roots: Sequence[str] = (),
-    ignored: Sequence[str] = (),
-) -> ModulePlan:
-    """The one place a (not adopted) `ModulePlan` is assembled; a pipelined plan has no `data_parallel_roots` (each
-    stage's root is its FSDP root) and no `ignored` modules (only `dpar_replicate` has them, and it does not pipeline).
-    """
-    return ModulePlan(
-        tensor_parallel=tensor_parallel,
-        activation_checkpointing=resolve_activation_checkpointing(
-            module, options.activation_checkpointing, shard_units, blocks
-        ),
-        shard_units=shard_units,
-        compile_units=compile_units(module, shard_units, blocks, data_parallel_roots or None),
-        tied=tied,
-        experts=list(experts),
-        data_parallel_roots=list(data_parallel_roots),
-        ignored=list(ignored),
-    )
-
-
-def _context_parallel(module: nn.Module, dims: ParallelDims, options: PlanOptions) -> dict[str, Any]:
-    """The plan's context-parallel entries: the blocks each sequence is split across (the model checked first:
-    blocks found, attention that calls `scaled_dot_product_attention`, no per-rank router loss), and with
-    `context_parallel_loss="per_rank"` the causal LM whose loss each rank computes on its tokens; none without CP."""
-    if dims.context == 1:
-        return {"context_parallel": [], "context_parallel_loss": None}
-    check_model(module)
-    blocks = [name for name, _ in sequence_blocks(module)]
-    per_rank = check_loss_mode(options.context_parallel_loss) == "per_rank"
-    loss = causal_lm_loss_module(module, blocks) if per_rank else None
-    return {"context_parallel": blocks, "context_parallel_loss": loss}
+def _data_parallel(dims: ParallelDims, options: PlanOptions) -> DataParallelSettings:
+    """The data-parallel step's settings on this mesh: DDP's reducer cannot hold tensor-parallel parameters, so
+    `replicate` with tensor parallelism replicates with FSDP2 over a shard group of size 1; a pipeline schedule
+    that computes weight gradients later needs the unsharded parameters until then."""
+    settings = options.data_parallel
+    if settings.wrapper == "replicate" and dims.tensor_parallel > 1:
+        settings = replace(settings, wrapper="fully_shard_replicas")
+    pipeline = options.pipeline
+    if dims.pipeline > 1 and pipeline is not None and pipeline.schedule.defers_weight_gradients:
+        settings = replace(settings, reshard_after_forward=False)
+    return settings
 
 
 def _expert_selectors(module: nn.Module, options: PlanOptions) -> Sequence[ModuleSelector] | None:

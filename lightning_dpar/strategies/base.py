@@ -12,13 +12,12 @@ from one mixin per concern, each in the module named after it:
 The hooks delegate: planning to `lightning_dpar.plan.plan_modules` (with this strategy's `plan_options`), applying
 the plan to `lightning_dpar.parallel.parallelize.apply_plan`, pretrained weights to
 `lightning_dpar.hf_weights.pretrained`. A concrete
-strategy only says how it wraps the model for data parallelism (`data_parallel_wrapper`) and what its arguments add
-to the plan (`plan_options`).
+strategy only says what its arguments add to the plan (`plan_options`, the data-parallel wrapper's settings
+included).
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -47,6 +46,8 @@ from lightning_dpar.conformance.buffers import BufferSync
 from lightning_dpar.conformance.callback_checks import refuse_unsupported_callbacks
 from lightning_dpar.conformance.trainer_checks import check_anomaly_detection, check_pipeline_optimization
 from lightning_dpar.conformance.weight_averaging import lay_out_averaged_copies
+from lightning_dpar.fault_tolerance.config import FaultTolerance
+from lightning_dpar.fault_tolerance.strategy import compose_fault_tolerance
 from lightning_dpar.helpers import attached_trainer, has_parameters
 from lightning_dpar.hf_weights.pretrained import PretrainedSpec, to_pretrained_weights
 from lightning_dpar.optim import distributed_muon, shard_probe
@@ -115,6 +116,9 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
             into the model once it is parallelised, each rank reading only its shards; skipped when a checkpoint is
             resumed (`ckpt_path`), but for an adapter-only checkpoint's frozen base. See
             `lightning_dpar.hf_weights.pretrained`.
+        fault_tolerance: a `FaultTolerance` makes each launch one torchft replica group, the groups replicating
+            (the strategy's class is then composed with the fault-tolerant hooks, `compose_fault_tolerance`); `None`
+            (default): no fault tolerance. See docs/fault_tolerance.md.
     """
 
     strategy_name = "dpar"
@@ -145,6 +149,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -198,6 +203,8 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self.checkpoints = CheckpointManager(
             checkpoint_format, async_save, timeout, checkpoint_weights, to_pretrained_weights(pretrained)
         )
+        if fault_tolerance is not None:  # any strategy: its class composed with the fault-tolerant hooks
+            compose_fault_tolerance(self, fault_tolerance)
 
     @classmethod
     def register_class_names(cls, strategy_registry: StrategyRegistryType) -> None:
@@ -306,11 +313,6 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         assert dims is not None, "the mesh sizes are resolved in `setup_environment`"
         return plan_modules(module, dims, self.plan_options, self.global_rank if rank is None else rank)
 
-    @abstractmethod
-    def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:
-        """The function that applies this strategy's data-parallel wrapper on `meshes`; it sets no strategy state,
-        so the `plan` dry run can call it on a fake world."""
-
     @property
     def compile_options(self) -> dict[str, Any] | None:
         """The `torch.compile` options each compile unit gets; `None` when not compiling."""
@@ -324,12 +326,18 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
     def apply_plan(
         self, module: nn.Module, plan: ModulePlan, meshes: ParallelMeshes, dry_run: bool = False
     ) -> parallelize.AppliedPlan:
-        """`plan` applied to `module` on `meshes` with this strategy's wrapper: the training code path, which the
-        `plan` dry run takes too (`dry_run`: meta tensors stay on the meta device, nothing is compiled). Sets no
-        strategy state."""
-        wrapper = self.data_parallel_wrapper(meshes)
-        compiled = None if dry_run else self._compile_options
-        return parallelize.apply_plan(module, plan, meshes, wrapper, compile_options=compiled, materialize=not dry_run)
+        """`plan` applied to `module` on `meshes` (every step of `parallelize.STEPS`, the data-parallel wrapper's
+        settings read from the plan) in this strategy's mixed precision: the training code path, which the `plan`
+        dry run takes too (`dry_run`: meta tensors stay on the meta device, nothing is compiled). Sets no strategy
+        state."""
+        return parallelize.apply_plan(
+            module,
+            plan,
+            meshes,
+            mixed_precision=self.precision_plugin.mixed_precision_policy,
+            compile_options=None if dry_run else self._compile_options,
+            materialize=not dry_run,
+        )
 
     def _parallelize(self, module: pl.LightningModule) -> parallelize.AppliedPlan:
         """This run's plan applied to `module`, shards materialised, and the pipeline's runtime built."""

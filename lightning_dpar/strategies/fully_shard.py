@@ -4,24 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dpar._private_api import StrategyRegistryType
 from lightning_dpar.context_parallel import check_settings
 from lightning_dpar.context_parallel.loss import check_loss_mode
-from lightning_dpar.parallel import parallelize
-from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg
+from lightning_dpar.parallel_dims import ParallelDims, SizeArg
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import SplitSpec
-from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec
+from lightning_dpar.plan import ModuleSelector, PlanOptions, TPPlanSpec
+from lightning_dpar.plan.module_plan import DataParallelSettings
 from lightning_dpar.strategies.base import DparStrategy
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "FSDPTensorParallelStrategy",
@@ -121,6 +117,7 @@ class FullyShardStrategy(DparStrategy):
             shards=True,
             shard_modules=self._shard_modules,
             context_parallel_loss=self._context_parallel_loss,
+            data_parallel=DataParallelSettings("fully_shard", self._reshard_after_forward, self._cpu_offload),
         )
 
     # ------------------------------------------------------------------ context parallelism
@@ -129,32 +126,6 @@ class FullyShardStrategy(DparStrategy):
         super()._check_before_collectives(dims)
         if dims.context > 1:
             check_settings(type(self).__name__, dims.context, self._compile_options)
-
-    @override
-    def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:
-        mp_policy = self.precision_plugin.mixed_precision_policy
-
-        reshard_after_forward = self._reshard_after_forward
-        if meshes.dims.pipeline > 1 and self._pipeline_config.schedule.defers_weight_gradients:
-            reshard_after_forward = False  # the schedule's weight-gradient step needs the unsharded parameters
-
-        def wrap(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
-            return parallelize.apply_fully_shard(
-                module,
-                meshes.fsdp,
-                plan.shard_units,
-                mp_policy,
-                top_level_units=plan.data_parallel_roots,
-                reshard_after_forward=reshard_after_forward,
-                cpu_offload=self._cpu_offload,
-                stage_roots=stage_roots,
-                final_unit=plan.pipeline.stages[-1][-1] if plan.pipeline is not None else None,
-                tied=plan.tied,
-                expert_units=plan.experts,
-                expert_mesh=meshes.expert_fsdp,
-            )
-
-        return wrap
 
     @classmethod
     @override

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -19,8 +18,9 @@ from lightning_dpar.conformance.unit_guard import UnitCallGuard
 from lightning_dpar.parallel import parallelize
 from lightning_dpar.parallel.compilation import compiled_autograd_compiler
 from lightning_dpar.parallel.ddp_comm_hooks import COMPRESS_HOOK_DTYPES, CommHook, resolve_comm_hook
-from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg
-from lightning_dpar.plan import ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec
+from lightning_dpar.parallel_dims import ParallelDims, SizeArg
+from lightning_dpar.plan import ModuleSelector, PlanOptions, TPPlanSpec
+from lightning_dpar.plan.module_plan import DataParallelSettings
 from lightning_dpar.strategies.base import DparStrategy
 
 if TYPE_CHECKING:
@@ -123,8 +123,20 @@ class ReplicateStrategy(DparStrategy):
     @property
     @override
     def plan_options(self) -> PlanOptions:
-        # DDP mode: tied parameters inside one unit.
-        return replace(super().plan_options, ddp_units=True, ignored_modules=tuple(self._ignored_modules))
+        # DDP mode: tied parameters inside one unit. With tensor parallelism the planner makes the wrapper FSDP
+        # replicas, reducing gradients in the compress hook's dtype if one is named.
+        settings = DataParallelSettings(
+            "replicate",
+            ddp_kwargs=self._ddp_kwargs,
+            comm_hook=self._comm_hook,
+            reduce_dtype=COMPRESS_HOOK_DTYPES.get(self._comm_hook_spec),  # type: ignore[arg-type]
+        )
+        return replace(
+            super().plan_options,
+            ddp_units=True,
+            ignored_modules=tuple(self._ignored_modules),
+            data_parallel=settings,
+        )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -135,44 +147,6 @@ class ReplicateStrategy(DparStrategy):
                 # Before the first forward, when composable `replicate` builds its DDP reducer.
                 self._previous_ddp_optimize_mode = swap_ddp_optimize_mode("python_reducer")
         super().setup(trainer)
-
-    @override
-    def data_parallel_wrapper(self, meshes: ParallelMeshes) -> parallelize.DataParallelWrapper:
-        if meshes.dims.tensor_parallel == 1:
-
-            def wrap_ddp(module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]) -> list[nn.Module]:
-                return parallelize.apply_ddp_replicate(
-                    module,
-                    meshes.data_parallel.get_group(),
-                    plan.data_parallel_roots,
-                    plan.ignored,
-                    self._ddp_kwargs,
-                    self._comm_hook,
-                    meshes.device,
-                )
-
-            return wrap_ddp
-        reduce_dtype = COMPRESS_HOOK_DTYPES.get(self._comm_hook_spec)  # type: ignore[arg-type]
-        base_policy = self.precision_plugin.mixed_precision_policy
-
-        def mp_policy(top_level: bool) -> MixedPrecisionPolicy:
-            policy = base_policy(top_level)
-            return policy if reduce_dtype is None else replace(policy, reduce_dtype=reduce_dtype)
-
-        def wrap_fsdp_replicas(
-            module: nn.Module, plan: ModulePlan, stage_roots: Sequence[nn.Module]
-        ) -> list[nn.Module]:
-            return parallelize.apply_fully_shard(
-                module,
-                meshes.replicate_shard,
-                units=[],
-                mp_policy=mp_policy,
-                top_level_units=plan.data_parallel_roots,
-                reshard_after_forward=False,
-                ignored_params=parallelize.ignored_parameters(module, plan.ignored),
-            )
-
-        return wrap_fsdp_replicas
 
     @override
     def _parallelize(self, module: nn.Module) -> parallelize.AppliedPlan:

@@ -6,7 +6,7 @@ Lightning's own."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -23,7 +23,6 @@ from typing_extensions import override
 from lightning_dpar.agreement import first_problem
 from lightning_dpar.conformance.buffers import BufferSync
 from lightning_dpar.conformance.callback_checks import optimizer_problem
-from lightning_dpar.context_parallel import check_batch
 from lightning_dpar.experts.router_loss import GlobalRouterLoss
 from lightning_dpar.helpers import attached_trainer, key_value_cache_configs, without_key_value_cache
 from lightning_dpar.optim.nonfinite import SKIPPED_METRIC, NonFiniteGuard, parameter_names
@@ -99,17 +98,18 @@ class StepHooks(ParallelStrategy):
                 optimizer.zero_grad()
 
     @contextmanager
-    def _step_forward(self, training: bool) -> Generator[None, None, None]:
+    def _step_forward(self, training: bool, args: Sequence[Any] = ()) -> Generator[None, None, None]:
         """Around each step's forward, as DDP's wrapper does: rank 0's buffers are broadcast to the data-parallel peers
         first if a training forward ran since the last broadcast (`lightning_dpar.conformance.buffers`); a transformers
         MoE model's load-balancing loss covers the global batch (`lightning_dpar.experts.router_loss`); a training
-        forward of a transformers model builds no key/value cache (`without_key_value_cache`); with context parallelism
-        each sequence is split across the context-parallel ranks (`lightning_dpar.context_parallel`)."""
+        forward of a transformers model builds no key/value cache (`without_key_value_cache`); and what the
+        parallelisation's steps do around each step (`AppliedPlan.around_step`: with context parallelism, each
+        sequence split across the context-parallel ranks)."""
         if self._buffer_sync is not None:
             self._buffer_sync.before_forward()
-        context_parallel = self.applied.context_parallel if self.applied is not None else None
+        steps = self.applied if self.applied is not None and self.applied.step_contexts else None
         with (
-            context_parallel.active() if context_parallel is not None else nullcontext(),
+            steps.around_step(training, args) if steps is not None else nullcontext(),
             self._router_loss.active() if self._router_loss is not None else nullcontext(),
             without_key_value_cache(self._cache_configs) if training and self._cache_configs else nullcontext(),
         ):
@@ -127,9 +127,7 @@ class StepHooks(ParallelStrategy):
         """With pipeline parallelism: one schedule step over the batch's microbatches, forward and backward (see
         `lightning_dpar.pipeline.runtime`); returns the loss on every rank."""
         self._release_last_gradients()
-        if self.applied is not None and self.applied.context_parallel is not None and args:
-            check_batch(args[0])  # before the step's first collective
-        with self._step_forward(training=True):
+        with self._step_forward(training=True, args=args):
             if self._pipeline is None:
                 return super().training_step(*args, **kwargs)
             trainer = attached_trainer(self.lightning_module)

@@ -40,6 +40,9 @@ def _imported(node: ast.AST, module: str, is_package: bool, modules: dict[str, P
                 anchor = anchor.rpartition(".")[0]
             base = f"{anchor}.{base}".rstrip(".")
         names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        # `from X import Y` reads X's namespace, so X's `__init__` has run, even from a module inside X: a package
+        # whose `__init__` imports that module back is a cycle (import the submodule by its full name instead).
+        names.append(base)
     else:
         return set()
     found = set()
@@ -116,6 +119,9 @@ def test_the_cycle_check_sees_function_local_and_type_checking_imports():
     assert {"lightning_dpar.pipeline.split", "lightning_dpar.pipeline"} <= set().union(
         *(_imported(n, "x", False, modules) for n in ast.walk(guarded))
     )
+    inside = ast.parse("from lightning_dpar.estimates import state_memory\n")
+    found = set().union(*(_imported(n, "lightning_dpar.estimates.dry_run", False, modules) for n in ast.walk(inside)))
+    assert found == {"lightning_dpar.estimates", "lightning_dpar.estimates.state_memory"}
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({**graph, "lightning_dpar.helpers": {"lightning_dpar.plan"}}) is not None
 
@@ -180,10 +186,10 @@ LAYERS = [
     "checkpoint",
     "optim",
     "launch",
+    "fault_tolerance",
     "strategies",
     "estimates",
     "layout_search",
-    "fault_tolerance",
     "performance_monitor",
     "ray",
     "examples",

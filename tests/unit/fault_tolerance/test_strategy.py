@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pickle
 import socket
 import time
 
@@ -14,7 +15,12 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_dpar
-from lightning_dpar.fault_tolerance import FaultTolerance, LighthouseUnreachableError
+from lightning_dpar.fault_tolerance import (
+    FaultTolerance,
+    FaultTolerantHooks,
+    LighthouseUnreachableError,
+    with_fault_tolerance,
+)
 
 pytestmark = pytest.mark.usefixtures("no_pytest_argv")
 
@@ -47,6 +53,45 @@ def test_lightning_cli_takes_the_config(tmp_path):
     got = cli.trainer.strategy
     assert isinstance(got, lightning_dpar.FaultTolerantFullyShardStrategy)
     assert got.fault_tolerance == FaultTolerance(replica_group=1, num_replica_groups=3, lighthouse="http://lh:29510")
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [lightning_dpar.FullyShardStrategy, lightning_dpar.ReplicateStrategy, lightning_dpar.AutoParallelStrategy],
+)
+def test_every_strategy_takes_fault_tolerance_as_an_argument(strategy):
+    """No subclass per strategy: the argument composes the hooks with the strategy's own class, once per class."""
+    config = FaultTolerance(replica_group=1, num_replica_groups=2, lighthouse="http://lh:29510")
+    composed = strategy(fault_tolerance=config)
+    assert isinstance(composed, strategy) and isinstance(composed, FaultTolerantHooks)
+    assert composed.fault_tolerance == config
+    assert type(strategy(fault_tolerance=FaultTolerance())) is type(composed)  # the same class, made once
+    assert not isinstance(strategy(), FaultTolerantHooks)  # none given: no fault tolerance
+    assert with_fault_tolerance(type(composed)) is type(composed)
+
+
+def test_the_registered_classes_are_the_strategies_composed():
+    assert lightning_dpar.FullyShardStrategy(fault_tolerance=FaultTolerance()).__class__ is (
+        lightning_dpar.FaultTolerantFullyShardStrategy
+    )
+    assert pickle.loads(pickle.dumps(lightning_dpar.FaultTolerantFullyShardStrategy)) is (
+        lightning_dpar.FaultTolerantFullyShardStrategy
+    )
+    assert L.Trainer(accelerator="cpu", devices=1, strategy="dpar_auto", logger=False).strategy.strategy_name == (
+        "dpar_auto"
+    )
+
+
+def test_lightning_cli_composes_fault_tolerance_with_a_strategy_by_its_own_class_path(tmp_path):
+    config = tmp_path / "config.yaml"
+    strategy = {
+        "class_path": "lightning_dpar.FullyShardStrategy",
+        "init_args": {"fault_tolerance": {"replica_group": 0, "num_replica_groups": 2, "lighthouse": "http://lh:1"}},
+    }
+    config.write_text(yaml.safe_dump({"trainer": {"accelerator": "cpu", "devices": 1, "strategy": strategy}}))
+    cli = LightningCLI(BoringModel, run=False, args=["--config", str(config)], save_config_callback=None)
+    assert isinstance(cli.trainer.strategy, lightning_dpar.FaultTolerantFullyShardStrategy)
+    assert cli.trainer.strategy.fault_tolerance.num_replica_groups == 2
 
 
 def test_a_config_of_another_type_is_refused():

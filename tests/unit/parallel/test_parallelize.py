@@ -69,3 +69,75 @@ def test_explicit_false_still_applies_to_every_unit(one_rank_group):
     module.model(torch.randn(3, 4)).sum()
     assert not isinstance(module.model.blocks[0].weight, DTensor)
     assert not isinstance(module.model.head.weight, DTensor)
+
+
+def test_the_steps_are_in_torchtitans_order_and_context_parallel_comes_before_checkpointing():
+    assert [step.name for step in parallelize.STEPS] == [
+        "pipeline split",
+        "tensor parallel",
+        "expert parallel",
+        "context parallel",
+        "activation checkpointing",
+        "compile",
+        "data parallel",
+        "materialise",
+    ]
+    assert [step.name for step in parallelize.STEPS if step.around_step is not None] == ["context parallel"]
+
+
+def test_apply_plan_walks_every_step_and_the_data_parallel_step_reads_its_settings_from_the_plan(one_rank_group):
+    """A one-rank `apply_plan` with no strategy: the wrapper and `reshard_after_forward` come from the plan."""
+    from lightning_dpar.parallel_dims import ParallelDims
+    from lightning_dpar.plan import ModulePlan
+    from lightning_dpar.plan.module_plan import DataParallelSettings
+
+    meshes = ParallelDims(1, 1, 1, 1).build_meshes(torch.device("cpu"), device_type="cpu")
+    module = _Module()
+    settings = DataParallelSettings("fully_shard", reshard_after_forward=False)
+    plan = ModulePlan(
+        {}, [], ["model.blocks.0", "model.blocks.1"], data_parallel_roots=["model"], data_parallel=settings
+    )
+    applied = parallelize.apply_plan(module, plan, meshes)
+    assert applied.grad_sync_modules == [module.model]
+    assert len(applied.fsdp_modules) == 3 and applied.pipeline is None and applied.context_parallel is None
+    module.model(torch.randn(3, 4)).sum()
+    assert not isinstance(module.model.blocks[0].weight, DTensor)  # `reshard_after_forward=False`, from the plan
+    assert applied.step_contexts == ()  # no step of this plan does anything around a step
+
+
+def test_around_a_step_the_steps_contexts_are_entered_in_order_and_left_in_reverse():
+    from contextlib import contextmanager
+
+    events = []
+
+    def context(name):
+        @contextmanager
+        def around(training, args):
+            events.append(f"enter {name} {training} {args}")
+            yield
+            events.append(f"exit {name}")
+
+        return around
+
+    applied = parallelize.AppliedPlan(None, nn.Linear(1, 1), [], [], step_contexts=(context("a"), context("b")))
+    with applied.around_step(True, (1,)):
+        events.append("step")
+    assert events == ["enter a True (1,)", "enter b True (1,)", "step", "exit b", "exit a"]
+    single = parallelize.AppliedPlan(None, nn.Linear(1, 1), [], [], step_contexts=(context("c"),))
+    with single.around_step(False):
+        pass
+    assert events[-2:] == ["enter c False ()", "exit c"]
+
+
+def test_apply_plan_replicates_when_the_plan_says_replicate(one_rank_group):
+    from lightning_dpar._private_api import is_composable_replicated
+    from lightning_dpar.parallel_dims import ParallelDims
+    from lightning_dpar.plan import ModulePlan
+    from lightning_dpar.plan.module_plan import DataParallelSettings
+
+    meshes = ParallelDims(1, 1, 1, 1).build_meshes(torch.device("cpu"), device_type="cpu")
+    module = _Module()
+    plan = ModulePlan({}, [], [], data_parallel_roots=["model"], data_parallel=DataParallelSettings("replicate"))
+    applied = parallelize.apply_plan(module, plan, meshes)
+    assert applied.grad_sync_modules == [module.model] and is_composable_replicated(module.model)
+    assert applied.fsdp_modules == []
