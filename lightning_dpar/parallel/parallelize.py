@@ -38,7 +38,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, waited
+from lightning_dpar._private_api import ddp_replicate, waited
+from lightning_dpar.activation_checkpointing import step as activation_checkpointing_step
 from lightning_dpar.context_parallel import step as context_parallel_step
 from lightning_dpar.context_parallel.runtime import ContextParallel
 from lightning_dpar.context_parallel.step import ContextParallelPlan
@@ -58,7 +59,6 @@ __all__ = [
     "MixedPrecision",
     "Step",
     "StepContext",
-    "apply_activation_checkpointing",
     "apply_compile",
     "apply_ddp_replicate",
     "apply_expert_parallel",
@@ -171,8 +171,11 @@ def _context_parallel_around_step(applying: Applying) -> StepContext | None:
 
 def _activation_checkpointing(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
     context = applying.context_parallel
-    apply_activation_checkpointing(
-        root, plan.activation_checkpointing, context.checkpoint_contexts if context is not None else None
+    part = activation_checkpointing_step.ActivationCheckpointingPlan(
+        plan.activation_checkpointing, plan.activation_checkpointing_policy
+    )
+    activation_checkpointing_step.apply_activation_checkpointing(
+        root, part, context.checkpoint_contexts if context is not None else None
     )
 
 
@@ -324,16 +327,6 @@ def apply_tensor_parallel(
     if plan and tp_mesh.size() > 1:
         parallelize_module(root, tp_mesh, dict(plan))
         retie(root, tied)
-
-
-def apply_activation_checkpointing(
-    root: nn.Module, fqns: Sequence[str], context_fn: Callable[[], tuple[Any, Any]] | None = None
-) -> None:
-    """Recompute each listed block's activations in backward instead of storing them; `context_fn` gives the context
-    managers around a block's forward and its recomputation (`torch.utils.checkpoint`'s), per forward."""
-    options = {} if context_fn is None else {"context_fn": context_fn}
-    for fqn in fqns:
-        checkpoint_activations(root.get_submodule(fqn), **options)
 
 
 def apply_compile(root: nn.Module, fqns: Sequence[str], options: Mapping[str, Any]) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_dpar.activation_checkpointing.step import ActivationCheckpointingSetting, plan_activation_checkpointing
 from lightning_dpar.conformance.batchnorm import check_no_batch_norm_in_pipeline
 from lightning_dpar.context_parallel.step import plan_context_parallel
 from lightning_dpar.helpers import class_name, show_names
@@ -65,7 +66,8 @@ class PlanOptions:
         strategy: the strategy's class name, for error messages.
         tp_plan: the strategy's `tp_plan` argument, parsed, or `"auto"`, or `None` (then the LightningModule's
             `tp_plan` attribute, then a transformers model's own plan).
-        activation_checkpointing: `True`, or class names / module-name globs.
+        activation_checkpointing: `True` (full), `"selective"` (the op-level policy,
+            `lightning_dpar.activation_checkpointing`), or class names / module-name globs.
         compile: `torch.compile` options, or `None` (eager).
         pipeline: the pipeline settings (used when the mesh has a pipeline dim).
         kept_size_args: the strategy arguments an error's suggested fix keeps (`pipeline_parallel_size=2`).
@@ -85,7 +87,7 @@ class PlanOptions:
 
     strategy: str
     tp_plan: Mapping[str, PlanStyle] | str | None = None
-    activation_checkpointing: bool | Sequence[ModuleSelector] = False
+    activation_checkpointing: ActivationCheckpointingSetting = False
     compile: Mapping[str, Any] | None = None
     pipeline: PipelineConfig | None = None
     kept_size_args: tuple[tuple[str, object], ...] = ()
@@ -123,7 +125,13 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
         check_each_in_one_unit(tied, roots, options.strategy)
     ignored = select_modules(module, options.ignored_modules, "ignored_modules") if options.ignored_modules else []
     check_initialisable(module)
-    checkpointed = resolve_activation_checkpointing(module, options.activation_checkpointing, shard_units, blocks)
+    checkpointing = plan_activation_checkpointing(
+        module,
+        options.activation_checkpointing,
+        lambda spec: resolve_activation_checkpointing(module, spec, shard_units, blocks),
+        options.strategy,
+    )
+    checkpointed = checkpointing.modules
     context = plan_context_parallel(
         module,
         dims,
@@ -135,6 +143,7 @@ def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, ra
     whole = ModulePlan(
         tensor_parallel=tensor_parallel,
         activation_checkpointing=checkpointed,
+        activation_checkpointing_policy=checkpointing.policy,
         shard_units=shard_units,
         compile_units=compile_units(module, shard_units, blocks, roots or None),
         tied=tied,
