@@ -16,22 +16,28 @@ from lightning_dpar.activation_checkpointing.policy import (
 )
 from lightning_dpar.activation_checkpointing.step import (
     CHECKPOINT_POLICIES,
+    CHECKPOINTING_SETTINGS,
     ActivationCheckpointingPlan,
     ActivationCheckpointingSetting,
+    Checkpointing,
     CheckpointPolicyName,
     apply_activation_checkpointing,
+    checkpointing_of,
     plan_activation_checkpointing,
 )
 
 __all__ = [
+    "CHECKPOINTING_SETTINGS",
     "CHECKPOINT_POLICIES",
     "SELECTIVE_SAVED_OPS",
     "ActivationCheckpointingPlan",
     "ActivationCheckpointingSetting",
     "CheckpointPolicyName",
+    "Checkpointing",
     "ContextFn",
     "apply_activation_checkpointing",
     "checkpoint_context_fn",
+    "checkpointing_of",
     "plan_activation_checkpointing",
     "selective_policy",
 ]

@@ -16,11 +16,14 @@ from lightning_dpar._private_api import checkpoint_activations
 from lightning_dpar.activation_checkpointing.policy import ContextFn, checkpoint_context_fn
 
 __all__ = [
+    "CHECKPOINTING_SETTINGS",
     "CHECKPOINT_POLICIES",
     "ActivationCheckpointingPlan",
     "ActivationCheckpointingSetting",
     "CheckpointPolicyName",
+    "Checkpointing",
     "apply_activation_checkpointing",
+    "checkpointing_of",
     "plan_activation_checkpointing",
 ]
 
@@ -32,6 +35,19 @@ CHECKPOINT_POLICIES: tuple[str, ...] = ("full", "selective")
 #: The strategies' `activation_checkpointing` argument: `False`, `True` (full), `"selective"`, or class names /
 #: module-name globs (full, on the modules they match).
 ActivationCheckpointingSetting = Union[bool, Literal["selective"], Sequence[Union[str, type]]]
+
+#: Which checkpointing a figure or a layout is for, as estimates and the layout search name it: `False` (none),
+#: `True` (full) or `"selective"`; on the strategies it is the `activation_checkpointing` argument itself.
+Checkpointing = Union[bool, Literal["selective"]]
+#: Every setting, from the most activation memory to the least: none, selective, full.
+CHECKPOINTING_SETTINGS: tuple[Checkpointing, ...] = (False, "selective", True)
+
+
+def checkpointing_of(modules: Sequence[str], policy: CheckpointPolicyName) -> Checkpointing:
+    """The setting a plan with these checkpointed `modules` and `policy` trains with."""
+    if not modules:
+        return False
+    return "selective" if policy == "selective" else True
 
 
 @dataclass(frozen=True)

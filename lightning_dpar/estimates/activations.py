@@ -35,23 +35,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar._private_api import tree_leaves, tree_map
-from lightning_dpar.activation_checkpointing.step import CheckpointPolicyName
+from lightning_dpar.activation_checkpointing.step import Checkpointing, CheckpointPolicyName, checkpointing_of
 from lightning_dpar.estimates.activation_trace import StepTrace, trace_step, training_loss
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.plan import ModulePlan, repeated_blocks, resolve_activation_checkpointing
 
 __all__ = [
-    "CHECKPOINTING_SETTINGS",
     "ActivationEstimate",
-    "Checkpointing",
     "Footprint",
     "RankActivations",
     "StageActivations",
@@ -62,19 +60,6 @@ __all__ = [
     "microbatch_of",
     "unit_input_bytes",
 ]
-
-
-#: Which activation checkpointing a figure is for: `False` (none), `True` (full) or `"selective"`.
-Checkpointing = Union[bool, Literal["selective"]]
-#: Every setting, least memory last but one: none, selective, full.
-CHECKPOINTING_SETTINGS: tuple[Checkpointing, ...] = (False, "selective", True)
-
-
-def checkpointing_of(plan: ModulePlan) -> Checkpointing:
-    """The setting a plan trains with."""
-    if not plan.activation_checkpointing:
-        return False
-    return "selective" if plan.activation_checkpointing_policy == "selective" else True
 
 
 #: Traces kept across estimates (a layout search estimates many layouts of one model): a trace depends only on the
@@ -413,7 +398,7 @@ def estimate_activations(
         )
     return ActivationEstimate(
         microbatch=_describe(microbatch),
-        checkpointing=checkpointing_of(whole),
+        checkpointing=checkpointing_of(whole.activation_checkpointing, whole.activation_checkpointing_policy),
         checkpointed=tuple(checkpointed),
         tensor_parallel=dims.tensor_parallel,
         ranks=tuple(ranks),

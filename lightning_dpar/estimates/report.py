@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import lightning_dpar.estimates.state_memory as state_memory
-from lightning_dpar.estimates.activations import CHECKPOINTING_SETTINGS, ActivationEstimate, Checkpointing
+from lightning_dpar.activation_checkpointing.step import CHECKPOINTING_SETTINGS, Checkpointing
+from lightning_dpar.estimates.activations import ActivationEstimate
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.schedule import schedule_spec
 

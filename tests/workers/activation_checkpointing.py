@@ -65,7 +65,8 @@ def activation_memory(checkpointing: Any, tensor_parallel: int = 1) -> dict | No
     """One step's activation memory on each rank (`StorageMeter`, which follows tensor storages as the estimate
     does) for the example GPT on 2 x 256 tokens per data-parallel rank, under `checkpointing`, and the activation
     estimate (the `plan` dry run's) of the same layout and batch, under each setting."""
-    from lightning_dpar.estimates.activations import CHECKPOINTING_SETTINGS, estimate_activations
+    from lightning_dpar.activation_checkpointing.step import CHECKPOINTING_SETTINGS
+    from lightning_dpar.estimates.activations import estimate_activations
     from tests.support.activation_meter import StorageMeter
 
     meter = StorageMeter()
