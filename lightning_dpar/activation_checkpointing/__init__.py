@@ -12,6 +12,7 @@ from lightning_dpar.activation_checkpointing.policy import (
     SELECTIVE_SAVED_OPS,
     ContextFn,
     checkpoint_context_fn,
+    checkpoint_forward,
     selective_policy,
 )
 from lightning_dpar.activation_checkpointing.step import (
@@ -37,6 +38,7 @@ __all__ = [
     "ContextFn",
     "apply_activation_checkpointing",
     "checkpoint_context_fn",
+    "checkpoint_forward",
     "checkpointing_of",
     "plan_activation_checkpointing",
     "selective_policy",
