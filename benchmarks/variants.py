@@ -149,8 +149,10 @@ def _checkpoint_by_hand(block: nn.Module) -> None:
 
     forward = block.forward
 
+    def context_fn() -> Any:  # made outside the compiled forward: dynamo refuses a context_fn made inside it
+        return create_selective_checkpoint_contexts(selective_policy())
+
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        context_fn = lambda: create_selective_checkpoint_contexts(selective_policy())  # noqa: E731
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     block.forward = checkpointed  # type: ignore[method-assign]
