@@ -16,7 +16,6 @@ from lightning_dpar.activation_checkpointing.policy import (
     selective_policy,
 )
 from lightning_dpar.activation_checkpointing.step import (
-    CHECKPOINT_POLICIES,
     CHECKPOINTING_SETTINGS,
     ActivationCheckpointingPlan,
     ActivationCheckpointingSetting,
@@ -29,7 +28,6 @@ from lightning_dpar.activation_checkpointing.step import (
 
 __all__ = [
     "CHECKPOINTING_SETTINGS",
-    "CHECKPOINT_POLICIES",
     "SELECTIVE_SAVED_OPS",
     "ActivationCheckpointingPlan",
     "ActivationCheckpointingSetting",

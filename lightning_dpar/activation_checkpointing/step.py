@@ -17,7 +17,6 @@ from lightning_dpar.activation_checkpointing.policy import ContextFn, checkpoint
 
 __all__ = [
     "CHECKPOINTING_SETTINGS",
-    "CHECKPOINT_POLICIES",
     "ActivationCheckpointingPlan",
     "ActivationCheckpointingSetting",
     "CheckpointPolicyName",
@@ -30,7 +29,6 @@ __all__ = [
 #: How a checkpointed block is recomputed: `"full"` (its whole forward again; `activation_checkpointing=True`) or
 #: `"selective"` (only the ops the op-level policy does not keep; `activation_checkpointing="selective"`).
 CheckpointPolicyName = Literal["full", "selective"]
-CHECKPOINT_POLICIES: tuple[str, ...] = ("full", "selective")
 
 #: The strategies' `activation_checkpointing` argument: `False`, `True` (full), `"selective"`, or class names /
 #: module-name globs (full, on the modules they match).
