@@ -12,10 +12,10 @@ from lightning_dpar.activation_checkpointing.policy import (
     SELECTIVE_SAVED_OPS,
     ContextFn,
     checkpoint_context_fn,
+    checkpoint_forward,
     selective_policy,
 )
 from lightning_dpar.activation_checkpointing.step import (
-    CHECKPOINT_POLICIES,
     CHECKPOINTING_SETTINGS,
     ActivationCheckpointingPlan,
     ActivationCheckpointingSetting,
@@ -28,7 +28,6 @@ from lightning_dpar.activation_checkpointing.step import (
 
 __all__ = [
     "CHECKPOINTING_SETTINGS",
-    "CHECKPOINT_POLICIES",
     "SELECTIVE_SAVED_OPS",
     "ActivationCheckpointingPlan",
     "ActivationCheckpointingSetting",
@@ -37,6 +36,7 @@ __all__ = [
     "ContextFn",
     "apply_activation_checkpointing",
     "checkpoint_context_fn",
+    "checkpoint_forward",
     "checkpointing_of",
     "plan_activation_checkpointing",
     "selective_policy",

@@ -17,18 +17,35 @@ estimate (`lightning_dpar.estimates.activation_trace`, which follows every stora
 `checkpoint_context_fn` composes the policy's contexts with another step's (context parallelism re-enters its
 attention interception around the recomputation, `ContextParallel.checkpoint_contexts`): each forward and
 recomputation runs inside both, the other step's outermost, so the policy sees the ops that step's code issues.
+
+`checkpoint_forward` checkpoints a module's own `forward`, not its call: the recomputation must issue exactly the
+ops its forward did (the policy's replay raises at the first op it did not record). torch's composable `checkpoint`
+(what full checkpointing uses) recomputes the module's whole call, hooks included, while its forward ran some hooks
+outside the policy's context: FSDP2's pre-forward hook, which runs first, casts the inputs to the compute dtype
+under `record_function`, an op the replay then met unrecorded ("profiler._record_function_enter_new.default
+encountered during backward but not found in storage", under bf16-mixed; a tensor-parallel style on the block
+itself would do the same with its redistribution). Checkpointing the forward keeps every hook outside both, as
+torchtitan's checkpoint wrapper inside the FSDP unit does; FSDP's pre-backward hook has unsharded the parameters
+before the block's backward recomputes it.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
-__all__ = ["SELECTIVE_SAVED_OPS", "ContextFn", "checkpoint_context_fn", "selective_policy"]
+__all__ = ["SELECTIVE_SAVED_OPS", "ContextFn", "checkpoint_context_fn", "checkpoint_forward", "selective_policy"]
 
 #: `torch.utils.checkpoint`'s `context_fn`: the context managers around a block's forward and its recomputation.
 ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
@@ -97,3 +114,24 @@ def _both(outer: AbstractContextManager[Any], inner: AbstractContextManager[Any]
         stack.enter_context(outer)
         stack.enter_context(inner)
         yield
+
+
+#: Where `checkpoint_forward` keeps a module's `context_fn`, and the instance-level `forward` it replaced (if any).
+_CONTEXT_FN = "_dpar_checkpoint_context_fn"
+_FORWARD_BEFORE = "_dpar_forward_before_checkpointing"
+
+
+def checkpoint_forward(module: nn.Module, context_fn: ContextFn) -> None:
+    """Run `module`'s `forward` through `torch.utils.checkpoint.checkpoint` (non-reentrant, with `context_fn`), its
+    hooks outside (see the module docstring). The forward is replaced on the instance by a method bound to it, so a
+    deep copy of the module (weight averaging's) gets one bound to the copy; names and state-dict keys are
+    unchanged."""
+    if _FORWARD_BEFORE not in vars(module) and "forward" in vars(module):  # a forward set on the instance before
+        object.__setattr__(module, _FORWARD_BEFORE, module.forward)
+    object.__setattr__(module, _CONTEXT_FN, context_fn)
+    object.__setattr__(module, "forward", types.MethodType(_checkpointed_forward, module))
+
+
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    forward = vars(self).get(_FORWARD_BEFORE) or types.MethodType(type(self).forward, self)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=vars(self)[_CONTEXT_FN], **kwargs)

@@ -13,11 +13,10 @@ from typing import Any, Literal, Union
 from torch import nn
 
 from lightning_dpar._private_api import checkpoint_activations
-from lightning_dpar.activation_checkpointing.policy import ContextFn, checkpoint_context_fn
+from lightning_dpar.activation_checkpointing.policy import ContextFn, checkpoint_context_fn, checkpoint_forward
 
 __all__ = [
     "CHECKPOINTING_SETTINGS",
-    "CHECKPOINT_POLICIES",
     "ActivationCheckpointingPlan",
     "ActivationCheckpointingSetting",
     "CheckpointPolicyName",
@@ -30,7 +29,6 @@ __all__ = [
 #: How a checkpointed block is recomputed: `"full"` (its whole forward again; `activation_checkpointing=True`) or
 #: `"selective"` (only the ops the op-level policy does not keep; `activation_checkpointing="selective"`).
 CheckpointPolicyName = Literal["full", "selective"]
-CHECKPOINT_POLICIES: tuple[str, ...] = ("full", "selective")
 
 #: The strategies' `activation_checkpointing` argument: `False`, `True` (full), `"selective"`, or class names /
 #: module-name globs (full, on the modules they match).
@@ -91,11 +89,18 @@ def _example(module: nn.Module) -> str:
 def apply_activation_checkpointing(
     root: nn.Module, part: ActivationCheckpointingPlan, context_fn: ContextFn | None = None
 ) -> None:
-    """Recompute each of `part.modules`' activations in backward instead of storing them (torch's composable
-    `checkpoint`: no wrapper module, so names and checkpoint keys are unchanged), all of them or, under the
-    selective policy, all but the kept ops' outputs. `context_fn` gives another step's context managers around a
-    block's forward and its recomputation (context parallelism's), entered around the policy's."""
-    combined = checkpoint_context_fn(part.policy == "selective", context_fn)
-    options = {} if combined is None else {"context_fn": combined}
+    """Recompute each of `part.modules`' activations in backward instead of storing them, all of them or, under the
+    selective policy, all but the kept ops' outputs; no wrapper module, so names and checkpoint keys are unchanged.
+    Full checkpointing is torch's composable `checkpoint` (the module's call recomputed); selective checkpointing
+    checkpoints the module's `forward` (`policy.checkpoint_forward`: the policy's replay needs the same ops in
+    forward and recomputation, so the module's hooks stay outside both). `context_fn` gives another step's context
+    managers around a block's forward and its recomputation (context parallelism's), entered around the policy's."""
+    if part.policy == "selective":
+        combined = checkpoint_context_fn(True, context_fn)
+        assert combined is not None
+        for fqn in part.modules:
+            checkpoint_forward(root.get_submodule(fqn), combined)
+        return
+    options = {} if context_fn is None else {"context_fn": context_fn}
     for fqn in part.modules:
         checkpoint_activations(root.get_submodule(fqn), **options)

