@@ -13,11 +13,11 @@ from tests.conftest import ROOT
 
 PACKAGE = ROOT / "lightning_dpar"
 
-#: Modules no test file imports by name yet; remove a line when its test file exists.
+#: Modules no test file imports by name yet; remove a line when its test file exists. `estimates.experts` takes the
+#: planner's `ModulePlan`, whose module is being moved (issue 42); the dry run's tests (`tests/unit/estimates/
+#: test_experts.py`) cover it meanwhile.
 NOT_YET_TESTED_BY_NAME = {
     "lightning_dpar.estimates.experts",
-    "lightning_dpar.pipeline.forward_relay",
-    "lightning_dpar.strategies.pipeline_steps",
 }
 
 
