@@ -14,8 +14,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dpar._private_api import StrategyRegistryType, compiled_autograd, swap_ddp_optimize_mode
+from lightning_dpar.activation_checkpointing.step import ActivationCheckpointingSetting
 from lightning_dpar.conformance.unit_guard import UnitCallGuard
-from lightning_dpar.parallel import parallelize
+from lightning_dpar.parallel import data_parallel, parallelize
 from lightning_dpar.parallel.compilation import compiled_autograd_compiler
 from lightning_dpar.parallel.ddp_comm_hooks import COMPRESS_HOOK_DTYPES, CommHook, resolve_comm_hook
 from lightning_dpar.parallel_dims import ParallelDims, SizeArg
@@ -49,7 +50,9 @@ class ReplicateStrategy(DparStrategy):
             gradient all-reduce dtype; callables need DDP mode.
         tensor_parallel_size: ranks per tensor-parallel group (1: pure data parallel).
         tp_plan: see `FSDPTensorParallelStrategy`.
-        activation_checkpointing: `True` (each repeated block) or a list of class names / module-name globs.
+        activation_checkpointing: `True` (each repeated block recomputed whole in backward),
+            `"selective"` (the same blocks keep their matmul and attention outputs and recompute only the cheap
+            ops: torchtitan's op-level policy; see docs/efficiency.md), or a list of class names / module-name globs.
         compiled_autograd: with `compile`, also capture each backward pass in one compiled graph. DDP then
             all-reduces from traced per-parameter hooks (its "python reducer") and Inductor fuses them into buckets
             of `bucket_cap_mb`; without it, compiled blocks run under DDP's usual C++ reducer and dynamo's DDP
@@ -69,7 +72,7 @@ class ReplicateStrategy(DparStrategy):
         comm_hook: CommHook | None = None,
         tensor_parallel_size: SizeArg = 1,
         tp_plan: TPPlanSpec | None = None,
-        activation_checkpointing: bool | Sequence[ModuleSelector] = False,
+        activation_checkpointing: ActivationCheckpointingSetting = False,
         compiled_autograd: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -160,7 +163,7 @@ class ReplicateStrategy(DparStrategy):
             # DDP's reducer also leaves out parameters frozen when it wraps the model. One unfrozen later (a
             # finetuning callback) would train on this rank's batches alone, as under Lightning's DDP, where the
             # ranks' copies drift apart; its gradients are averaged here instead, from the step it requires them.
-            not_synced = parallelize.ignored_parameters(module, plan.ignored)
+            not_synced = data_parallel.ignored_parameters(module, plan.ignored)
             self._frozen_at_wrap = [p for p in module.parameters() if not p.requires_grad and p not in not_synced]
         if self.dims.tensor_parallel == 1 and not self._compiled_autograd:
             # Compiled autograd traces the backward, hooks included; the guard's check is eager-only.
