@@ -38,7 +38,8 @@ def resolve_tp_plan(
     """Expand patterns into concrete module names, checking every pattern matches, every style fits its module and
     `tensor_parallel_size` divides every dimension (and head count) it splits.
 
-    Returns `{fqn: style}` in module order; one module matched by two patterns is an error, not a silent override.
+    Returns `{fqn: style}` pattern by pattern in the plan's order, each pattern's modules in module order; one module
+    matched by two patterns is an error, not a silent override.
     A named style that means "replicate" (`"replicate"`) leaves its modules out. Pure (no process group), so a bad
     plan fails on every rank before any collective, and in the `plan` dry run, with the same message.
     """
