@@ -111,11 +111,16 @@ class DparPrecision(Precision):
         guard = self.nonfinite
         step = guard.pending if guard is not None else None
         if guard is None or step is None or not step.deferred or step.decided:
-            self._clipper.clip_grad_norm_(self.main_params(optimizer), float(clip_val))
+            self.clip_norm(optimizer, clip_val)
             return
         self._clipper.clip_grad_norm_(
             self.main_params(optimizer), float(clip_val), fold=step.flags, before_scaling=guard.decide
         )
+
+    def clip_norm(self, optimizer: Optimizable, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale `optimizer`'s gradients so their norm over every mesh is at most `max_norm`; returns the norm before
+        clipping (Fabric's `clip_gradients` returns it, `lightning_dpar.fabric`)."""
+        return self._clipper.clip_grad_norm_(self.main_params(optimizer), float(max_norm), float(norm_type))
 
     def clip_grad_by_value(self, optimizer: Optimizable, clip_val: int | float) -> None:
         self._clipper.clip_grad_value_(self.main_params(optimizer), float(clip_val))
