@@ -39,8 +39,8 @@ class DparPrecision(Precision):
         precision = _ALIASES.get(str(precision), str(precision))
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(
-                f"Trainer `precision={precision!r}` is not supported by the lightning_dpar strategies. Use one of"
-                f" {list(SUPPORTED_PRECISION)}; fp16 needs a sharded grad scaler, use 'bf16-mixed' instead."
+                f"`precision={precision!r}` (Trainer or Fabric) is not supported by the lightning_dpar strategies. Use"
+                f" one of {list(SUPPORTED_PRECISION)}; fp16 needs a sharded grad scaler, use 'bf16-mixed' instead."
             )
         self.precision: PrecisionName = precision  # type: ignore[assignment]
         #: Device type to autocast on (`autocast_on`), only when the wrapper cannot apply bf16-mixed itself

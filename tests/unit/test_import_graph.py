@@ -190,6 +190,7 @@ LAYERS = [
     "strategies",
     "estimates",
     "layout_search",
+    "fabric",
     "performance_monitor",
     "ray",
     "examples",
