@@ -30,6 +30,8 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, ClassVar
 
 import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.utilities.types import ReduceOp
@@ -85,11 +87,40 @@ class DparFabricStrategy(ParallelStrategy):
         self._optimizer_steps = 0
 
     # ------------------------------------------------------------------ the world
+    # What Fabric's connector sets on the strategy (devices, cluster environment, accelerator) is stored on the
+    # engine, whose ranks, device and launch arguments are then the ones Fabric configured.
+    @property
+    @override
+    def parallel_devices(self) -> list[torch.device] | None:
+        return self.engine.parallel_devices
+
+    @parallel_devices.setter
+    @override
+    def parallel_devices(self, parallel_devices: list[torch.device] | None) -> None:
+        self.engine.parallel_devices = parallel_devices
+
+    @property
+    def cluster_environment(self) -> ClusterEnvironment | None:  # type: ignore[override]
+        return self.engine.cluster_environment
+
+    @cluster_environment.setter
+    def cluster_environment(self, environment: ClusterEnvironment | None) -> None:
+        self.engine.cluster_environment = environment
+
+    @property
+    @override
+    def accelerator(self) -> Accelerator | None:
+        return self.engine.accelerator
+
+    @accelerator.setter
+    @override
+    def accelerator(self, accelerator: Accelerator) -> None:
+        self.engine.accelerator = accelerator  # type: ignore[assignment]
+
     @property
     @override
     def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+        return self.engine.root_device
 
     @property
     def num_nodes(self) -> int:
@@ -101,7 +132,7 @@ class DparFabricStrategy(ParallelStrategy):
 
     @property
     def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+        return self.engine.num_processes
 
     @property
     def dims(self) -> ParallelDims | None:
@@ -131,17 +162,10 @@ class DparFabricStrategy(ParallelStrategy):
         # (by its `precision` name) and refuses what it cannot do, as for the Trainer's.
         self.engine.precision_plugin = precision  # type: ignore[assignment]
 
-    def _sync_engine(self) -> None:
-        """Hand the engine what Fabric's connector set on this strategy: devices, cluster environment, nodes."""
-        engine = self.engine
-        engine.accelerator = self.accelerator  # type: ignore[assignment]
-        engine.parallel_devices = self.parallel_devices
-        engine.cluster_environment = self.cluster_environment
-        engine.num_nodes = self.num_nodes
-
     def _set_world_ranks(self) -> None:
-        # Fabric's connector calls this (as on its own ModelParallelStrategy) before `_configure_launcher`.
-        self._sync_engine()
+        # Fabric's connector calls this (as on its own ModelParallelStrategy) before `_configure_launcher`, after
+        # setting `_num_nodes` (as on its own strategies).
+        self.engine.num_nodes = self.num_nodes
         self.engine.set_world_ranks()
 
     @override
@@ -163,8 +187,8 @@ class DparFabricStrategy(ParallelStrategy):
         """The engine's pass up to the model: ranks and mesh sizes checked (pure, alike on every rank, before any
         collective), then the process group and every mesh. The plan waits for `fabric.setup`, where the model is;
         it is pure too, so a plan that does not fit fails on every rank alike."""
-        self._sync_engine()
         engine = self.engine
+        engine.num_nodes = self.num_nodes
         engine.dims = engine._resolve_world()
         engine.start_process_group()
         engine.meshes = engine.dims.build_meshes(engine.root_device)

@@ -21,7 +21,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 import lightning_dpar.fabric as dpar_fabric
 from lightning_dpar.checkpoint.consolidate import main as consolidate
-from tests.support.models import TP_PLAN, Net, ParityModule, RegressionData, global_batches, loader, make_optimizer
+from tests.support.models import (
+    TP_PLAN,
+    Net,
+    ParityModule,
+    RegressionData,
+    global_batches,
+    loader,
+    make_optimizer,
+    reference_train,
+)
 from tests.workers.cases import Case
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
 
@@ -56,16 +65,8 @@ def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def reference(optimizer: str, batches: list[tuple[torch.Tensor, torch.Tensor]], clip_norm: float | None = None):
-    """One process on the same global batches: the ground truth."""
-    model = FabricNet()
-    opt = make_optimizer(optimizer, model.parameters())
-    for x, y in batches:
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        if clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
-        opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """One process on the same global batches: the ground truth (`FabricNet`'s keys are `reference_train`'s)."""
+    return reference_train(optimizer, batches, clip_norm=clip_norm)
 
 
 def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
