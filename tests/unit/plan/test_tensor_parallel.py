@@ -6,6 +6,7 @@ tensor-parallel layer without FSDP's view warning (one gloo process). Training s
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,6 +34,30 @@ def test_head_counts_must_divide():
 
     with pytest.raises(ValueError, match=r"does not divide the 3 heads of 'q' \(out_features 12 = 3 heads x head_dim"):
         resolve_tp_plan(Attention(), parse_tp_plan({"q": "colwise"}), tensor_parallel_size=2)
+
+
+class FusedAttention(nn.Module):
+    """LitGPT's attention layout (`litgpt.model.CausalSelfAttention`): one `qkv` Linear whose output the forward
+    splits with the config's global head counts, and a `proj`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(n_head=4, n_query_groups=2, head_size=8)
+        self.qkv = nn.Linear(32, (4 + 2 * 2) * 8)
+        self.proj = nn.Linear(32, 32)
+
+
+def test_a_fused_qkv_split_by_global_head_counts_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"splits 'attn.qkv' column-wise, but it is a fused q/k/v projection") as error:
+        resolve_tp_plan(nn.ModuleDict({"attn": FusedAttention()}), parse_tp_plan({"attn.qkv": "colwise"}), 2)
+    assert "(4 query heads, 2 key/value groups of size 8)" in str(error.value)
+    assert "`transformer.h.*.mlp.proj` rowwise" in str(error.value)  # the fix
+
+
+def test_a_fused_qkv_stays_allowed_where_nothing_splits_it():
+    root = nn.ModuleDict({"attn": FusedAttention()})
+    assert set(resolve_tp_plan(root, parse_tp_plan({"attn.qkv": "colwise"}), 1)) == {"attn.qkv"}  # one rank
+    assert set(resolve_tp_plan(root, parse_tp_plan({"attn.proj": "colwise"}), 2)) == {"attn.proj"}  # not the qkv
 
 
 def test_devices_3_with_default_2d_sizes_names_the_size_module_and_dimension(capsys):
