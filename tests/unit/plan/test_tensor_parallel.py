@@ -58,6 +58,10 @@ def test_a_fused_qkv_stays_allowed_where_nothing_splits_it():
     root = nn.ModuleDict({"attn": FusedAttention()})
     assert set(resolve_tp_plan(root, parse_tp_plan({"attn.qkv": "colwise"}), 1)) == {"attn.qkv"}  # one rank
     assert set(resolve_tp_plan(root, parse_tp_plan({"attn.proj": "colwise"}), 2)) == {"attn.proj"}  # not the qkv
+    mlp = FusedAttention()  # a sibling of the same width that is not the attention's `qkv` (LitGPT's MLP can be)
+    mlp.fc = mlp.qkv
+    del mlp.qkv
+    assert set(resolve_tp_plan(nn.ModuleDict({"mlp": mlp}), parse_tp_plan({"mlp.fc": "colwise"}), 2)) == {"mlp.fc"}
 
 
 def test_devices_3_with_default_2d_sizes_names_the_size_module_and_dimension(capsys):
