@@ -32,7 +32,7 @@ HOOKS: list[tuple[str, str | None, str]] = [
     ("lightning_dpar.conformance.buffers", "BufferSync", "before_forward"),
     ("lightning_dpar.conformance.buffers", "BufferSync", "after_forward"),
     ("lightning_dpar.parallel.fsdp_units", None, "_outputs_without_detached_views"),
-    ("lightning_dpar.parallel.parallelize", None, "reshard"),
+    ("lightning_dpar.parallel.data_parallel", None, "reshard"),
     ("lightning_dpar.conformance.unit_guard", "UnitCallGuard", "_mark_called"),
     ("lightning_dpar.conformance.unit_guard", "UnitCallGuard", "_check_called"),
     ("lightning_dpar.conformance.unit_guard", "UnitCallGuard", "reset"),

@@ -13,7 +13,7 @@ See `docs/architecture.md`. The folders, in layers (none imports one below it; t
 - `pipeline/`: pipeline parallelism (split, schedules, stages, runtime);
 - `conformance/`: Lightning's DDP semantics kept (buffers, `sync_batchnorm`, samplers, weight averaging) and the
   callbacks and Trainer settings a layout refuses before any collective;
-- `plan/`: the plan as data, one function `plan_modules` (see its docstring for its modules);
+- `plan/`: the plan as data (`ModulePlan`), a strategy's frozen `PlanOptions`, the facts and slices planning finds;
 - `experts/`: Mixture-of-Experts at run time (expert parallelism, router loss, expert keys);
 - `parallel/`: applying a plan (`parallelize.apply_plan`), the FSDP and DDP wrappers, materialisation, compile;
 - `hf_weights/`: Hugging Face and peft weights in (`pretrained=`);

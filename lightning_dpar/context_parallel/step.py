@@ -1,5 +1,5 @@
-"""Context parallelism as one step of the parallelisation (`lightning_dpar.parallel.steps`): its slice of the plan
-(`plan_context_parallel`), how it is applied (`apply_context_parallel`), and what it does around each step
+"""Context parallelism as one step of the parallelisation (`lightning_dpar.parallel.parallelize.STEPS`): its slice of
+the plan (`plan_context_parallel`), how it is applied (`apply_context_parallel`), and what it does around each step
 (`around_step`). Everything else outside this folder knows of it is its mesh dim (`ParallelDims.context`) and its
 option (`context_parallel_loss`)."""
 

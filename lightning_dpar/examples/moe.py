@@ -1,5 +1,5 @@
 """The Mixture-of-Experts layer of the example GPT (`GPT(n_experts=8)`): a top-k router and an experts module that
-follows the package's experts contract (`lightning_dpar.plan.experts`), so `expert_parallel_size` splits it.
+follows the package's experts contract (`lightning_dpar.experts.plan`), so `expert_parallel_size` splits it.
 
 The router runs on each rank's own tokens and hands its choices to the experts module, as transformers 5's MoE
 models do; the experts keep their weights stacked along dim 0, one slice per expert.

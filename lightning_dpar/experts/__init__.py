@@ -1,7 +1,8 @@
-"""Mixture-of-Experts: everything the package does for experts modules, beside their plan step
-(`lightning_dpar.plan.experts`, which finds them and decides their layout) and their estimate
-(`lightning_dpar.estimates.experts`).
+"""Mixture-of-Experts: everything the package does for experts modules, beside their estimate
+(`lightning_dpar.estimates.experts`). Expert parallelism is one step of the parallelisation
+(`lightning_dpar.parallel.parallelize.STEPS`): `plan` is its slice of the plan, `parallel` how it is applied.
 
+- `plan`: which modules are experts modules (the experts contract), found once and checked before any collective;
 - `parallel`: expert parallelism, each rank holding whole experts and exchanging tokens with an all-to-all;
 - `router_loss`: the router's auxiliary load-balancing loss, averaged the way one process would;
 - `keys`: the checkpoint and Hugging Face key arithmetic of stacked and per-expert weights;

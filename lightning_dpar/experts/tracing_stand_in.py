@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dpar.plan.experts import find_experts
+from lightning_dpar.experts.plan import find_experts
 
 __all__ = ["replace_experts_for_tracing"]
 

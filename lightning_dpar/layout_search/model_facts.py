@@ -8,7 +8,7 @@ the transformer's shape (layers, width, heads, vocabulary), experts, and the bat
 - width and vocabulary: the largest `nn.Embedding` (its `embedding_dim`, `num_embeddings`);
 - heads: the first of `num_attention_heads` / `n_head` / `num_heads` found on a `config`, on `hparams`, or on a
   submodule (0 when none is found: then the activation formula drops its attention-score term);
-- experts: the modules that follow the experts contract of `lightning_dpar.plan.experts` (`find_experts`), and the
+- experts: the modules that follow the experts contract of `lightning_dpar.experts.plan` (`find_experts`), and the
   experts each token chooses from `top_k` / `num_experts_per_tok` / `experts_per_token` on a submodule or config.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_dpar.plan.experts import find_experts
+from lightning_dpar.experts.plan import find_experts
 
 __all__ = ["ModelFacts", "facts_of"]
 

@@ -1,15 +1,18 @@
-"""Applying a plan: the one pass that turns a model into its parallel form, in torchtitan's fixed order.
+"""The parallelisation: the ordered list of steps, the two walks over it, and the data-parallel step's wrappers.
 
 - `parallelize`: `STEPS`, the ordered list of steps (pipeline split, tensor, expert and context parallelism,
-  activation checkpointing, `compile`, FSDP or DDP's `replicate`, the meta tensors filled), and `apply_plan(model,
-  plan, meshes, ...)`, which walks it: the function training and the `plan` dry run both call;
+  activation checkpointing, `compile`, FSDP or DDP's `replicate`, the meta tensors filled), `plan_modules(model,
+  dims, options)`, which asks each step for its slice of the plan, and `apply_plan(model, plan, meshes, ...)`, which
+  applies each: the functions training, the `plan` dry run and the layout search all call;
+- `data_parallel`: the data-parallel step's wrappers (`fully_shard`, `replicate`) and `reshard`;
 - `fsdp_units`: the `fully_shard` wrapper that keeps a unit's outputs and gradients exact;
 - `materialize`: meta tensors into each rank's own shards, with the values one process would give them;
 - `compilation`: the `compile` argument's options checked, and compiled autograd's compiler;
 - `ddp_comm_hooks`: the DDP communication hooks `replicate` takes.
 
 Facts about the model (which modules, which styles, tied parameters, initialisers) come from `lightning_dpar.plan`;
-the meshes from `lightning_dpar.parallel_dims`. Mixture-of-Experts layers are wrapped by `lightning_dpar.experts`.
+the meshes from `lightning_dpar.parallel_dims`; each feature's own slice and code from its folder (`pipeline`,
+`experts`, `context_parallel`).
 """
 
 __all__: list[str] = []

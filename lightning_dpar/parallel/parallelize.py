@@ -1,89 +1,146 @@
-"""Applying a parallelism plan: the ordered list of steps (`STEPS`), one per feature, and `apply_plan`, which walks
-it. In torchtitan's order: pipeline split -> tensor parallel -> expert parallel -> context parallel -> activation
-checkpointing -> compile -> data parallel (`fully_shard` or `replicate`) -> materialise. Training and the `plan` dry
-run both go through `apply_plan`. The context-parallel hooks come before activation checkpointing, which gets their
-`context_fn`: a recomputed block's attention must be context-parallel again.
+"""The parallelisation as data: `STEPS`, the ordered list of steps, one per feature, and the two walks over it:
+`plan_modules`, which asks each step for its slice of the plan (made once from the model, the mesh sizes and the
+strategy's frozen `PlanOptions`), and `apply_plan`, which applies each slice. Training, the `plan` dry run and the
+layout search all go through both.
 
-Each `Step` reads its slice of the `ModulePlan` (made once by `lightning_dpar.plan.plan_modules`), applies it with
-the meshes it needs, and may say what it does around each training or evaluation step (`AppliedPlan.around_step`).
-A feature's own code stays in its folder (`pipeline/`, `experts/`, `context_parallel/`); its step here only hands it
-its slice. A new feature is one more folder and one more `Step` at its place in `STEPS` (docs/architecture.md).
+The order is torchtitan's: pipeline split -> tensor parallel -> expert parallel -> context parallel -> activation
+checkpointing -> compile -> data parallel (`fully_shard` or `replicate`) -> materialise. The context-parallel hooks
+come before activation checkpointing, which gets their `context_fn`: a recomputed block's attention must be
+context-parallel again.
 
-Wrappers are applied to the LightningModule's children: Lightning calls `training_step` directly (not `forward`), so
-forward hooks on the LightningModule would never fire. A child that is only a container (`nn.ModuleList`,
-`nn.ModuleDict`: no `forward` of its own) is never wrapped either; its items are. Parameters registered on the
-LightningModule itself get a `fully_shard` unit on it whose forward methods are the step methods
-(`shard_direct_parameters`); under DDP the strategy all-reduces their gradients itself.
+A `Step` binds what its feature's folder exports: its slice of the plan (`plan`), how it is applied (`apply`), and,
+if it has one, what it does around each training or evaluation step (`around_step`). A feature's own code stays in
+its folder (`pipeline/step.py`, `experts/`, `context_parallel/step.py`, `parallel/data_parallel.py`); a new feature
+is one more folder and one more `Step` at its place in `STEPS` (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-    register_fsdp_forward_method,
-)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from lightning_dpar._private_api import checkpoint_activations, ddp_replicate, waited
+from lightning_dpar._private_api import checkpoint_activations, waited
+from lightning_dpar.conformance.batchnorm import check_no_batch_norm_in_pipeline
 from lightning_dpar.context_parallel import step as context_parallel_step
 from lightning_dpar.context_parallel.runtime import ContextParallel
 from lightning_dpar.context_parallel.step import ContextParallelPlan
 from lightning_dpar.experts.parallel import apply_expert_parallel
-from lightning_dpar.parallel.fsdp_units import fully_shard_unit
+from lightning_dpar.experts.plan import plan_experts
+from lightning_dpar.parallel.data_parallel import MixedPrecision, apply_data_parallel, outermost_fsdp_modules
 from lightning_dpar.parallel.materialize import materialize_meta_tensors
-from lightning_dpar.parallel_dims import ParallelMeshes
-from lightning_dpar.pipeline.stage import PipelinedModel, split_into_stages
-from lightning_dpar.plan import ModulePlan
-from lightning_dpar.plan.structure import direct_parameters
-from lightning_dpar.plan.ties import SharedOwners, TiedGroup, retie
+from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes
+from lightning_dpar.pipeline import step as pipeline_step
+from lightning_dpar.pipeline.stage import PipelinedModel
+from lightning_dpar.plan import ModulePlan, local_plan
+from lightning_dpar.plan.compile import compile_units
+from lightning_dpar.plan.initialisers import check_initialisable
+from lightning_dpar.plan.planner import (
+    PlanOptions,
+    check_adoptable,
+    data_parallel_settings,
+    expert_selectors,
+    plan_tensor_parallel,
+    shard_units,
+)
+from lightning_dpar.plan.selectors import resolve_activation_checkpointing, select_modules
+from lightning_dpar.plan.structure import (
+    check_not_wrapped_by_other_parallelism,
+    data_parallel_roots,
+    has_fully_shard,
+    is_parallelized,
+    repeated_blocks,
+)
+from lightning_dpar.plan.ties import TiedGroup, check_each_in_one_unit, check_tied_layouts, retie, tied_parameters
 
 __all__ = [
     "STEPS",
     "AppliedPlan",
     "Applying",
-    "MixedPrecision",
+    "ModelFacts",
+    "Planning",
     "Step",
     "StepContext",
     "apply_activation_checkpointing",
     "apply_compile",
-    "apply_ddp_replicate",
-    "apply_expert_parallel",
-    "apply_fully_shard",
     "apply_plan",
     "apply_tensor_parallel",
-    "ignored_parameters",
-    "materialize_meta_tensors",
-    "outermost_fsdp_modules",
+    "model_facts",
+    "plan_modules",
     "wait_before_compiled_units",
 ]
-
-#: A unit's mixed-precision policy, given whether it is a top-level unit (the strategy's precision plugin's).
-MixedPrecision = Callable[[bool], MixedPrecisionPolicy]
 
 #: What a step does around each training or evaluation step's forward, given whether it trains and the step's
 #: arguments: a context manager.
 StepContext = Callable[[bool, Sequence[Any]], AbstractContextManager[None]]
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What planning finds on the model once, before any step makes its slice, because several steps read it.
+
+    `adopted`: the user parallelised the model in `configure_model` (no tensor, expert or pipeline parallelism and
+    no activation checkpointing are added; `adopted_sharded`: it applied `fully_shard` itself, so the data-parallel
+    wrapper adds no units). `blocks`: its repeated blocks; `shard_units`: the FSDP units (none for a wrapper that
+    does not shard); `tied`: parameters reachable under several names (`lightning_dpar.plan.ties`); `experts`: the
+    experts modules expert parallelism splits (tensor parallelism leaves them out); `checkpointed`: the modules
+    recomputed in backward (context parallelism checks none cuts a block); `roots`: the data-parallel wrapper's
+    top-level units (none under pipelining: each stage is its own root)."""
+
+    adopted: bool
+    adopted_sharded: bool
+    blocks: list[str]
+    shard_units: list[str]
+    tied: list[TiedGroup]
+    experts: list[str]
+    checkpointed: list[str]
+    roots: list[str]
+
+
+def model_facts(module: nn.Module, dims: ParallelDims, options: PlanOptions) -> ModelFacts:
+    """`module`'s `ModelFacts` on a world of `dims`, refusing what cannot compose (classic DDP / FSDP1 wrappers, a
+    model parallelised already by a strategy that does not adopt it) before any step plans."""
+    check_not_wrapped_by_other_parallelism(module, options.strategy)
+    blocks = repeated_blocks(module)
+    units = shard_units(module, options, blocks)
+    if is_parallelized(module):
+        check_adoptable(module, dims, options)
+        sharded = has_fully_shard(module)  # the wrapper adds no units of its own, so needs no top-level units
+        roots = [] if sharded else data_parallel_roots(module)
+        return ModelFacts(True, sharded, blocks, units, [], [], [], roots)
+    tied = tied_parameters(module)
+    experts = plan_experts(module, dims.expert, dims.shard, expert_selectors(module, options))
+    checkpointed = resolve_activation_checkpointing(module, options.activation_checkpointing, units, blocks)
+    roots = [] if dims.pipeline > 1 else data_parallel_roots(module)  # refuses containers holding parameters
+    return ModelFacts(False, False, blocks, units, tied, list(experts), checkpointed, roots)
+
+
+@dataclass
+class Planning:
+    """What the walk over `STEPS` carries while it makes the plan: its inputs (the model, the mesh sizes, the frozen
+    options, the model's facts) and the slices made so far (`ModulePlan` fields by name), which later steps may
+    read (context parallelism reads the pipeline split)."""
+
+    module: nn.Module
+    dims: ParallelDims
+    options: PlanOptions
+    facts: ModelFacts
+    slices: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class Applying:
-    """What the walk over `STEPS` carries from step to step: its inputs (the meshes, whether meta tensors are
-    materialised, the `compile` options, the mixed-precision policy) and what earlier steps produced (the pipeline
-    stages, the context-parallel hooks, the modules whose gradient sync the strategy controls)."""
+    """What the walk over `STEPS` carries while it applies the plan: its inputs (the meshes, whether meta tensors
+    are materialised, the `compile` options, the mixed-precision policy) and what earlier steps produced (the
+    pipeline stages, the context-parallel hooks, the modules whose gradient sync the strategy controls)."""
 
     meshes: ParallelMeshes
     materialize: bool = True
@@ -127,21 +184,40 @@ def _each_entered(contexts: Sequence[StepContext], training: bool, args: Sequenc
 
 @dataclass(frozen=True)
 class Step:
-    """One step of the parallelisation: its `name`, how it applies its slice of the plan to the model (`apply`:
-    reading its meshes and earlier steps' results from `Applying`, recording its own there), and, if it has one,
-    what it does around each training or evaluation step (`around_step(applying)`, once applied: its
-    `StepContext`, or `None` where this run needs none, so a step costs nothing per step where it does nothing)."""
+    """One step of the parallelisation: its `name`; its slice of the plan (`plan(planning)`: the `ModulePlan`
+    fields it owns, refusing what it cannot apply before any collective); how it applies that slice (`apply`:
+    reading its meshes and earlier steps' results from `Applying`, recording its own there); and, if it has one,
+    what it does around each training or evaluation step (`around_step(applying)`, once applied: its `StepContext`,
+    or `None` where this run needs none, so a step costs nothing per step where it does nothing)."""
 
     name: str
+    plan: Callable[[Planning], Mapping[str, Any]]
     apply: Callable[[nn.Module, ModulePlan, Applying], None]
     around_step: Callable[[Applying], StepContext | None] | None = None
 
 
+def _plan_pipeline_split(planning: Planning) -> Mapping[str, Any]:
+    module, dims, facts = planning.module, planning.dims, planning.facts
+    if dims.pipeline > 1:
+        check_no_batch_norm_in_pipeline(module, dims.pipeline)
+    split = pipeline_step.plan_pipeline_split(
+        module, dims, planning.options.pipeline, facts.shard_units or facts.blocks
+    )
+    return {"pipeline": split}
+
+
 def _pipeline_split(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
-    """This rank's pipeline stages; the other stages' units are dropped first, so no rank ever allocates them."""
-    if plan.pipeline is not None:
-        device = applying.meshes.device if applying.materialize else torch.device("meta")
-        applying.pipeline = split_into_stages(root, plan.pipeline, plan.pipeline_rank, device)
+    device = applying.meshes.device if applying.materialize else torch.device("meta")
+    applying.pipeline = pipeline_step.apply_pipeline_split(root, plan.pipeline, plan.pipeline_rank, device)
+
+
+def _plan_tensor_parallel(planning: Planning) -> Mapping[str, Any]:
+    module, facts = planning.module, planning.facts
+    if facts.adopted:  # `check_adoptable` refused a `tp_plan`: the model's own layout stays
+        return {"tensor_parallel": {}}
+    styles = plan_tensor_parallel(module, planning.dims, planning.options, facts.experts)
+    check_tied_layouts(module, facts.tied, styles)
+    return {"tensor_parallel": styles}
 
 
 def _tensor_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
@@ -155,11 +231,22 @@ def _expert_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> N
         apply_expert_parallel(root, applying.meshes.expert, plan.experts)
 
 
+def _plan_context_parallel(planning: Planning) -> Mapping[str, Any]:
+    facts = planning.facts
+    split = planning.slices["pipeline"]
+    part = context_parallel_step.plan_context_parallel(
+        planning.module,
+        planning.dims,
+        planning.options.context_parallel_loss,
+        planning.options.strategy,
+        facts.checkpointed,
+        split.stages if split is not None else None,
+    )
+    return {"context_parallel": part.blocks, "context_parallel_loss": part.loss_module}
+
+
 def _context_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
-    stages = None
-    if plan.pipeline is not None:  # this rank's stages: the other stages' blocks are remote units
-        split = plan.pipeline
-        stages = [split.stages[stage] for stage in split.stages_of_rank(plan.pipeline_rank)]
+    stages = pipeline_step.rank_stages(plan.pipeline, plan.pipeline_rank)  # the other stages' blocks are remote
     part = ContextParallelPlan(plan.context_parallel, plan.context_parallel_loss)
     applying.context_parallel = context_parallel_step.apply_context_parallel(root, part, applying.meshes, stages)
 
@@ -176,11 +263,35 @@ def _activation_checkpointing(root: nn.Module, plan: ModulePlan, applying: Apply
     )
 
 
+def _plan_compile(planning: Planning) -> Mapping[str, Any]:
+    facts = planning.facts
+    return {"compile_units": compile_units(planning.module, facts.shard_units, facts.blocks, facts.roots or None)}
+
+
 def _compile(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
     if applying.compile_options is not None:
         apply_compile(root, plan.compile_units, applying.compile_options)
         if applying.meshes.dims.tensor_parallel > 1:
             wait_before_compiled_units(root, plan.compile_units)
+
+
+def _plan_data_parallel(planning: Planning) -> Mapping[str, Any]:
+    """The wrapper's units and settings; under DDP (no tensor parallelism) each tied parameter must sit inside one
+    of its units, and the modules left unsynchronised (`ignored_modules`) are resolved."""
+    module, dims, options, facts = planning.module, planning.dims, planning.options, planning.facts
+    ignored: list[str] = []
+    if not facts.adopted:
+        if dims.pipeline == 1 and options.ddp_units and dims.tensor_parallel == 1:  # with TP: FSDP replicas
+            check_each_in_one_unit(facts.tied, facts.roots, options.strategy)
+        if options.ignored_modules:
+            ignored = list(select_modules(module, options.ignored_modules, "ignored_modules"))
+    return {
+        "shard_units": facts.shard_units,
+        "data_parallel_roots": facts.roots,
+        "ignored": ignored,
+        "adopted_sharded": facts.adopted_sharded,
+        "data_parallel": data_parallel_settings(dims, options),
+    }
 
 
 def _data_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
@@ -196,6 +307,14 @@ def _data_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> Non
         applying.pipeline.install_unit_hooks()
 
 
+def _plan_materialize(planning: Planning) -> Mapping[str, Any]:
+    """A meta-device model is refused here if a module's parameters could not be initialised shard by shard (an
+    adopted model was built by the user's own `configure_model`)."""
+    if not planning.facts.adopted:
+        check_initialisable(planning.module)
+    return {}
+
+
 def _materialize(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
     """Each rank allocates and initialises only its own shards (see `lightning_dpar.parallel.materialize`); the dry
     run leaves meta tensors on the meta device."""
@@ -203,19 +322,48 @@ def _materialize(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
         materialize_meta_tensors(root, applying.meshes.device, plan.tied)
 
 
+def _from_facts(*fields: str) -> Callable[[Planning], Mapping[str, Any]]:
+    """A step whose slice is facts found on the model already (`ModelFacts`), by `ModulePlan` field name."""
+    names = {"experts": "experts", "activation_checkpointing": "checkpointed"}
+
+    def plan(planning: Planning) -> Mapping[str, Any]:
+        return {name: list(getattr(planning.facts, names[name])) for name in fields}
+
+    return plan
+
+
 #: The steps, in the order they apply (torchtitan's: a model is split into stages first, each stage's modules are
 #: tensor- and expert-parallelised, then wrapped for recomputation and compiled, and the data-parallel wrapper goes
 #: around all of it; shards are allocated last, once every layout is known). A new step goes at its place here.
 STEPS: tuple[Step, ...] = (
-    Step("pipeline split", _pipeline_split),
-    Step("tensor parallel", _tensor_parallel),
-    Step("expert parallel", _expert_parallel),
-    Step("context parallel", _context_parallel, _context_parallel_around_step),
-    Step("activation checkpointing", _activation_checkpointing),
-    Step("compile", _compile),
-    Step("data parallel", _data_parallel),
-    Step("materialise", _materialize),
+    Step("pipeline split", _plan_pipeline_split, _pipeline_split),
+    Step("tensor parallel", _plan_tensor_parallel, _tensor_parallel),
+    Step("expert parallel", _from_facts("experts"), _expert_parallel),
+    Step("context parallel", _plan_context_parallel, _context_parallel, _context_parallel_around_step),
+    Step("activation checkpointing", _from_facts("activation_checkpointing"), _activation_checkpointing),
+    Step("compile", _plan_compile, _compile),
+    Step("data parallel", _plan_data_parallel, _data_parallel),
+    Step("materialise", _plan_materialize, _materialize),
 )
+
+
+def plan_modules(module: nn.Module, dims: ParallelDims, options: PlanOptions, rank: int = 0) -> ModulePlan:
+    """What will be applied to which submodule of `module` on a world of `dims`, as seen by global rank `rank` (it
+    matters only with pipeline parallelism, where each rank holds other stages): the model's facts, then each of
+    `STEPS`' slices in order; with pipelining, restricted to `rank`'s stages (`local_plan`).
+
+    Pure (no process group): a plan that does not fit the model (a pattern matching nothing, a tensor-parallel size
+    that does not divide a sharded dimension or head count, a split leaving a stage empty) fails the same way on
+    every rank and in the `plan` dry run.
+    """
+    facts = model_facts(module, dims, options)
+    planning = Planning(module, dims, options, facts)
+    for step in STEPS:
+        planning.slices.update(step.plan(planning))
+    whole = ModulePlan(tied=facts.tied, adopted=facts.adopted, **planning.slices)
+    if whole.pipeline is None:
+        return whole
+    return local_plan(whole, whole.pipeline, pipeline_rank=rank // (dims.world_size // dims.pipeline))
 
 
 def apply_plan(
@@ -249,68 +397,6 @@ def apply_plan(
         applying.context_parallel,
         tuple(context for context in contexts if context is not None),
     )
-
-
-def apply_data_parallel(
-    root: nn.Module,
-    plan: ModulePlan,
-    meshes: ParallelMeshes,
-    mixed_precision: MixedPrecision,
-    pipelined: PipelinedModel | None = None,
-) -> list[nn.Module]:
-    """The data-parallel wrapper `plan.data_parallel` names, on its mesh; returns the modules whose gradient sync
-    `no_sync` controls. `pipelined`: this rank's pipeline stages, whose roots are the FSDP roots."""
-    settings = plan.data_parallel
-    if settings.reduce_dtype is None:
-        policy = mixed_precision
-    else:
-
-        def policy(top_level: bool) -> MixedPrecisionPolicy:
-            return replace(mixed_precision(top_level), reduce_dtype=settings.reduce_dtype)
-
-    if settings.wrapper == "replicate":
-        return apply_ddp_replicate(
-            root,
-            meshes.data_parallel.get_group(),
-            plan.data_parallel_roots,
-            plan.ignored,
-            settings.ddp_kwargs,
-            settings.comm_hook,
-            meshes.device,
-        )
-    if settings.wrapper == "fully_shard_replicas":
-        return apply_fully_shard(
-            root,
-            meshes.replicate_shard,
-            units=[],
-            mp_policy=policy,
-            top_level_units=plan.data_parallel_roots,
-            reshard_after_forward=False,
-            ignored_params=ignored_parameters(root, plan.ignored),
-        )
-    return apply_fully_shard(  # type: ignore[return-value]
-        root,
-        meshes.fsdp,
-        plan.shard_units,
-        policy,
-        top_level_units=plan.data_parallel_roots,
-        reshard_after_forward=settings.reshard_after_forward,
-        cpu_offload=settings.cpu_offload,
-        stage_roots=list(pipelined.stages.values()) if pipelined is not None else [],
-        final_unit=plan.pipeline.stages[-1][-1] if plan.pipeline is not None else None,
-        tied=plan.tied,
-        expert_units=plan.experts,
-        expert_mesh=meshes.expert_fsdp,
-    )
-
-
-def outermost_fsdp_modules(root: nn.Module) -> list[nn.Module]:
-    """The FSDP units of `root` that no other unit encloses."""
-    outermost: list[nn.Module] = []
-    for module in root.modules():
-        if isinstance(module, FSDPModule) and not any(module in set(o.modules()) for o in outermost):
-            outermost.append(module)
-    return outermost
 
 
 def apply_tensor_parallel(
@@ -363,200 +449,3 @@ def wait_before_compiled_units(root: nn.Module, compiled: Sequence[str]) -> None
         if fqn in compiled or fqn.startswith(inside) or encloses:
             continue
         module.register_forward_hook(lambda module, args, output: waited(output))
-
-
-def reshard(modules: Sequence[FSDPModule]) -> None:
-    """Free the unsharded parameters of FSDP `modules`, registering their shards again (a no-op for those sharded).
-
-    An FSDP root (or a unit with `reshard_after_forward=False`) keeps its parameters unsharded after forward
-    (backward follows at once in training) until its post-backward hook reshards them, which never runs after an
-    evaluation step, nor for a unit whose parameters are all frozen. Between steps, `parameters()` must yield the
-    shards: callbacks pair them with averaged shards (weight averaging) or add them to the optimizer (finetuning),
-    and an unsharded parameter would be a whole plain tensor that the next all-gather overwrites."""
-    for module in modules:
-        module.reshard()
-
-
-def apply_fully_shard(
-    root: nn.Module,
-    mesh: DeviceMesh,
-    units: Sequence[str],
-    mp_policy: Callable[[bool], MixedPrecisionPolicy],
-    top_level_units: Sequence[str],
-    reshard_after_forward: bool | int = True,
-    cpu_offload: bool = False,
-    ignored_params: set[nn.Parameter] | None = None,
-    stage_roots: Sequence[nn.Module] = (),
-    final_unit: str | None = None,
-    tied: Sequence[TiedGroup] = (),
-    expert_units: Sequence[str] = (),
-    expert_mesh: DeviceMesh | None = None,
-) -> list[FSDPModule]:
-    """`fully_shard` each unit (innermost first), then each top-level unit (`ModulePlan.data_parallel_roots`);
-    returns the top-level units.
-
-    `mp_policy(is_top_level)` gives each unit's mixed-precision policy. With pipeline parallelism the units are the
-    stages' units, each stage's root module (`stage_roots`) is the FSDP root over them instead, and `final_unit` is
-    the unit computing the model's output. A `tied` parameter used in several units goes to the innermost unit
-    enclosing them all (the LightningModule's own unit if need be), as FSDP2 requires: each parameter has one unit.
-    The `expert_units` (experts modules split by expert parallelism) are units of their own on `expert_mesh`, the
-    ranks holding the same experts, sharded first so the blocks around them leave their parameters alone.
-    """
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    for fqn in expert_units:
-        assert expert_mesh is not None, "expert units are sharded over the expert FSDP mesh"
-        fully_shard_unit(
-            root.get_submodule(fqn),
-            mesh=expert_mesh,
-            offload_policy=offload,
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=mp_policy(False),
-        )
-    if stage_roots:
-        return _fully_shard_stages(
-            root, mesh, units, mp_policy, reshard_after_forward, cpu_offload, stage_roots, final_unit
-        )
-    top_level_names = list(top_level_units)
-    # The top-level units are FSDP roots. `reshard_after_forward=True` on a root frees its parameters after forward
-    # only to all-gather them again at once for backward (the loss is the last thing forward computes); torch's
-    # default (`None`) keeps a root's parameters unsharded instead and reshards every other unit, which is what
-    # `True` means for the blocks. Explicit `False` or an int still apply to the roots as given.
-    root_reshard = None if reshard_after_forward is True else reshard_after_forward
-    owners = SharedOwners(root, tied, [*units, *top_level_names, ""], ignored_params or set())
-
-    def shard(fqn: str, top_level: bool) -> None:
-        fully_shard_unit(
-            root.get_submodule(fqn),
-            mesh=mesh,
-            offload_policy=offload,
-            reshard_after_forward=root_reshard if top_level else reshard_after_forward,
-            mp_policy=mp_policy(top_level),
-            **owners.ignored_kwargs(fqn),
-        )
-
-    top_level_set = set(top_level_names)
-    # A unit holding a parameter shared by several units below it goes first, while it can still reach the
-    # parameter (`fully_shard` does not look inside units already applied); the units below leave it alone.
-    for fqn in owners.hoisting_units():
-        if fqn == "":
-            shard_direct_parameters(root, mp_policy(True), {"mesh": mesh, "offload_policy": offload}, owners)
-        else:
-            shard(fqn, top_level=fqn in top_level_set)
-    # Deepest first (a stable sort by depth): nested `fully_shard` must wrap descendants before their ancestors.
-    for fqn in sorted(units, key=_depth, reverse=True):
-        if not isinstance(root.get_submodule(fqn), FSDPModule):
-            shard(fqn, top_level=False)
-    top_level = []
-    for name in top_level_names:
-        child = root.get_submodule(name)
-        if not isinstance(child, FSDPModule):
-            shard(name, top_level=True)
-        top_level.append(child)
-    if isinstance(root, FSDPModule):
-        return [root]
-    if direct_parameters(root):
-        return [shard_direct_parameters(root, mp_policy(True), {"mesh": mesh, "offload_policy": offload}, owners)]
-    return top_level  # type: ignore[return-value]
-
-
-def _fully_shard_stages(
-    root: nn.Module,
-    mesh: DeviceMesh,
-    units: Sequence[str],
-    mp_policy: Callable[[bool], MixedPrecisionPolicy],
-    reshard_after_forward: bool | int,
-    cpu_offload: bool,
-    stage_roots: Sequence[nn.Module],
-    final_unit: str | None,
-) -> list[FSDPModule]:
-    """`fully_shard` each unit of this rank's pipeline stages, then each stage's root module over them.
-
-    The model's final unit (the head) returns fp32 under bf16-mixed, as the top-level unit does unpipelined, so
-    the loss is computed in fp32. Each stage root holds no parameters of its own; it is the FSDP root torch's
-    pipeline schedules drive (gradients are reduced once per step, after the last microbatch's backward). Batch
-    inputs are not cast by it: units cast their own.
-    """
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    for fqn in sorted(units, key=_depth, reverse=True):
-        if isinstance(root.get_submodule(fqn), FSDPModule):  # an experts unit, sharded already
-            continue
-        fully_shard_unit(
-            root.get_submodule(fqn),
-            mesh=mesh,
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=mp_policy(fqn == final_unit),
-            offload_policy=offload,
-        )
-    for stage_root in stage_roots:
-        policy = replace(mp_policy(False), cast_forward_inputs=False)
-        fully_shard_unit(stage_root, mesh=mesh, mp_policy=policy, reshard_after_forward=False, offload_policy=offload)
-    return list(stage_roots)  # type: ignore[arg-type]
-
-
-#: The LightningModule methods Lightning calls instead of `forward`.
-STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
-
-
-def shard_direct_parameters(
-    root: nn.Module, policy: MixedPrecisionPolicy, common: Mapping[str, Any], owners: SharedOwners
-) -> FSDPModule:
-    """Shard the parameters registered on the LightningModule itself, and those shared by several top-level units,
-    with a `fully_shard` unit on it.
-
-    Lightning calls the step methods, not `forward`, so they are registered as FSDP forward methods: the unit's
-    parameters are gathered for each step and their gradients reduce-scattered after its backward. The unit is the
-    root of all others and keeps its parameters gathered from forward to backward (FSDP's rule for the root); batch
-    inputs are not cast (`cast_forward_inputs=False`), the children cast their own.
-    """
-    fully_shard(
-        root,
-        mp_policy=replace(policy, cast_forward_inputs=False),
-        reshard_after_forward=False,
-        **common,
-        **owners.ignored_kwargs(""),
-    )
-    for name in STEP_METHODS:
-        if callable(getattr(root, name, None)):
-            register_fsdp_forward_method(root, name)
-    return root  # type: ignore[return-value]
-
-
-def _depth(fqn: str) -> int:
-    return fqn.count(".")
-
-
-def apply_ddp_replicate(
-    root: nn.Module,
-    process_group: dist.ProcessGroup,
-    roots: Sequence[str],
-    ignored_modules: Sequence[str],
-    ddp_kwargs: Mapping[str, Any],
-    comm_hook: Callable[..., Any] | None,
-    device: torch.device,
-) -> list[nn.Module]:
-    """Composable DDP on each top-level unit (`roots`: `ModulePlan.data_parallel_roots`); gradients of
-    `ignored_modules` (FQNs) are not synchronised. A unit whose parameters are all frozen is left out (DDP refuses
-    it); the strategy averages the gradients of parameters frozen here once they require them (a finetuning callback
-    unfreezing a backbone)."""
-    ignored = {root.get_submodule(fqn) for fqn in ignored_modules}
-    replicated = []
-    for name in roots:
-        child = root.get_submodule(name)
-        if child in ignored or not any(p.requires_grad for p in child.parameters()):
-            continue
-        child_ignored = [m for m in child.modules() if m in ignored]
-        ddp_replicate(
-            child,
-            ignored_modules=child_ignored,
-            process_group=process_group,
-            device_id=device,
-            **ddp_kwargs,
-        )
-        if comm_hook is not None:
-            child.register_comm_hook(process_group, comm_hook)
-        replicated.append(child)
-    return replicated
-
-
-def ignored_parameters(root: nn.Module, patterns: Sequence[str]) -> set[nn.Parameter]:
-    return {p for fqn in patterns for p in root.get_submodule(fqn).parameters()}

@@ -11,14 +11,15 @@ Modules, in the order planning uses them:
 - `tensor_parallel`: a `tp_plan` resolved against the model, sizes and head counts checked;
 - `compile`: which modules `compile` compiles;
 - `module_plan`: `ModulePlan`, and the part of it one pipeline rank applies;
-- `planner`: `plan_modules(model, dims, PlanOptions)`, the one function that runs the steps above in order.
+- `planner`: `PlanOptions` (a strategy's arguments, frozen), the adoption checks, the tensor-parallel slice and the
+  data-parallel settings; `lightning_dpar.parallel.parallelize.plan_modules` walks the steps that make the plan.
 
 Everything here is validated against the module tree alone, before any process-group work, so a bad plan fails the
 same way (and with the same message) in training, on every rank, and in the `plan` dry run.
 """
 
 from lightning_dpar.plan.module_plan import ModulePlan, local_plan
-from lightning_dpar.plan.planner import PlanOptions, plan_modules
+from lightning_dpar.plan.planner import PlanOptions
 from lightning_dpar.plan.selectors import (
     ModuleSelector,
     fqn_matches,
@@ -57,7 +58,6 @@ __all__ = [
     "fqn_matches",
     "local_plan",
     "parse_tp_plan",
-    "plan_modules",
     "repeated_blocks",
     "resolve_activation_checkpointing",
     "resolve_blocks",

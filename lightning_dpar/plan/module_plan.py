@@ -56,7 +56,7 @@ class ModulePlan:
     itself, so the wrapper adds no FSDP units of its own.
 
     `experts` are the experts modules whose experts are split between the expert-parallel ranks
-    (`lightning_dpar.plan.experts`); each is also an FSDP unit of its own, sharded over the ranks that hold the same
+    (`lightning_dpar.experts.plan`); each is also an FSDP unit of its own, sharded over the ranks that hold the same
     experts.
 
     `context_parallel` names the blocks each sequence is split across under context parallelism, in order

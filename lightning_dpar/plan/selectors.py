@@ -15,6 +15,7 @@ from lightning_dpar.plan.structure import repeated_blocks
 __all__ = [
     "ModuleSelector",
     "fqn_matches",
+    "pattern_reaches",
     "resolve_activation_checkpointing",
     "resolve_blocks",
     "select_modules",
@@ -80,3 +81,12 @@ def resolve_activation_checkpointing(
     if spec is True:
         return shard_units or (list(blocks) if blocks is not None else repeated_blocks(root))
     return select_modules(root, spec, "activation_checkpointing")
+
+
+def pattern_reaches(pattern: str, fqns: Sequence[str]) -> bool:
+    """Whether a module-name pattern (`layers.*.mlp.experts.gate_up_proj`) names one of `fqns` or something inside
+    one: a tensor-parallel entry that expert parallelism replaces."""
+    atoms = pattern.split(".")
+    return any(
+        len(atoms) >= len(fqn.split(".")) and fqn_matches(".".join(atoms[: len(fqn.split("."))]), fqn) for fqn in fqns
+    )

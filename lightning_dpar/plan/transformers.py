@@ -16,8 +16,7 @@ from torch import nn
 
 from lightning_dpar._private_api import transformers_tp_plan_attribute
 from lightning_dpar.helpers import class_name, transformers_models
-from lightning_dpar.plan.experts import pattern_reaches
-from lightning_dpar.plan.selectors import fqn_matches
+from lightning_dpar.plan.selectors import fqn_matches, pattern_reaches
 from lightning_dpar.plan.styles import HF_STYLES, UNSUPPORTED_HF_STYLES
 
 __all__ = [

@@ -9,9 +9,8 @@ from one mixin per concern, each in the module named after it:
   pipeline parallelism);
 - `checkpoint_hooks`: save, load, removal and the resume state, delegated to the `CheckpointManager`.
 
-The hooks delegate: planning to `lightning_dpar.plan.plan_modules` (with this strategy's `plan_options`), applying
-the plan to `lightning_dpar.parallel.parallelize.apply_plan`, pretrained weights to
-`lightning_dpar.hf_weights.pretrained`. A concrete
+The hooks delegate: planning and applying the plan to `lightning_dpar.parallel.parallelize` (`plan_modules` with this
+strategy's `plan_options`, then `apply_plan`), pretrained weights to `lightning_dpar.hf_weights.pretrained`. A concrete
 strategy only says what its arguments add to the plan (`plan_options`, the data-parallel wrapper's settings
 included).
 """
@@ -59,7 +58,7 @@ from lightning_dpar.parallel.compilation import CompileSpec, compile_options
 from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.runtime import PipelineRuntime
-from lightning_dpar.plan import AUTO, ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec, parse_tp_plan, plan_modules
+from lightning_dpar.plan import AUTO, ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec, parse_tp_plan
 from lightning_dpar.plan.structure import module_structure
 from lightning_dpar.strategies.checkpoint_hooks import CheckpointHooks
 from lightning_dpar.strategies.collectives import Collectives
@@ -106,7 +105,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         expert_parallel_size: ranks holding different experts of each MoE layer, taken from the shard ranks
             (`"auto"`: those of one node); see `lightning_dpar.experts.parallel`.
         expert_modules: the experts modules (class names or globs); default: a transformers model's
-            `base_model_ep_plan`, else the experts contract (`lightning_dpar.plan.experts`).
+            `base_model_ep_plan`, else the experts contract (`lightning_dpar.experts.plan`).
         on_nonfinite: what a step whose loss or gradients hold NaN or Inf on any rank does, checked once per optimizer
             step after the gradients are reduced and before clipping: `"raise"` (default: every rank raises
             `NonFiniteError` before the optimizer step, naming the step, the parameters and the ranks), `"skip"`
@@ -307,11 +306,11 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
 
     def module_plan(self, module: nn.Module, dims: ParallelDims | None = None, rank: int | None = None) -> ModulePlan:
         """What will be applied to which submodule on a world of `dims` (default: this run's), as seen by global rank
-        `rank` (default: this one); see `lightning_dpar.plan.plan_modules`, which training and the `plan` dry run
-        share."""
+        `rank` (default: this one); see `lightning_dpar.parallel.parallelize.plan_modules`, which training and the
+        `plan` dry run share."""
         dims = dims if dims is not None else self.dims
         assert dims is not None, "the mesh sizes are resolved in `setup_environment`"
-        return plan_modules(module, dims, self.plan_options, self.global_rank if rank is None else rank)
+        return parallelize.plan_modules(module, dims, self.plan_options, self.global_rank if rank is None else rank)
 
     @property
     def compile_options(self) -> dict[str, Any] | None:

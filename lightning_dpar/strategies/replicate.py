@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_dpar._private_api import StrategyRegistryType, compiled_autograd, swap_ddp_optimize_mode
 from lightning_dpar.conformance.unit_guard import UnitCallGuard
-from lightning_dpar.parallel import parallelize
+from lightning_dpar.parallel import data_parallel, parallelize
 from lightning_dpar.parallel.compilation import compiled_autograd_compiler
 from lightning_dpar.parallel.ddp_comm_hooks import COMPRESS_HOOK_DTYPES, CommHook, resolve_comm_hook
 from lightning_dpar.parallel_dims import ParallelDims, SizeArg
@@ -166,7 +166,7 @@ class ReplicateStrategy(DparStrategy):
             # DDP's reducer also leaves out parameters frozen when it wraps the model. One unfrozen later (a
             # finetuning callback) would train on this rank's batches alone, as under Lightning's DDP, where the
             # ranks' copies drift apart; its gradients are averaged here instead, from the step it requires them.
-            not_synced = parallelize.ignored_parameters(module, plan.ignored)
+            not_synced = data_parallel.ignored_parameters(module, plan.ignored)
             self._frozen_at_wrap = [p for p in module.parameters() if not p.requires_grad and p not in not_synced]
         if self.dims.tensor_parallel == 1 and not self._compiled_autograd:
             # Compiled autograd traces the backward, hooks included; the guard's check is eager-only.

@@ -26,7 +26,7 @@ from lightning_dpar.conformance.callback_checks import optimizer_problem
 from lightning_dpar.experts.router_loss import GlobalRouterLoss
 from lightning_dpar.helpers import attached_trainer, key_value_cache_configs, without_key_value_cache
 from lightning_dpar.optim.nonfinite import SKIPPED_METRIC, NonFiniteGuard, parameter_names
-from lightning_dpar.parallel import parallelize
+from lightning_dpar.parallel import data_parallel, parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -138,10 +138,10 @@ class StepHooks(ParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """The step, checked for NaN and Inf first (`lightning_dpar.optim.nonfinite`), then every FSDP unit's
         parameters sharded again: a root, or a unit no backward went through (all its parameters frozen), keeps them
-        unsharded, and callbacks between steps must see the shards (`parallelize.reshard`)."""
+        unsharded, and callbacks between steps must see the shards (`data_parallel.reshard`)."""
         step = partial(super().optimizer_step, optimizer, model=model, **kwargs)
         output = step(closure) if self.nonfinite is None else self._checked_step(step, closure, optimizer)
-        parallelize.reshard(self._fsdp_units)
+        data_parallel.reshard(self._fsdp_units)
         return output
 
     def _checked_step(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any], opt: Any) -> Any:
@@ -188,7 +188,7 @@ class StepHooks(ParallelStrategy):
         with self._step_forward(training=False):
             if self._pipeline is None:
                 output = super().validation_step(*args, **kwargs)
-                parallelize.reshard(self._fsdp_units)  # see `optimizer_step`
+                data_parallel.reshard(self._fsdp_units)  # see `optimizer_step`
                 return output
             return self._pipeline.eval_step(self.precision_plugin, "validation_step", args)
 

@@ -34,7 +34,7 @@ def test_a_short_run_writes_every_strategys_column(tmp_path):
     assert header == "| | dpar_fsdp | dpar_replicate | dpar_2d |"
     rows = {line.split(" | ")[0]: line for line in table.splitlines() if line.startswith("| `")}
     # Hooks every strategy runs each step, with a call count of 1 per step.
-    for hook in ("StepHooks._release_last_gradients", "StepHooks._step_forward", "parallelize.reshard"):
+    for hook in ("StepHooks._release_last_gradients", "StepHooks._step_forward", "data_parallel.reshard"):
         assert rows[f"| `{hook}`"].count("| 1: ") == 3, rows[f"| `{hook}`"]
     assert "UnitCallGuard._check_called" in table  # DDP's guard, on the replicate column only
 

@@ -362,7 +362,7 @@ def test_one_setup_pass_computes_each_fact_of_the_plan_once(gloo_world):
     from benchmarks.setup_pass import modules_touched
 
     touched, facts = modules_touched("dpar_fsdp")
-    assert facts["planner.plan_modules"] == 1
+    assert facts["parallelize.plan_modules"] == 1
     assert facts["structure.data_parallel_roots"] == 1
     assert facts["ties.tied_parameters"] == 1
     assert facts["parallel_dims.build"] == 1

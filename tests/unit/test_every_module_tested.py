@@ -51,7 +51,6 @@ NOT_YET_TESTED_BY_NAME = {
     "lightning_dpar.pipeline.forward_relay",
     "lightning_dpar.plan.compile",
     "lightning_dpar.plan.initialisers",
-    "lightning_dpar.plan.selectors",
     "lightning_dpar.plan.styles",
     "lightning_dpar.plan.tensor_parallel",
     "lightning_dpar.strategies.checkpoint_hooks",

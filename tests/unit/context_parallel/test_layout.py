@@ -76,7 +76,7 @@ def test_the_activation_estimate_knows_context_parallelism():
     from lightning_dpar import FullyShardStrategy
     from lightning_dpar.estimates.activations import estimate_activations
     from lightning_dpar.examples.gpt import GPT
-    from lightning_dpar.plan import plan_modules
+    from lightning_dpar.parallel.parallelize import plan_modules
 
     retained = {}
     for cp in (1, 2, 4):

@@ -112,7 +112,7 @@ class Holder(nn.Module):
 
 
 def test_the_plan_names_the_causal_lm_whose_loss_is_per_rank():
-    from lightning_dpar.plan import plan_modules
+    from lightning_dpar.parallel.parallelize import plan_modules
 
     with torch.device("meta"):
         root = Holder()
@@ -192,7 +192,7 @@ def test_the_activation_estimate_traces_the_per_rank_head_and_loss(as_list):
     """The dry run hands the estimate its plans as a list (one per pipeline rank): the per-rank loss survives that
     too. At CP 2 the head's and the loss's activations are halved, so the estimate is lower than in whole mode."""
     from lightning_dpar.estimates.activations import estimate_activations
-    from lightning_dpar.plan import plan_modules
+    from lightning_dpar.parallel.parallelize import plan_modules
 
     class Trained(Holder):
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

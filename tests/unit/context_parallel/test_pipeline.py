@@ -9,9 +9,9 @@ import torch
 
 from lightning_dpar.context_parallel import ContextParallel, HeadTailLayout, block_runs, check_pipeline_split
 from lightning_dpar.examples.gpt import GPT
+from lightning_dpar.parallel.parallelize import plan_modules
 from lightning_dpar.parallel_dims import CONTEXT, PIPELINE, ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
-from lightning_dpar.plan import plan_modules
 from lightning_dpar.plan.planner import PlanOptions
 from tests.unit.context_parallel.test_runtime import Model, Rotary
 

@@ -11,7 +11,7 @@ from tests.support import moe
 
 def test_moe_facts_count_the_experts_modules_not_the_routers():
     """DeepSeek-V3's router carries `num_experts` and a `[num_experts, hidden]` weight of its own; only the experts
-    modules (the contract of `lightning_dpar.plan.experts`) are experts: 2 MoE layers, not 4, and the routers'
+    modules (the contract of `lightning_dpar.experts.plan`) are experts: 2 MoE layers, not 4, and the routers'
     weights are dense parameters every token passes through."""
     pytest.importorskip("transformers")
     from transformers import DeepseekV3ForCausalLM

@@ -1,74 +1,15 @@
-"""Per-step work the strategies must not add over a hand-written FSDP2 loop (see docs/benchmarks.md, "Where the step
-time goes"). In-process, one-rank gloo group: FSDP2's resharding decisions do not depend on the world size."""
+"""The list of steps and its two walks: `plan_modules` asks each step for its slice of the plan, `apply_plan` applies
+each. In-process, on a one-rank gloo group."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from lightning_dpar.parallel import parallelize
-from lightning_dpar.plan.structure import data_parallel_roots
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-class _Module(nn.Module):
-    """LightningModule-shaped: one top-level child (the FSDP root) holding blocks and a head of its own."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = _Net()
-
-
-def _wrap(module: nn.Module, reshard_after_forward: bool | int) -> None:
-    mesh = init_device_mesh("cpu", (1,))
-    units = ["model.blocks.0", "model.blocks.1"]
-    policy = lambda root: MixedPrecisionPolicy()  # noqa: E731
-    parallelize.apply_fully_shard(module, mesh, units, policy, data_parallel_roots(module), reshard_after_forward)
-
-
-def test_root_keeps_its_parameters_from_forward_to_backward(one_rank_group):
-    """`reshard_after_forward=True` reshards the blocks, not the root: its parameters are needed again at once in
-    backward, so resharding them would cost one more all-gather every step (as the plain loop does not)."""
-    module = _Module()
-    _wrap(module, reshard_after_forward=True)
-    loss = module.model(torch.randn(3, 4)).sum()
-    assert isinstance(module.model.blocks[0].weight, DTensor)  # a block: resharded after its forward
-    assert not isinstance(module.model.head.weight, DTensor)  # the root's own head: still unsharded
-    loss.backward()
-    assert isinstance(module.model.head.weight, DTensor)  # resharded after backward, as always
-
-
-def test_explicit_false_still_applies_to_every_unit(one_rank_group):
-    module = _Module()
-    _wrap(module, reshard_after_forward=False)
-    module.model(torch.randn(3, 4)).sum()
-    assert not isinstance(module.model.blocks[0].weight, DTensor)
-    assert not isinstance(module.model.head.weight, DTensor)
+from tests.unit.parallel.test_data_parallel import LightningShaped
 
 
 def test_the_steps_are_in_torchtitans_order_and_context_parallel_comes_before_checkpointing():
@@ -85,14 +26,14 @@ def test_the_steps_are_in_torchtitans_order_and_context_parallel_comes_before_ch
     assert [step.name for step in parallelize.STEPS if step.around_step is not None] == ["context parallel"]
 
 
-def test_apply_plan_walks_every_step_and_the_data_parallel_step_reads_its_settings_from_the_plan(one_rank_group):
+def test_apply_plan_walks_every_step_and_the_data_parallel_step_reads_its_settings_from_the_plan(gloo_world):
     """A one-rank `apply_plan` with no strategy: the wrapper and `reshard_after_forward` come from the plan."""
     from lightning_dpar.parallel_dims import ParallelDims
     from lightning_dpar.plan import ModulePlan
     from lightning_dpar.plan.module_plan import DataParallelSettings
 
     meshes = ParallelDims(1, 1, 1, 1).build_meshes(torch.device("cpu"), device_type="cpu")
-    module = _Module()
+    module = LightningShaped()
     settings = DataParallelSettings("fully_shard", reshard_after_forward=False)
     plan = ModulePlan(
         {}, [], ["model.blocks.0", "model.blocks.1"], data_parallel_roots=["model"], data_parallel=settings
@@ -129,15 +70,76 @@ def test_around_a_step_the_steps_contexts_are_entered_in_order_and_left_in_rever
     assert events[-2:] == ["enter c False ()", "exit c"]
 
 
-def test_apply_plan_replicates_when_the_plan_says_replicate(one_rank_group):
+def test_apply_plan_replicates_when_the_plan_says_replicate(gloo_world):
     from lightning_dpar._private_api import is_composable_replicated
     from lightning_dpar.parallel_dims import ParallelDims
     from lightning_dpar.plan import ModulePlan
     from lightning_dpar.plan.module_plan import DataParallelSettings
 
     meshes = ParallelDims(1, 1, 1, 1).build_meshes(torch.device("cpu"), device_type="cpu")
-    module = _Module()
+    module = LightningShaped()
     plan = ModulePlan({}, [], [], data_parallel_roots=["model"], data_parallel=DataParallelSettings("replicate"))
     applied = parallelize.apply_plan(module, plan, meshes)
     assert applied.grad_sync_modules == [module.model] and is_composable_replicated(module.model)
     assert applied.fsdp_modules == []
+
+
+def _planning(module: nn.Module, dims, **options) -> parallelize.Planning:
+    from lightning_dpar.plan import PlanOptions
+
+    plan_options = PlanOptions("FullyShardStrategy", shards=True, **options)
+    return parallelize.Planning(module, dims, plan_options, parallelize.model_facts(module, dims, plan_options))
+
+
+def test_each_field_of_the_plan_is_one_steps_slice_or_a_fact_of_the_model():
+    """The planning walk: every `ModulePlan` field but the model-wide ones (`tied`, `adopted`, and `pipeline_rank`,
+    set when the plan is restricted to a rank's stages) is made by exactly one step."""
+    from dataclasses import fields
+
+    from lightning_dpar.parallel_dims import ParallelDims
+    from lightning_dpar.plan import ModulePlan
+
+    planning = _planning(LightningShaped(), ParallelDims(2, 1, 2, 1))
+    owners: dict[str, list[str]] = {}
+    for step in parallelize.STEPS:
+        part = step.plan(planning)
+        planning.slices.update(part)
+        for name in part:
+            owners.setdefault(name, []).append(step.name)
+    assert {name: steps for name, steps in owners.items() if len(steps) > 1} == {}
+    made = set(owners) | {"tied", "adopted", "pipeline_rank"}
+    assert made == {field.name for field in fields(ModulePlan)}
+    assert owners["context_parallel"] == ["context parallel"] and owners["data_parallel"] == ["data parallel"]
+
+
+def test_plan_modules_is_the_walk_of_the_steps_slices():
+    from lightning_dpar.parallel_dims import ParallelDims
+    from lightning_dpar.plan import PlanOptions
+
+    module = LightningShaped()
+    dims = ParallelDims(2, 1, 2, 1)
+    options = PlanOptions("FullyShardStrategy", shards=True, activation_checkpointing=True)
+    plan = parallelize.plan_modules(module, dims, options)
+    assert plan.shard_units == ["model.blocks.0", "model.blocks.1"]
+    assert plan.activation_checkpointing == ["model.blocks.0", "model.blocks.1"]
+    assert plan.data_parallel_roots == ["model"] and plan.pipeline is None and plan.tensor_parallel == {}
+    assert plan.data_parallel.wrapper == "fully_shard" and not plan.adopted
+
+
+def test_planning_refuses_before_any_collective_in_the_step_that_owns_the_check():
+    """The materialise step's slice refuses a meta-device module it could not initialise shard by shard, with no
+    process group started (this test has none)."""
+    from lightning_dpar.parallel_dims import ParallelDims
+
+    class Opaque(nn.Module):  # a parameter of its own, no `reset_parameters`: no initialiser to run per shard
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+
+    with torch.device("meta"):
+        module = nn.Module()
+        module.model = nn.Sequential(Opaque(), Opaque())
+    planning = _planning(module, ParallelDims(1, 1, 1, 1))
+    materialise = next(step for step in parallelize.STEPS if step.name == "materialise")
+    with pytest.raises(Exception, match="Opaque"):
+        materialise.plan(planning)

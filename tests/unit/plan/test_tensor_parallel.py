@@ -107,7 +107,7 @@ def test_a_unit_ending_in_a_tensor_parallel_layer_trains_exactly_without_fsdps_v
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from lightning_dpar.parallel.parallelize import apply_fully_shard
+    from lightning_dpar.parallel.data_parallel import apply_fully_shard
     from lightning_dpar.plan.structure import data_parallel_roots
 
     torch.manual_seed(0)

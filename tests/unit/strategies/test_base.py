@@ -153,7 +153,7 @@ class _GrowsInSetup(ParityModule):
 def test_the_plan_is_computed_once_unless_the_model_changed(gloo_world, monkeypatch, module_class, plans):
     """Planned before the process group and carried into `setup`; planned again only when a hook changed the model's
     structure in between, and then the plan applied is the new model's."""
-    import lightning_dpar.strategies.base as base
+    from lightning_dpar.parallel import parallelize
 
     calls = []
 
@@ -161,8 +161,8 @@ def test_the_plan_is_computed_once_unless_the_model_changed(gloo_world, monkeypa
         calls.append(args[0])
         return plan_modules(*args, **kwargs)
 
-    plan_modules = base.plan_modules
-    monkeypatch.setattr(base, "plan_modules", counted)
+    plan_modules = parallelize.plan_modules
+    monkeypatch.setattr(parallelize, "plan_modules", counted)
     trainer, module = _fit(STRATEGIES["fsdp"](), steps=1, module=module_class())
     assert len(calls) == plans and all(c is module for c in calls)
     assert trainer.strategy.applied is not None and trainer.strategy.applied.plan is trainer.strategy.plan

@@ -12,10 +12,12 @@ from torch import nn
 import lightning_dpar
 from lightning_dpar.examples.gpt import GPT
 from lightning_dpar.examples.moe import Experts
+from lightning_dpar.experts.plan import check_experts_contract, find_experts, plan_experts
+from lightning_dpar.parallel.parallelize import plan_modules
 from lightning_dpar.parallel_dims import ParallelDims
-from lightning_dpar.plan import plan_modules, transformers_tp_plan
-from lightning_dpar.plan.experts import check_experts_contract, find_experts, pattern_reaches, plan_experts
+from lightning_dpar.plan import transformers_tp_plan
 from lightning_dpar.plan.planner import PlanOptions
+from lightning_dpar.plan.selectors import pattern_reaches
 from lightning_dpar.plan.transformers import transformers_experts
 
 

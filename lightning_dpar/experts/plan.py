@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from torch import nn
 
 from lightning_dpar.helpers import class_name, divisors, is_under, show_names
-from lightning_dpar.plan.selectors import ModuleSelector, fqn_matches, select_modules
+from lightning_dpar.plan.selectors import ModuleSelector, select_modules
 
-__all__ = ["check_experts_contract", "find_experts", "pattern_reaches", "plan_experts"]
+__all__ = ["check_experts_contract", "find_experts", "plan_experts"]
 
 
 def plan_experts(
@@ -43,7 +43,7 @@ def plan_experts(
         raise ValueError(
             f"`expert_parallel_size={expert_parallel_size}` needs Mixture-of-Experts layers, but {class_name(root)}"
             " holds no experts module: a module with an integer `num_experts`, parameters stacked along the expert"
-            " dim, and `forward(hidden_states, top_k_index, top_k_weights)` (see `lightning_dpar.plan.experts`)."
+            " dim, and `forward(hidden_states, top_k_index, top_k_weights)` (see `lightning_dpar.experts.plan`)."
             " Set `expert_parallel_size=1`, or name your experts modules with `expert_modules=[...]`."
         )
     for fqn in experts:
@@ -69,7 +69,7 @@ def check_experts_contract(module: nn.Module, fqn: str) -> None:
             f"{fqn!r} ({class_name(module)}) cannot be split between expert-parallel ranks: {violation}. An experts"
             " module has an integer `num_experts`, parameters stacked along dim 0 (one slice per expert), no"
             " parameters in its children, and `forward(hidden_states, top_k_index, top_k_weights)`; see"
-            " `lightning_dpar.plan.experts`."
+            " `lightning_dpar.experts.plan`."
         )
 
 
@@ -100,15 +100,6 @@ def _takes_three_inputs(module: nn.Module) -> bool:
     if any(p.kind is p.VAR_POSITIONAL for p in parameters):
         return True
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters) >= 3
-
-
-def pattern_reaches(pattern: str, fqns: Sequence[str]) -> bool:
-    """Whether a module-name pattern (`layers.*.mlp.experts.gate_up_proj`) names one of `fqns` or something inside
-    one: a tensor-parallel entry that expert parallelism replaces."""
-    atoms = pattern.split(".")
-    return any(
-        len(atoms) >= len(fqn.split(".")) and fqn_matches(".".join(atoms[: len(fqn.split("."))]), fqn) for fqn in fqns
-    )
 
 
 def _check_divisible(module: nn.Module, fqn: str, expert_parallel_size: int, shard_size: int) -> None:
