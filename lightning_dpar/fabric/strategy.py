@@ -2,8 +2,8 @@
 
 One implementation: each Fabric strategy holds the Trainer-side strategy of the same name and arguments (`engine`,
 a `lightning_dpar.strategies.DparStrategy`), and every decision is the engine's: the mesh sizes and their checks
-(`ParallelDims`), the process group and meshes (`ParallelMeshes`), the plan (`plan_modules`, through the engine's
-`_plan_for`), the parallelisation (`apply_plan`, every step of `parallelize.STEPS`), the optimizers' exactness
+(`ParallelDims`), the process group and meshes (`ParallelMeshes`), the plan (`parallelize.plan_modules`, through the
+engine's `_plan_for`), the parallelisation (`apply_plan`, every step of `parallelize.STEPS`), the optimizers' exactness
 checks, gradient-sync control, clipping over every mesh, the non-finite step guard, and checkpoints (the
 `CheckpointManager`, writing the Trainer's layout). What this module adds is only the mapping of Fabric's hooks onto
 those calls. The engine's hooks it calls by their underscored names (`_resolve_world`, `_parallelize`,
@@ -53,7 +53,7 @@ from lightning_dpar.fabric.refusals import check_fabric_arguments
 from lightning_dpar.fabric.state import rebind_optimizer, split_state
 from lightning_dpar.optim.nonfinite import parameter_names
 from lightning_dpar.optim.precision import DparPrecision
-from lightning_dpar.parallel import parallelize
+from lightning_dpar.parallel import data_parallel
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.strategies import DparStrategy
 from lightning_dpar.strategies import FSDPTensorParallelStrategy as TrainerFSDPTensorParallelStrategy
@@ -294,7 +294,7 @@ class DparFabricStrategy(ParallelStrategy):
                 device=self.root_device,
                 deferred=False,
             )
-        parallelize.reshard(engine.applied.fsdp_modules if engine.applied is not None else [])
+        data_parallel.reshard(engine.applied.fsdp_modules if engine.applied is not None else [])
         self._optimizer_steps += 1
         return output
 
