@@ -21,7 +21,8 @@ from lightning_dpar.fabric.strategy import (
     ReplicateStrategy,
 )
 from lightning_dpar.optim.nonfinite import NonFiniteError
-from tests.support.models import TP_PLAN, RegressionData, make_optimizer
+from tests.support.models import TP_PLAN, ParityModule, RegressionData, global_batches, loader, make_optimizer
+from tests.workers.common import BATCH, STEPS, full_params, trainer_for
 from tests.workers.fabric import FabricNet, reference
 
 STRATEGIES = {
@@ -169,3 +170,47 @@ def test_bf16_mixed_is_the_engines_precision(gloo_world):
     fabric = _fabric("dpar_fsdp", precision="bf16-mixed")
     assert fabric.strategy.precision is fabric.strategy.engine.precision_plugin
     assert fabric.strategy.precision.precision == "bf16-mixed"
+
+
+def test_an_async_save_is_complete_after_wait_and_loads(gloo_world, tmp_path):
+    fabric = _fabric(FullyShardStrategy(async_save=True))
+    model = fabric.setup(FabricNet())
+    optimizer = fabric.setup_optimizers(make_optimizer("adam", model.parameters()))
+    _train(fabric, model, optimizer, _batches(2))
+    fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer, "step": 2})
+    saved = _whole(model)
+    fabric.strategy.wait_for_checkpoint()
+    assert (tmp_path / "ckpt" / ".metadata").is_file()  # under its final name once waited for
+    _train(fabric, model, optimizer, _batches(1))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(tmp_path / "ckpt", state)
+    assert state["step"] == 2 and _max_diff(_whole(model), saved) == 0.0
+
+
+def test_a_full_checkpoint_is_one_file_that_a_sharded_layout_loads(gloo_world, tmp_path):
+    fabric = _fabric(ReplicateStrategy(checkpoint_format="full"))
+    model = fabric.setup(FabricNet())
+    optimizer = fabric.setup_optimizers(make_optimizer("adam", model.parameters()))
+    _train(fabric, model, optimizer, _batches(2))
+    fabric.save(tmp_path / "full.ckpt", {"model": model, "optimizer": optimizer})
+    assert (tmp_path / "full.ckpt").is_file()
+    whole = torch.load(tmp_path / "full.ckpt", weights_only=True)["state_dict"]
+    assert _max_diff(whole, _whole(model)) == 0.0
+
+
+@pytest.mark.parametrize("name", ["dpar_fsdp", "dpar_replicate"])
+def test_bf16_mixed_under_fabric_is_the_trainers_bf16_mixed(gloo_world, name):
+    """The same precision code path: FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 master weights and gradient
+    reduction) under `dpar_fsdp`, autocast under `dpar_replicate`; the Trainer's result, to the bit."""
+    data = RegressionData()
+    trainer = trainer_for(name, devices=1, precision="bf16-mixed")
+    trainer.fit(ParityModule(optimizer="sgd"), loader(data, BATCH))
+    want = full_params(trainer)
+    fabric = _fabric(name, precision="bf16-mixed")
+    model = fabric.setup(FabricNet())
+    optimizer = fabric.setup_optimizers(make_optimizer("sgd", model.parameters()))
+    _train(fabric, model, optimizer, global_batches(data, 1, BATCH, STEPS))
+    got = _whole(model)
+    assert all(v.dtype == torch.float32 for v in got.values())
+    assert _max_diff(got, want) == 0.0
+    assert _max_diff(got, reference("sgd", global_batches(data, 1, BATCH, STEPS))) > 0  # bf16 compute: not fp32's
