@@ -49,7 +49,7 @@ from lightning_dpar._private_api import (
     StrategyRegistryType,
     optimizers_to_device,
 )
-from lightning_dpar.fabric.refusals import check_fabric_arguments
+from lightning_dpar.fabric.refusals import check_fabric_arguments, check_fabric_model
 from lightning_dpar.fabric.state import rebind_optimizer, split_state
 from lightning_dpar.optim.nonfinite import parameter_names
 from lightning_dpar.optim.precision import DparPrecision
@@ -214,6 +214,7 @@ class DparFabricStrategy(ParallelStrategy):
                 " for that model); this Fabric already set one up. Put the models in one `nn.Module`, or use one"
                 " Fabric per model."
             )
+        check_fabric_model(module, type(self).__name__)
         engine = self.engine
         if isinstance(engine, TrainerReplicateStrategy):
             engine.prepare_ddp_mode()

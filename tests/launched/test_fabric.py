@@ -1,8 +1,8 @@
 """The strategies under a real Lightning Fabric loop on 2 and 4 gloo ranks (cases in `tests/workers/fabric.py`):
-parity with one process under replicate, FSDP, HSDP, TP 2, TP 2 x FSDP 2 and DDP + TP 2, with accumulation
-(`fabric.no_backward_sync`) and clipping (`fabric.clip_gradients`); a 4-rank save loaded on 2 ranks into a model
-built on the meta device continues exactly; the Trainer <-> Fabric checkpoint round trip and `consolidate`; and the
-refusals, alike on every rank."""
+parity with one process under replicate, FSDP, HSDP, TP 2, TP 2 x FSDP 2, DDP + TP 2 and expert parallelism, with
+accumulation (`fabric.no_backward_sync`) and clipping (`fabric.clip_gradients`); a 4-rank save loaded on 2 ranks
+into a model built on the meta device continues exactly; the Trainer <-> Fabric checkpoint round trip and
+`consolidate`; and the refusals, alike on every rank."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ REFUSALS = {
 def fabric_world(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"fabric{request.param}")
     env = {CHECKPOINT_ENV: str(tmp / "checkpoints")}
-    return request.param, run_workers(request.param, "fabric,fabric_refusals", tmp, extra_env=env)
+    return request.param, run_workers(request.param, "fabric,fabric_refusals,fabric_moe", tmp, extra_env=env)
 
 
 @pytest.mark.slow
@@ -67,6 +67,23 @@ def test_fabric_refuses_on_every_rank_with_the_fix(fabric_world, case):
     assert len(messages) == world and len(set(messages)) == 1, messages  # every rank, the same error
     for fragment in REFUSALS[case]:
         assert fragment in messages[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["fabric_example_moe_ep", "fabric_qwen3_moe_router_loss_ep"])
+def test_expert_parallel_moe_in_a_fabric_loop_trains_like_one_process(fabric_world, case):
+    """Experts split over every rank, accumulation and clipping; a transformers MoE's load-balancing loss over the
+    global micro-batch, as one process computes it."""
+    _, results = fabric_world
+    assert results[case]["max_abs_diff"] < ATOL
+
+
+@pytest.mark.slow
+def test_a_root_transformers_moe_with_router_logits_is_refused_on_every_rank(fabric_world):
+    world, results = fabric_world
+    messages = results["fabric_refuses_bare_moe_with_router_loss"]
+    assert len(messages) == world and len(set(messages)) == 1, messages
+    assert "`output_router_logits=True` as the model itself" in messages[0]
 
 
 @pytest.mark.slow

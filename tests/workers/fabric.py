@@ -293,6 +293,83 @@ def group_fabric_refusals() -> Iterator[Case]:
     yield refused("fabric_refuses_stepped_optimizer", stepped_optimizer)
 
 
+def moe_parity(make: Callable[[], nn.Module], loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> dict | None:
+    """A MoE model under `FullyShardStrategy(expert_parallel_size=world)` in a Fabric loop (accumulating 2
+    micro-batches, clipping) against one process; `loss(model, batch)` calls the model through its forward (for a
+    transformers MoE with `output_router_logits`, the load-balancing loss over the global batch)."""
+    from tests.workers.hf_models import TokenIds
+    from tests.workers.hf_models import global_batches as token_batches
+
+    world = world_size()
+    fabric = fabric_for(dpar_fabric.FullyShardStrategy(expert_parallel_size=world))
+    model = make()
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+    data = TokenIds()
+    batches = iter(fabric.setup_dataloaders(torch.utils.data.DataLoader(data, batch_size=BATCH // 2, shuffle=True)))
+    for _ in range(STEPS):
+        for micro in range(2):
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                fabric.backward(loss(model, next(batches)) / 2)
+        fabric.clip_gradients(model, opt, max_norm=0.5)
+        opt.step()
+        opt.zero_grad()
+    got = gathered(model)
+    if fabric.global_rank != 0:
+        return None
+    reference_model = make()
+    reference_opt = torch.optim.SGD(reference_model.parameters(), lr=0.5, momentum=0.9)
+    micro = token_batches(data, world, 0, STEPS)  # each of `world` ranks' BATCH-sized slice, one per step
+    for step in range(STEPS):  # micro-batch m of the step: every rank's m-th half, as the ranks ran it
+        for m in range(2):
+            rows = torch.cat([micro[step][rank * BATCH : (rank + 1) * BATCH].chunk(2)[m] for rank in range(world)])
+            (loss(reference_model, rows) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(reference_model.parameters(), 0.5)
+        reference_opt.step()
+        reference_opt.zero_grad()
+    want = {k: v.detach().clone() for k, v in reference_model.state_dict().items()}
+    return {"max_abs_diff": max_diff(got, want)}
+
+
+def _example_moe() -> nn.Module:
+    from tests.workers.moe import ExampleMoE
+
+    return ExampleMoE()
+
+
+def _example_moe_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+
+
+class _Held(nn.Module):
+    """A model under a `net` attribute, as the Trainer's `HFMoEModule` holds it."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, **kwargs: Any) -> Any:
+        return self.net(**kwargs)
+
+
+def _qwen3_moe_with_router_loss() -> nn.Module:
+    from tests.workers.moe import HFMoEModule
+
+    return _Held(HFMoEModule(output_router_logits=True, router_aux_loss_coef=0.1).net)
+
+
+def group_fabric_moe() -> Iterator[Case]:
+    yield Case("fabric_example_moe_ep", lambda: moe_parity(_example_moe, _example_moe_loss))
+    yield Case(
+        "fabric_refuses_bare_moe_with_router_loss",
+        lambda: _messages(lambda: fabric_for("dpar_ep").setup(_qwen3_moe_with_router_loss().net)),
+    )
+    yield Case(
+        "fabric_qwen3_moe_router_loss_ep",
+        lambda: moe_parity(_qwen3_moe_with_router_loss, lambda model, batch: model(input_ids=batch, labels=batch).loss),
+    )
+
+
 def group_fabric_save_4() -> Iterator[Case]:
     yield Case("fabric_save_4", save_4)
 
@@ -306,4 +383,5 @@ GROUPS = {
     "fabric_refusals": group_fabric_refusals,
     "fabric_save_4": group_fabric_save_4,
     "fabric_load_2": group_fabric_load_2,
+    "fabric_moe": group_fabric_moe,
 }

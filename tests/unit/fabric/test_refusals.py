@@ -4,9 +4,10 @@ every rank raises the same error before any process group exists."""
 from __future__ import annotations
 
 import pytest
+from torch import nn
 
 import lightning_dpar.fabric as dpar_fabric
-from lightning_dpar.fabric.refusals import TRAINER_ONLY, check_fabric_arguments
+from lightning_dpar.fabric.refusals import TRAINER_ONLY, check_fabric_arguments, check_fabric_model
 
 
 @pytest.mark.parametrize("name", sorted(TRAINER_ONLY))
@@ -31,13 +32,27 @@ def test_off_values_and_other_arguments_pass():
     [
         (lambda: dpar_fabric.FullyShardStrategy(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
         (lambda: dpar_fabric.FullyShardStrategy(context_parallel_size="auto"), "context_parallel_size='auto'"),
-        (lambda: dpar_fabric.FSDPTensorParallelStrategy(expert_parallel_size=2), "expert_parallel_size=2"),
     ],
 )
 def test_the_strategies_refuse_when_constructed(make, fragment):
     with pytest.raises(ValueError, match="cannot run under Fabric") as error:
         make()
     assert fragment in str(error.value)
+
+
+def test_expert_parallelism_is_allowed_under_fabric():
+    assert dpar_fabric.FullyShardStrategy(expert_parallel_size=2).engine._expert_parallel_size == 2
+
+
+def test_a_transformers_moe_returning_router_logits_is_refused_as_the_root_with_the_fix():
+    from tests.workers.moe import HFMoEModule
+
+    net = HFMoEModule(output_router_logits=True, router_aux_loss_coef=0.1).net
+    with pytest.raises(ValueError, match="with `output_router_logits=True` as the model itself") as error:
+        check_fabric_model(net, "FullyShardStrategy")
+    assert "Set up a parent module that holds it" in str(error.value)
+    check_fabric_model(nn.ModuleDict({"net": net}), "FullyShardStrategy")  # held by a parent: allowed
+    check_fabric_model(HFMoEModule().net, "FullyShardStrategy")  # without router logits: allowed
 
 
 def test_the_trainer_sides_own_checks_run_too():
