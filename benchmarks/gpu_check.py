@@ -5,7 +5,7 @@
    ~1.1 B (preset `gpu-llama`), bf16-mixed, AdamW, batch 4 x 2048, each eager and compiled, `FullyShardStrategy`
    (`compile=True` when compiled) against the hand-written FSDP2 loop (`benchmarks.variants.run_plain`: `fully_shard`
    per block and the root, bf16/fp32 `MixedPrecisionPolicy`, each block compiled when compiled). `--repeats`
-   interleaved repetitions, each a fresh process (`benchmarks.worker`) running all 8 variants in an order rotated
+   interleaved repetitions, each a fresh process (`benchmarks.worker`) running all 16 variants in an order rotated
    per repetition; between variants compiled code, cycles and the CUDA cache are freed before the peak is reset
    (`benchmarks.clock`), and each peak is reported over what was still allocated then (the last column);
 3. `<out>/gpu_check_<device>.md` (tables, versions, ratios against the hand loop, the GPU tests' summary) and
@@ -34,7 +34,17 @@ from benchmarks.report import check_markdown, summarize
 from benchmarks.run import ROOT, _rounded, launch_worker
 
 MODELS = {"gpu": ("gpu", "gpu-llama"), "smoke": ("gpu-smoke", "gpu-llama-smoke")}
-VARIANTS = ("plain_fsdp", "plain_fsdp_compiled", "dpar_fsdp", "dpar_fsdp_compiled")
+VARIANTS = (
+    "plain_fsdp",
+    "plain_fsdp_compiled",
+    "dpar_fsdp",
+    "dpar_fsdp_compiled",
+    # selective activation checkpointing (`activation_checkpointing="selective"`) against the same policy by hand
+    "plain_fsdp_selective",
+    "plain_fsdp_selective_compiled",
+    "dpar_fsdp_selective",
+    "dpar_fsdp_selective_compiled",
+)
 GPU_TESTS = "tests/launched/test_gpu.py"
 
 

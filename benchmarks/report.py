@@ -30,6 +30,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         checkpoint_keys = sorted({k for run in rank0_runs for k in run["checkpoint"]})
         out[name] = {
             **{k: variant[k] for k in ("family", "driver", "compiled")},
+            "checkpointing": variant.get("checkpointing", ""),
             "step_time_ms": step * 1e3,
             "rep_median_ms": [m * 1e3 for m in rep_medians],
             "cpu_time_ms": statistics.median(cpu_measured) * 1e3,
@@ -49,7 +50,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "checkpoint": {k: statistics.median(run["checkpoint"][k] for run in rank0_runs) for k in checkpoint_keys},
         }
     for name, s in out.items():
-        plain = _plain_name(s["family"], s["compiled"])
+        plain = _plain_name(s["family"], s["compiled"], s["checkpointing"])
         if plain in out and s["driver"] != "plain":
             s["throughput_vs_plain"] = out[plain]["step_time_ms"] / s["step_time_ms"]
             s["overhead_vs_plain"] = s["step_time_ms"] / out[plain]["step_time_ms"] - 1
@@ -103,9 +104,10 @@ def _eager_name(compiled_name: str) -> str:
     return compiled_name.removesuffix("_compiled")
 
 
-def _plain_name(family: str, compiled: bool) -> str:
+def _plain_name(family: str, compiled: bool, checkpointing: str = "") -> str:
+    """The hand loop a variant is compared with: the same family, compilation and activation checkpointing."""
     base = {"replicate": "plain_ddp", "fsdp": "plain_fsdp", "2d": "plain_2d"}[family]
-    return base + ("_compiled" if compiled else "")
+    return base + (f"_{checkpointing}" if checkpointing else "") + ("_compiled" if compiled else "")
 
 
 def _peer_name(family: str) -> str:

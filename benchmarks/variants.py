@@ -139,10 +139,33 @@ def _forward_context(family: str, ctx: Context) -> Any:
     return nullcontext()
 
 
-def _plain_model(family: str, compiled: bool, ctx: Context) -> tuple[nn.Module, int, int]:
-    """The network parallelised by hand exactly as the package does it; returns (model, dp size, dp rank)."""
+def _checkpoint_by_hand(block: nn.Module) -> None:
+    """Selective activation checkpointing written by hand, as a user would: the block's forward through
+    `torch.utils.checkpoint.checkpoint` (non-reentrant) with the selective policy's contexts (torchtitan's op-level
+    policy, `lightning_dpar.activation_checkpointing.policy`: the same policy, applied without the package)."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from lightning_dpar.activation_checkpointing.policy import selective_policy
+
+    forward = block.forward
+
+    def context_fn() -> Any:  # made outside the compiled forward: dynamo refuses a context_fn made inside it
+        return create_selective_checkpoint_contexts(selective_policy())
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    block.forward = checkpointed  # type: ignore[method-assign]
+
+
+def _plain_model(family: str, compiled: bool, ctx: Context, checkpointing: str = "") -> tuple[nn.Module, int, int]:
+    """The network parallelised by hand exactly as the package does it (each block selectively checkpointed
+    first with `checkpointing="selective"`); returns (model, dp size, dp rank)."""
     with ctx.device:  # built where it trains (a 1 B model's CPU init would take longer than its steps)
         net = build_net(ctx.size)
+    if checkpointing == "selective":
+        for block in blocks(net):
+            _checkpoint_by_hand(block)
     if family == "replicate":
         if compiled:
             _compile_blocks(net, ctx.compile_options)
@@ -169,9 +192,9 @@ def _clock(ctx: Context) -> StepClock:
     return StepClock(ctx.device, (ctx.warmup, ctx.total_steps) if ctx.profile else None)
 
 
-def run_plain(family: str, compiled: bool, ctx: Context) -> Measurement:
+def run_plain(family: str, compiled: bool, ctx: Context, checkpointing: str = "") -> Measurement:
     clock = _clock(ctx)
-    model, dp, dp_rank = _plain_model(family, compiled, ctx)
+    model, dp, dp_rank = _plain_model(family, compiled, ctx, checkpointing)
     optimizer = make_bench_optimizer(model.parameters())
     forward_context = _forward_context(family, ctx)
     sampler = DistributedSampler(ctx.data, num_replicas=dp, rank=dp_rank, shuffle=False)
@@ -288,11 +311,16 @@ def _time_checkpoints(trainer: L.Trainer, checkpoint_root: str, with_async: bool
     return times
 
 
-def _dpar(name: str, compiled: bool, on_nonfinite: str = "raise") -> Callable[[Context], Any]:
+def _dpar(name: str, compiled: bool, on_nonfinite: str = "raise", checkpointing: str = "") -> Callable[[Context], Any]:
     def make(ctx: Context) -> Any:
         import lightning_dpar
 
-        kwargs = {"compile": (ctx.compile_options or True) if compiled else False, "on_nonfinite": on_nonfinite}
+        kwargs: dict[str, Any] = {
+            "compile": (ctx.compile_options or True) if compiled else False,
+            "on_nonfinite": on_nonfinite,
+        }
+        if checkpointing:
+            kwargs["activation_checkpointing"] = checkpointing
 
         if name == "2d":
             return lightning_dpar.FSDPTensorParallelStrategy(
@@ -327,6 +355,9 @@ class Variant:
     run: Callable[[Context], Measurement]
     #: Device types the variant can run on (Lightning's `FSDPStrategy` refuses the CPU).
     devices: tuple[str, ...] = ("cpu", "cuda")
+    #: Activation checkpointing of the blocks (`"selective"`), in the package and the hand loop it is compared with;
+    #: `""`: none.
+    checkpointing: str = ""
 
 
 def all_variants() -> list[Variant]:
@@ -336,17 +367,21 @@ def all_variants() -> list[Variant]:
         ("fsdp", "plain_fsdp", "lightning_fsdp"),
         ("2d", "plain_2d", "lightning_model_parallel"),
     ):
-        for compiled in (False, True):
-            suffix = "_compiled" if compiled else ""
-            variants.append(
-                Variant(
-                    plain_name + suffix,
-                    family,
-                    "plain",
-                    compiled,
-                    lambda ctx, f=family, c=compiled: run_plain(f, c, ctx),
+        # FSDP also with selective activation checkpointing, against the same policy applied by hand
+        settings = ("", "selective") if family == "fsdp" else ("",)
+        for checkpointing in settings:
+            for compiled in (False, True):
+                suffix = (f"_{checkpointing}" if checkpointing else "") + ("_compiled" if compiled else "")
+                variants.append(
+                    Variant(
+                        plain_name + suffix,
+                        family,
+                        "plain",
+                        compiled,
+                        lambda ctx, f=family, c=compiled, a=checkpointing: run_plain(f, c, ctx, a),
+                        checkpointing=checkpointing,
+                    )
                 )
-            )
         module_cls = HandParallelModule if family == "2d" else BenchModule
         variants.append(
             Variant(
@@ -358,18 +393,22 @@ def all_variants() -> list[Variant]:
                 devices=("cuda",) if family == "fsdp" else ("cpu", "cuda"),
             )
         )
-        for compiled in (False, True):
-            variants.append(
-                Variant(
-                    f"dpar_{family}" + ("_compiled" if compiled else ""),
-                    family,
-                    "dpar",
-                    compiled,
-                    lambda ctx, f=family, c=compiled: run_lightning(
-                        _dpar(f, c), BenchModule, ctx, "" if c else "async"
-                    ),
+        for checkpointing in settings:
+            for compiled in (False, True):
+                suffix = (f"_{checkpointing}" if checkpointing else "") + ("_compiled" if compiled else "")
+                timed_checkpoint = "" if compiled or checkpointing else "async"
+                variants.append(
+                    Variant(
+                        f"dpar_{family}{suffix}",
+                        family,
+                        "dpar",
+                        compiled,
+                        lambda ctx, f=family, c=compiled, a=checkpointing, t=timed_checkpoint: run_lightning(
+                            _dpar(f, c, checkpointing=a), BenchModule, ctx, t
+                        ),
+                        checkpointing=checkpointing,
+                    )
                 )
-            )
         # The non-finite guard's cost (`on_nonfinite`), with and without gradient-norm clipping: `_unguarded` is
         # `on_nonfinite="off"`, `_clip` clips at norm 1.0.
         guard_runs = (("_unguarded", "off", None), ("_clip", "raise", 1.0), ("_clip_unguarded", "off", 1.0))

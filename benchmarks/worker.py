@@ -154,7 +154,13 @@ def report(args, name, ctx, variants, raw, device, wall_s) -> dict:
         "repeats": args.repeats,
         "wall_s": wall_s,
         "variants": {
-            v.name: {"family": v.family, "driver": v.driver, "compiled": v.compiled, "runs": raw[name, v.name]}
+            v.name: {
+                "family": v.family,
+                "driver": v.driver,
+                "compiled": v.compiled,
+                "checkpointing": v.checkpointing,
+                "runs": raw[name, v.name],
+            }
             for v in variants
             if raw[name, v.name]  # with --keep-going, a variant that failed every repetition has no runs
         },

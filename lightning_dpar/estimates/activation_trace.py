@@ -10,8 +10,9 @@ model, a user's own). The model is copied with every parameter and buffer replac
 device, so nothing is allocated or computed, yet the dispatcher picks kernels as on a real device: on the meta
 device `scaled_dot_product_attention` falls back to its math kernel, which saves the (tokens x tokens) attention
 probabilities, where the fused kernels of CPU and CUDA save only q, k, v, the output and the log-sum-exp.
-Activation checkpointing is the strategy's own (`parallel.apply_activation_checkpointing`), applied to the copy, so
-its recomputation in backward is traced too, context-parallel where the run is.
+Activation checkpointing is the strategy's own (`activation_checkpointing.apply_activation_checkpointing`), applied to
+the copy, so its recomputation in backward is traced too, context-parallel where the run is; under the selective
+policy the ops' outputs it keeps are storages alive from the forward to the backward, counted like any saved tensor.
 
 Tensor parallelism is traced on the unsplit model without a process group: each storage carries a flag, "split over
 the tensor-parallel ranks", set where a style's layouts say so (a column-wise Linear's output, the local chunk of a
@@ -55,10 +56,14 @@ from lightning_dpar._private_api import (
     tree_map,
     unpacked_positions_on_fake_tensors,
 )
+from lightning_dpar.activation_checkpointing.step import (
+    ActivationCheckpointingPlan,
+    CheckpointPolicyName,
+    apply_activation_checkpointing,
+)
 from lightning_dpar.context_parallel.runtime import ContextParallel
 from lightning_dpar.experts.tracing_stand_in import replace_experts_for_tracing
 from lightning_dpar.helpers import key_value_cache_configs, without_key_value_cache
-from lightning_dpar.parallel.parallelize import apply_activation_checkpointing
 
 __all__ = ["StepTrace", "StorageLife", "trace_step", "training_loss"]
 
@@ -84,13 +89,16 @@ class StorageLife:
 class StepTrace:
     """The storages of one forward and backward; `forward_end` is the tick between them. `unit_inputs[i]` is the
     size and split flag of unit i's first tensor input (what a pipeline stage starting at unit i receives and keeps
-    per microbatch). `unmodelled` names tensor-parallel styles the trace does not know (their tensors count whole)."""
+    per microbatch). `unmodelled` names tensor-parallel styles the trace does not know (their tensors count whole).
+    `flops` are the step's matmul and attention FLOPs, forward and backward with any recomputation (`_op_flops`; an
+    op whose output selective checkpointing hands back is not run again, so not counted again)."""
 
     storages: tuple[StorageLife, ...]
     forward_end: int
     units: tuple[str, ...]
     unit_inputs: tuple[tuple[int, bool] | None, ...]
     unmodelled: tuple[str, ...] = ()
+    flops: int = 0
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
@@ -100,8 +108,30 @@ def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+def _op_flops(func: Any, args: Sequence[Any]) -> int:
+    """The FLOPs of one matmul or attention op (2 per multiply-add; attention's two products, and twice that for
+    its backward's four), 0 for any other op. Counted here rather than with `torch.utils.flop_counter.FlopCounterMode`,
+    whose module tracking hooks every module's outputs for backward and so keeps activations alive that the step
+    frees (the traced peak under full checkpointing grew by a third with it), and which does not know CPU's fused
+    attention."""
+    name = func.__name__
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if name in ("mm.default", "addmm.default"):
+        a, b = tensors[-2:]
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    if name in ("bmm.default", "baddbmm.default"):
+        a, b = tensors[-2:]
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    if name.startswith("_scaled_dot_product") and len(tensors) >= 3:
+        q, k = tensors[0], tensors[1]
+        forward = 4 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
+        return 2 * forward if "backward" in name else forward
+    return 0
+
+
 class _Recorder(TorchDispatchMode):
-    """Records every storage an op outputs for the first time, and the tick it dies at.
+    """Records every storage an op outputs for the first time, and the tick it dies at, and the FLOPs of the
+    matmul and attention ops run (`_op_flops`).
 
     A storage's Python object lives exactly as long as the storage (torch keeps it alive while any tensor or autograd
     holds the storage), so a weak reference's callback says when it dies: no polling.
@@ -115,10 +145,12 @@ class _Recorder(TorchDispatchMode):
         self.done: list[StorageLife] = []
         self.known: set[int] = set()  # storages that exist before the step: parameters, buffers, the batch
         self.unit = lambda: -1
+        self.flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.flops += _op_flops(func, args)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         split = any(life.split for life in map(self.life, inputs) if life is not None)
         for tensor in tree_leaves(out):
@@ -333,6 +365,7 @@ def trace_step(
     *,
     tensor_parallel: Mapping[str, ParallelStyle] | None = None,
     activation_checkpointing: Sequence[str] = (),
+    checkpoint_policy: CheckpointPolicyName = "full",
     units: Sequence[str] = (),
     compute_dtype: torch.dtype | None = None,
     autocast_dtype: torch.dtype | None = None,
@@ -341,10 +374,11 @@ def trace_step(
     context_parallel_loss: str | None = None,
 ) -> StepTrace:
     """Run `loss(module, batch)` and its backward once on a fake copy of `module` (on any device, meta included),
-    with `tensor_parallel` styles traced and `activation_checkpointing` applied to the named modules; with
-    `context_parallel > 1`, as one context-parallel rank runs it (the sequence split at the blocks, keys and values
-    gathered: `lightning_dpar.context_parallel.ContextParallel.simulate`), and with `context_parallel_loss` (the
-    plan's causal LM) that model's head and loss on the rank's own tokens (`context_parallel_loss="per_rank"`).
+    with `tensor_parallel` styles traced and `activation_checkpointing` applied to the named modules
+    (`checkpoint_policy`: `"full"` or `"selective"`); with `context_parallel > 1`, as one context-parallel rank runs
+    it (the sequence split at the blocks, keys and values gathered:
+    `lightning_dpar.context_parallel.ContextParallel.simulate`), and with `context_parallel_loss` (the plan's causal
+    LM) that model's head and loss on the rank's own tokens (`context_parallel_loss="per_rank"`).
 
     `batch` is the shape of a token-id batch or a pytree of tensors (only shapes and dtypes are read). `units` are
     the pipeline units in call order: each storage records which one created it. `compute_dtype` casts floating
@@ -361,7 +395,8 @@ def trace_step(
         if not _hook_style(fake.get_submodule(fqn), style, redistribute)
     ]
     context = ContextParallel.simulate(fake, context_parallel, context_parallel_loss) if context_parallel > 1 else None
-    apply_activation_checkpointing(fake, activation_checkpointing, context.checkpoint_contexts if context else None)
+    checkpointing = ActivationCheckpointingPlan(list(activation_checkpointing), checkpoint_policy)
+    apply_activation_checkpointing(fake, checkpointing, context.checkpoint_contexts if context else None)
     tracker = _Units(fake, units, recorder)
     fake_batch = _fake_batch(batch, mode)
     existing = [*fake.parameters(), *fake.buffers(), *tree_leaves(fake_batch)]
@@ -388,4 +423,11 @@ def trace_step(
             recorder.lives[key].gradient = True
     recorder.refs.clear()  # what is still alive is alive at the end: no callback changes the trace later
     storages = (*recorder.done, *recorder.lives.values())
-    return StepTrace(tuple(storages), forward_end, tuple(units), tuple(tracker.inputs), tuple(unmodelled))
+    return StepTrace(
+        tuple(storages),
+        forward_end,
+        tuple(units),
+        tuple(tracker.inputs),
+        tuple(unmodelled),
+        recorder.flops,
+    )

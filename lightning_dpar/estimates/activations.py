@@ -9,6 +9,12 @@ What is counted, per microbatch, on one rank (`Footprint`):
 - `peak`: the most bytes alive at any point of the forward and backward: `retained` plus the backward's working set
   (activation gradients, and under activation checkpointing one block's recomputed activations at a time).
 
+Each figure comes three ways (`Checkpointing`): without activation checkpointing (`False`), with full checkpointing
+(`True`: each checkpointed block keeps only its input) and with selective checkpointing (`"selective"`: each keeps
+its matmul and attention outputs too, `lightning_dpar.activation_checkpointing.policy`), which sits between them. The
+FLOPs each recomputes are counted on the same traces (`StepFlops`): a step's FLOPs with checkpointing less those
+without, which are the ops the backward runs again (a kept op's output is handed back, not recomputed).
+
 Parameters, their gradients and FSDP's all-gathered units are not activations (`lightning_dpar.estimates.state_memory`
 counts them).
 
@@ -36,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar._private_api import tree_leaves, tree_map
+from lightning_dpar.activation_checkpointing.step import Checkpointing, CheckpointPolicyName, checkpointing_of
 from lightning_dpar.estimates.activation_trace import StepTrace, trace_step, training_loss
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
@@ -46,6 +53,7 @@ __all__ = [
     "Footprint",
     "RankActivations",
     "StageActivations",
+    "StepFlops",
     "TraceCache",
     "estimate_activations",
     "footprint",
@@ -77,18 +85,26 @@ class Footprint:
 @dataclass(frozen=True)
 class StageActivations:
     """One pipeline stage (the whole model without pipeline parallelism): one microbatch's activations on each of
-    its ranks, without and with activation checkpointing, and the bytes of one microbatch's activation it receives
-    from the stage before and sends to the stage after (0 for the first and the last stage)."""
+    its ranks, without and with (full) activation checkpointing, with selective checkpointing (`None`: not traced,
+    then the full figure stands in), and the bytes of one microbatch's activation it receives from the stage before
+    and sends to the stage after (0 for the first and the last stage)."""
 
     stage: int
     without_checkpointing: Footprint
     with_checkpointing: Footprint
     received: int = 0
     sent: int = 0
+    selective_checkpointing: Footprint | None = None
 
-    def footprint(self, checkpointing: bool) -> Footprint:
+    def own(self, checkpointing: Checkpointing) -> Footprint:
+        """The stage's own activations under `checkpointing`."""
+        if checkpointing == "selective" and self.selective_checkpointing is not None:
+            return self.selective_checkpointing
+        return self.with_checkpointing if checkpointing else self.without_checkpointing
+
+    def footprint(self, checkpointing: Checkpointing) -> Footprint:
         """One microbatch: the stage's own activations and the activation it received, which its backward needs."""
-        own = self.with_checkpointing if checkpointing else self.without_checkpointing
+        own = self.own(checkpointing)
         return Footprint(own.retained + self.received, own.peak + self.received)
 
 
@@ -104,7 +120,7 @@ class RankActivations:
     in_flight_known: bool = True
     microbatches: int = 1
 
-    def per_microbatch(self, checkpointing: bool) -> Footprint:
+    def per_microbatch(self, checkpointing: Checkpointing) -> Footprint:
         """One microbatch on each of the rank's stages."""
         each = [stage.footprint(checkpointing) for stage in self.stages]
         total = each[0]
@@ -112,14 +128,14 @@ class RankActivations:
             total = total + other
         return total
 
-    def peak(self, checkpointing: bool) -> int:
+    def peak(self, checkpointing: Checkpointing) -> int:
         """The rank's activation peak over a step: every microbatch in flight keeps the stage's own retained bytes,
         and one stage's backward working set comes on top. Pipelining adds what torch's `PipelineStage` allocates
         once for every microbatch and keeps: a buffer for the activation received from the stage before (the input
         its backward needs) and one for the gradient received from the stage after."""
         total, work = self.receive_buffers, 0
         for in_flight, stage in zip(self.in_flight, self.stages):
-            own = stage.with_checkpointing if checkpointing else stage.without_checkpointing
+            own = stage.own(checkpointing)
             total += in_flight * own.retained
             work = max(work, own.peak - own.retained)
         return total + work
@@ -132,6 +148,28 @@ class RankActivations:
 
 
 @dataclass(frozen=True)
+class StepFlops:
+    """The FLOPs of one microbatch's forward and backward on one simulated rank (the whole model, unsplit by tensor
+    parallelism), without activation checkpointing and with each kind: the matmul and attention FLOPs the traces
+    ran. The difference is what checkpointing recomputes."""
+
+    plain: int
+    full: int
+    selective: int
+
+    def recomputed(self, checkpointing: Checkpointing) -> int:
+        """FLOPs recomputed in backward under `checkpointing`."""
+        if checkpointing is False:
+            return 0
+        return (self.selective if checkpointing == "selective" else self.full) - self.plain
+
+    def recomputed_fraction(self, checkpointing: Checkpointing) -> float:
+        """Recomputed FLOPs over the step's FLOPs without checkpointing (full checkpointing of every block: about
+        a third, the forward again)."""
+        return self.recomputed(checkpointing) / self.plain if self.plain else 0.0
+
+
+@dataclass(frozen=True)
 class ActivationEstimate:
     """Activation memory per rank for one layout and microbatch.
 
@@ -141,18 +179,19 @@ class ActivationEstimate:
     pipeline rank (one without pipeline parallelism)."""
 
     microbatch: str
-    checkpointing: bool
+    checkpointing: Checkpointing
     checkpointed: tuple[str, ...]
     tensor_parallel: int
     ranks: tuple[RankActivations, ...]
     schedule: str | None = None
     microbatches: int = 1
     notes: tuple[str, ...] = ()
+    flops: StepFlops | None = None
 
     def rank(self, pipeline_rank: int = 0) -> RankActivations:
         return self.ranks[pipeline_rank]
 
-    def peak(self, pipeline_rank: int = 0, checkpointing: bool | None = None) -> int:
+    def peak(self, pipeline_rank: int = 0, checkpointing: Checkpointing | None = None) -> int:
         """The activation peak of a step on `pipeline_rank`'s ranks, with the plan's checkpointing by default."""
         return self.rank(pipeline_rank).peak(self.checkpointing if checkpointing is None else checkpointing)
 
@@ -244,6 +283,7 @@ def _merged(plans: ModulePlan | Sequence[ModulePlan]) -> ModulePlan:
         tensor_parallel,
         checkpointed,
         shard_units,
+        activation_checkpointing_policy=first.activation_checkpointing_policy,
         adopted=first.adopted,
         pipeline=first.pipeline,
         context_parallel_loss=first.context_parallel_loss,  # CP has no pipeline: one plan, the dry run's list
@@ -293,9 +333,9 @@ def estimate_activations(
     units = [unit for stage in split.stages for unit in stage] if split is not None else []
     checkpointed = whole.activation_checkpointing or _what_true_checkpoints(module, whole, units)
 
-    def trace(checkpoint: Sequence[str]) -> StepTrace:
+    def trace(checkpoint: Sequence[str], policy: CheckpointPolicyName = "full") -> StepTrace:
         key = (*_trace_key(microbatch, tensor_parallel, checkpoint, units, compute_dtype, autocast_dtype), dims.context)
-        key = (*key, whole.context_parallel_loss)
+        key = (*key, whole.context_parallel_loss, policy if checkpoint else None)
         if traces is not None and key in traces:
             return traces[key]
         traced = trace_step(
@@ -303,6 +343,7 @@ def estimate_activations(
             microbatch,
             tensor_parallel=tensor_parallel,
             activation_checkpointing=checkpoint,
+            checkpoint_policy=policy,
             units=units,
             compute_dtype=compute_dtype,
             autocast_dtype=autocast_dtype,
@@ -316,6 +357,7 @@ def estimate_activations(
 
     without = trace(())
     with_ = trace(checkpointed)
+    selective = trace(checkpointed, "selective")
     notes = [f"tensor parallelism not traced for {name}: its activations count whole" for name in without.unmodelled]
     if whole.adopted:
         notes.append("the model parallelised itself in configure_model: activations are counted as unsplit")
@@ -333,6 +375,7 @@ def estimate_activations(
             footprint(with_, indices, tp),
             received=unit_input_bytes(without, indices[0], tp) if indices else 0,
             sent=unit_input_bytes(without, indices[-1] + 1, tp) if indices else 0,
+            selective_checkpointing=footprint(selective, indices, tp),
         )
         for index, indices in enumerate(stage_units)
     ]
@@ -355,11 +398,12 @@ def estimate_activations(
         )
     return ActivationEstimate(
         microbatch=_describe(microbatch),
-        checkpointing=bool(whole.activation_checkpointing),
+        checkpointing=checkpointing_of(whole.activation_checkpointing, whole.activation_checkpointing_policy),
         checkpointed=tuple(checkpointed),
         tensor_parallel=dims.tensor_parallel,
         ranks=tuple(ranks),
         schedule=pipeline.schedule.name if pipeline is not None else None,
         microbatches=microbatches,
         notes=tuple(notes),
+        flops=StepFlops(without.flops, with_.flops, selective.flops),
     )

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import lightning_dpar.estimates.state_memory as state_memory
+from lightning_dpar.activation_checkpointing.step import CHECKPOINTING_SETTINGS, Checkpointing
 from lightning_dpar.estimates.activations import ActivationEstimate
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.schedule import schedule_spec
@@ -190,10 +191,9 @@ class PlanReport:
             lines.append("  not included: activations, communication buffers, allocator overhead")
         else:
             a = self.activations
-            active = "with" if a.checkpointing else "without"
             lines.append(
                 f"  + activations at their peak: {state_memory.format_bytes(a.peak(self.pipeline_rank))}"
-                f" ({active} activation checkpointing; below)"
+                f" ({_CHECKPOINTING_NAMES[a.checkpointing]}; below)"
             )
             peak += a.peak(self.pipeline_rank)
             lines.append(f"  peak        {state_memory.format_bytes(peak)}")
@@ -206,6 +206,14 @@ class PlanReport:
         return "\n".join(lines)
 
 
+#: How the report names each activation checkpointing setting.
+_CHECKPOINTING_NAMES: dict[Checkpointing, str] = {
+    False: "without activation checkpointing",
+    "selective": "selective activation checkpointing",
+    True: "full activation checkpointing",
+}
+
+
 def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source: str) -> list[str]:
     """Per microbatch, without and with activation checkpointing (the plan's marked), then the microbatches in
     flight."""
@@ -215,17 +223,19 @@ def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source
         f"Activations on {where}, per microbatch: {estimate.microbatch}" + (f" ({source})" if source else ""),
     ]
     rows = []
-    for checkpointing in (False, True):
+    for checkpointing in CHECKPOINTING_SETTINGS:
         footprint = rank.per_microbatch(checkpointing)
+        flops = estimate.flops
         rows.append(
             (
-                f"{'with' if checkpointing else 'without'} activation checkpointing",
+                _CHECKPOINTING_NAMES[checkpointing],
                 state_memory.format_bytes(footprint.retained),
                 state_memory.format_bytes(footprint.peak),
+                f"{flops.recomputed_fraction(checkpointing):.0%}" if flops is not None else "?",
                 "<- the plan" if checkpointing == estimate.checkpointing else "",
             )
         )
-    lines += _table(rows, ("", "kept for backward", "peak in the step", ""))
+    lines += _table(rows, ("", "kept for backward", "peak in the step", "recomputed FLOPs", ""))
     groups = group_modules({fqn: [] for fqn in estimate.checkpointed})
     described = ", ".join(name + (f" x{n}" if n > 1 else "") for name, _, n in groups)
     lines.append(f"  checkpointing {described or 'nothing (no repeated blocks)'}")

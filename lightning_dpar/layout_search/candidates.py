@@ -1,7 +1,8 @@
 """Every layout the search considers for a world size, and the ones refused on arithmetic alone, with the reason.
 
 A `Layout` is the mesh sizes (`ParallelDims`, resolved by `ParallelDims.resolve`, the strategies' own validation),
-the pipeline schedule, microbatches and stages per rank (when pipelining), and activation checkpointing on or off.
+the pipeline schedule, microbatches and stages per rank (when pipelining), and activation checkpointing (off, selective
+or full).
 `enumerate_layouts` walks, in a fixed order (so the same model and world always give the same list):
 
 - pipeline sizes: every divisor of the world size (1 means no pipeline);
@@ -17,7 +18,7 @@ the pipeline schedule, microbatches and stages per rank (when pipelining), and a
 - with pipelining: `1F1B` and `GPipe` with 1 and 2 microbatches per stage, `Interleaved1F1B` with 2 stages per rank
   when the layers allow; the batch must divide by the microbatches and each schedule must accept them
   (`ScheduleSpec.check`); schedules without a closed-form bubble (LoopedBFS, zero-bubble) are not modelled;
-- activation checkpointing off and on.
+- activation checkpointing off, selective and full (`CHECKPOINTING_SETTINGS`).
 
 What `ParallelDims.resolve` or a schedule refuses becomes a `Rejected` with its message; what only the planner can
 say (heads not divisible by the TP size, too few layers for the stages) is found later, by the dry run.
@@ -29,15 +30,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_dpar.activation_checkpointing.step import CHECKPOINTING_SETTINGS, Checkpointing
 from lightning_dpar.helpers import divisors
 from lightning_dpar.layout_search.batch import BatchRule
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.schedule import schedule_spec
 
-__all__ = ["MODELLED_SCHEDULES", "Layout", "Rejected", "enumerate_layouts"]
+__all__ = ["MODELLED_SCHEDULES", "Layout", "Rejected", "checkpointing_name", "enumerate_layouts"]
 
 #: The schedules the cost model can price (a closed-form bubble in `ScheduleSpec.bubble`), in preference order.
 MODELLED_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+
+
+def checkpointing_name(checkpointing: Checkpointing) -> str:
+    """`off`, `selective` or `on` (full), as the search's table names a layout's activation checkpointing."""
+    return "selective" if checkpointing == "selective" else ("on" if checkpointing else "off")
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,7 @@ class Layout:
     """One way to lay the model out on the world."""
 
     dims: ParallelDims
-    activation_checkpointing: bool = False
+    activation_checkpointing: Checkpointing = False
     schedule: str | None = None  # None without pipelining
     microbatches: int = 1
     stages_per_rank: int = 1
@@ -66,7 +73,7 @@ class Layout:
     def sort_key(self) -> tuple[Any, ...]:
         """A total order, for deterministic ties: the simplest layout first."""
         order = MODELLED_SCHEDULES.index(self.schedule) if self.schedule else -1
-        return (*self.mesh_key, order, self.microbatches, self.activation_checkpointing)
+        return (*self.mesh_key, order, self.microbatches, CHECKPOINTING_SETTINGS.index(self.activation_checkpointing))
 
     def mesh(self) -> str:
         d = self.dims
@@ -84,7 +91,7 @@ class Layout:
         return f"{self.schedule}{interleave} m{self.microbatches}"
 
     def describe(self) -> str:
-        ac = "AC on" if self.activation_checkpointing else "AC off"
+        ac = f"AC {checkpointing_name(self.activation_checkpointing)}"
         pipeline = f", {self.pipeline()}" if self.schedule else ""
         return f"{self.mesh()}{pipeline}, {ac}"
 
@@ -216,6 +223,6 @@ def enumerate_layouts(
                             refuse(Rejected(what, str(err)))
                             continue
                         for schedule, microbatches, stages_per_rank in pipelines:  # type: ignore[misc]
-                            for ac in (False, True):
+                            for ac in CHECKPOINTING_SETTINGS:
                                 layouts.append(Layout(dims, ac, schedule, microbatches, stages_per_rank))
     return sorted(layouts, key=lambda layout: layout.sort_key), rejected

@@ -4,8 +4,9 @@ a hardware profile. Pure functions of data.
 Step time (seconds, one optimizer step of every data-parallel rank's batch) is split into:
 
 - compute: `flops_per_token x tokens per data-parallel rank / (tp x pp x cp) / matmul_flops` (6 x active parameters
-  per token, 8 x with activation checkpointing; `ModelFacts.flops_per_token`; the head's work that every CP rank
-  repeats on the whole sequence is not counted);
+  per token, 8 x with full activation checkpointing, and with selective checkpointing 6 + 2 x the share of full's
+  recomputation the dry run's trace measured it recomputing, `MeshMemory.selective_share`;
+  `ModelFacts.flops_per_token`; the head's work that every CP rank repeats on the whole sequence is not counted);
 - pipeline bubble: `compute x bubble / (1 - bubble)`, the bubble fraction from `ScheduleSpec.bubble`;
 - exposed communication: each collective's bytes per rank over the link its group crosses (`Link.seconds`, the
   latency paid per ring step; `HardwareProfile.collective_link` uses measured numbers when the profile has them):
@@ -13,8 +14,8 @@ Step time (seconds, one optimizer step of every data-parallel rank's batch) is s
     backward (`reshard_after_forward=True`), per microbatch with pipelining; reduce-scatter of the gradients
     (parameter dtype) once per step; HSDP adds an all-reduce of the shard over the replicas. The profile's
     `fsdp_overlap` of it hides behind compute (never more than the compute time);
-  - TP: 4 all-reduces of one microbatch's activations per layer (2 forward, 2 backward; 6 with checkpointing), on
-    the critical path;
+  - TP: 4 all-reduces of one microbatch's activations per layer (2 forward, 2 backward; 6 with checkpointing, full or
+    selective: the selective policy keeps reduce-scatters' outputs, not all-reduces'), on the critical path;
   - PP: one activation forward and one gradient backward per microbatch and stage boundary (under CP this rank's
     part of the sequence);
   - EP: 4 all-to-alls per MoE layer and microbatch (dispatch and combine, forward and backward; 6 with
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_dpar.activation_checkpointing.step import Checkpointing
 from lightning_dpar.estimates.activation_formula import activation_bytes
 from lightning_dpar.layout_search.candidates import Layout
 from lightning_dpar.layout_search.model_facts import ModelFacts
@@ -50,16 +52,20 @@ __all__ = ["Estimate", "MemorySplit", "MeshMemory", "RankMemory", "TimeSplit", "
 @dataclass(frozen=True)
 class RankMemory:
     """The dry run's bytes on one pipeline rank (on every rank, without pipelining): what lives for the whole run,
-    and the activation peak of a step without and with activation checkpointing (`None`: the training step could not
-    be traced on fake tensors, and the formula of `layout.activations` stands in)."""
+    and the activation peak of a step without, with full and with selective activation checkpointing (`None`: the
+    training step could not be traced on fake tensors, and the formula of `layout.activations` stands in; for
+    selective checkpointing, its figure without checkpointing, an upper bound)."""
 
     parameters: int
     gradients: int
     optimizer: int
     activations: int | None = None
     activations_checkpointed: int | None = None
+    activations_selective: int | None = None
 
-    def activation_peak(self, checkpointing: bool) -> int | None:
+    def activation_peak(self, checkpointing: Checkpointing) -> int | None:
+        if checkpointing == "selective":
+            return self.activations_selective
         return self.activations_checkpointed if checkpointing else self.activations
 
 
@@ -70,6 +76,9 @@ class MeshMemory:
 
     ranks: tuple[RankMemory, ...]
     gathered_unit: int
+    #: The share of full checkpointing's recomputed FLOPs that selective checkpointing recomputes, measured on the
+    #: dry run's traced step (`StepFlops`); `None`: not traced.
+    selective_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -204,7 +213,8 @@ def _formula_activations(layout: Layout, facts: ModelFacts) -> int:
         microbatches=layout.microbatches,
         schedule=layout.schedule,
         stages_per_rank=layout.stages_per_rank,
-        checkpointing=layout.activation_checkpointing,
+        # not traced: selective checkpointing's activations counted as without checkpointing (an upper bound)
+        checkpointing=layout.activation_checkpointing is True,
     )
 
 
@@ -226,7 +236,7 @@ def _peak_rank(layout: Layout, facts: ModelFacts, mesh: MeshMemory) -> tuple[Ran
 def estimate(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: HardwareProfile) -> Estimate:
     """The predicted per-rank peak memory and step time of `layout` (see the module docstring)."""
     d = layout.dims
-    compute = facts.flops_per_token(layout.activation_checkpointing) * facts.tokens_per_rank
+    compute = facts.flops_per_token(layout.activation_checkpointing, mesh.selective_share) * facts.tokens_per_rank
     compute /= d.tensor_parallel * d.pipeline * d.context * profile.matmul_flops
     bubble = 0.0
     if layout.schedule is not None:

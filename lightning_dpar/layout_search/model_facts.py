@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_dpar.activation_checkpointing.step import Checkpointing
 from lightning_dpar.experts.plan import find_experts
 
 __all__ = ["ModelFacts", "facts_of"]
@@ -55,11 +56,14 @@ class ModelFacts:
             return self.params
         return self.params - self.expert_params + self.expert_params * self.experts_per_token // self.experts
 
-    def flops_per_token(self, recompute: bool = False) -> float:
+    def flops_per_token(self, recompute: Checkpointing = False, selective_share: float | None = None) -> float:
         """Training FLOPs per token: 6 x the active parameters that multiply activations (forward 2, backward 4),
-        plus attention's 12 x layers x width x sequence (PaLM's count); activation checkpointing recomputes the
-        forward once more (8 instead of 6)."""
+        plus attention's 12 x layers x width x sequence (PaLM's count); full activation checkpointing recomputes the
+        forward once more (8 instead of 6), selective checkpointing `selective_share` of what full recomputes (the
+        traced step's share, `StepFlops`; `None`: not traced, priced as full, an upper bound)."""
         matmul = 6.0 * (self.active_params - self.embedding_params) + 12.0 * self.layers * self.hidden * self.seq_len
+        if recompute == "selective":
+            return matmul * (1.0 + (2.0 / 6.0) * (1.0 if selective_share is None else selective_share))
         return matmul * (8.0 / 6.0 if recompute else 1.0)
 
     @property

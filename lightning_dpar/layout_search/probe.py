@@ -19,6 +19,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from lightning_dpar.activation_checkpointing.step import Checkpointing
 from lightning_dpar.estimates.activations import ActivationEstimate, TraceCache
 from lightning_dpar.estimates.dry_run import plan, strategy_activations
 from lightning_dpar.estimates.report import PlanReport
@@ -80,13 +81,18 @@ def dry_run_probe(
                 warnings.simplefilter("ignore")
                 meshes[layout.mesh_key] = _rank_memory(plan(strategy, make_module(), world_size, num_nodes))
         stored, unit = meshes[layout.mesh_key]
-        peaks: list[tuple[int | None, int | None]] = [(None, None)] * len(stored)
+        peaks: list[tuple[int | None, ...]] = [(None, None, None)] * len(stored)
+        share = None
         if batch is not None:
             shape = batch(layout) if callable(batch) else batch
             estimate = _activations(strategy, make_module(), layout, shape, traces)
             if estimate is not None:
-                peaks = [(estimate.peak(r, False), estimate.peak(r, True)) for r in range(len(stored))]
-        return MeshMemory(tuple(RankMemory(*memory, *peak) for memory, peak in zip(stored, peaks)), unit)
+                peaks = [tuple(estimate.peak(r, c) for c in (False, True, "selective")) for r in range(len(stored))]
+                flops = estimate.flops
+                if flops is not None and flops.recomputed(True) > 0:
+                    share = flops.recomputed("selective") / flops.recomputed(True)
+        ranks = tuple(RankMemory(*memory, *peak) for memory, peak in zip(stored, peaks))  # type: ignore[misc]
+        return MeshMemory(ranks, unit, share)
 
     return probe
 
@@ -160,7 +166,7 @@ def search_model(
     seq_len: int | None = None,
     precision: str = "32-true",
     strategy_kwargs: dict[str, Any] | None = None,
-    activation_checkpointing: bool | None = None,
+    activation_checkpointing: Checkpointing | None = None,
     suggest: bool = False,
 ) -> SearchResult:
     """The layout search for `module` (any device; planned on meta copies) on `world_size` ranks: what `plan --auto`

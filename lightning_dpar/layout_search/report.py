@@ -5,6 +5,7 @@ print)."""
 from __future__ import annotations
 
 from lightning_dpar.estimates.state_memory import format_bytes
+from lightning_dpar.layout_search.candidates import checkpointing_name
 from lightning_dpar.layout_search.cost import Estimate
 from lightning_dpar.layout_search.search import SearchResult
 
@@ -41,7 +42,7 @@ def _row(index: int | str, e: Estimate) -> tuple[str, ...]:
         str(index),
         e.layout.mesh(),
         e.layout.pipeline(),
-        "on" if e.layout.activation_checkpointing else "off",
+        checkpointing_name(e.layout.activation_checkpointing),
         format_bytes(m.parameters),
         format_bytes(m.gradients),
         format_bytes(m.optimizer),

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lightning_dpar.activation_checkpointing.step import Checkpointing
 from lightning_dpar.estimates.state_memory import format_bytes
 from lightning_dpar.layout_search.batch import BatchRule
 from lightning_dpar.layout_search.candidates import Layout, Rejected, enumerate_layouts
@@ -24,7 +25,7 @@ from lightning_dpar.layout_search.profiles import GIB, HardwareProfile
 
 __all__ = ["MeshProbe", "SearchResult", "Suggestion", "search", "what_would_fit"]
 
-#: The dry run's memory for a layout (both activation checkpointing settings); raises `ValueError` / `TypeError`
+#: The dry run's memory for a layout (every activation checkpointing setting); raises `ValueError` / `TypeError`
 #: with the planner's message.
 MeshProbe = Callable[[Layout], MeshMemory]
 
@@ -61,12 +62,13 @@ def search(
     num_nodes: int,
     profile: HardwareProfile,
     probe: MeshProbe,
-    activation_checkpointing: bool | None = None,
+    activation_checkpointing: Checkpointing | None = None,
     batch: BatchRule | None = None,
 ) -> SearchResult:
     """Price every layout of `world_size` ranks on `num_nodes` nodes (see the module docstring).
 
-    `activation_checkpointing`: `None` considers both; `True` / `False` only that setting. `batch`: the per-rank
+    `activation_checkpointing`: `None` considers every setting; `False`, `"selective"` or `True` (full) only that
+    one. `batch`: the per-rank
     batch of each data-parallel size (default: `facts.batch_size` at every size); each layout is priced at its own.
     """
     if world_size < 1 or num_nodes < 1 or world_size % num_nodes:

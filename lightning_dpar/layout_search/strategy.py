@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dpar._private_api import StrategyRegistryType, training_data_source
+from lightning_dpar.activation_checkpointing.step import Checkpointing
 from lightning_dpar.helpers import attached_trainer
 from lightning_dpar.layout_search.batch import BatchRule
 from lightning_dpar.layout_search.candidates import Layout
@@ -95,7 +96,7 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
             answering that size) before `setup()`; a hook that cannot run before `setup()` is refused, asking for
             one of the two.
         seq_len: tokens per sequence (default: the model's `block_size` or `config.max_position_embeddings`).
-        activation_checkpointing: `None` lets the search decide; `True` / `False` fixes it.
+        activation_checkpointing: `None` lets the search decide; `False`, `"selective"` or `True` (full) fixes it.
         tp_plan: as for `FSDPTensorParallelStrategy`; the search plans with it.
         shard_modules: as for `FullyShardStrategy`.
         expert_modules: as for `FullyShardStrategy`.
@@ -112,7 +113,7 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
         batch_size: int | None = None,
         global_batch_size: int | None = None,
         seq_len: int | None = None,
-        activation_checkpointing: bool | None = None,
+        activation_checkpointing: Checkpointing | None = None,
         tp_plan: TPPlanSpec | None = None,
         shard_modules: Sequence[ModuleSelector] | None = None,
         expert_modules: Sequence[ModuleSelector] | None = None,

@@ -28,7 +28,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from lightning_dpar._private_api import checkpoint_activations, waited
+from lightning_dpar._private_api import waited
+from lightning_dpar.activation_checkpointing import step as activation_checkpointing_step
+from lightning_dpar.activation_checkpointing.step import ActivationCheckpointingPlan
 from lightning_dpar.conformance.batchnorm import check_no_batch_norm_in_pipeline
 from lightning_dpar.context_parallel import step as context_parallel_step
 from lightning_dpar.context_parallel.runtime import ContextParallel
@@ -69,7 +71,6 @@ __all__ = [
     "Planning",
     "Step",
     "StepContext",
-    "apply_activation_checkpointing",
     "apply_compile",
     "apply_plan",
     "apply_tensor_parallel",
@@ -91,8 +92,8 @@ class ModelFacts:
     no activation checkpointing are added; `adopted_sharded`: it applied `fully_shard` itself, so the data-parallel
     wrapper adds no units). `blocks`: its repeated blocks; `shard_units`: the FSDP units (none for a wrapper that
     does not shard); `tied`: parameters reachable under several names (`lightning_dpar.plan.ties`); `experts`: the
-    experts modules expert parallelism splits (tensor parallelism leaves them out); `checkpointed`: the modules
-    recomputed in backward (context parallelism checks none cuts a block); `roots`: the data-parallel wrapper's
+    experts modules expert parallelism splits (tensor parallelism leaves them out); `checkpointing`: the modules
+    recomputed in backward and how (context parallelism checks none cuts a block); `roots`: the data-parallel wrapper's
     top-level units (none under pipelining: each stage is its own root)."""
 
     adopted: bool
@@ -101,7 +102,7 @@ class ModelFacts:
     shard_units: list[str]
     tied: list[TiedGroup]
     experts: list[str]
-    checkpointed: list[str]
+    checkpointing: ActivationCheckpointingPlan
     roots: list[str]
 
 
@@ -115,12 +116,17 @@ def model_facts(module: nn.Module, dims: ParallelDims, options: PlanOptions) -> 
         check_adoptable(module, dims, options)
         sharded = has_fully_shard(module)  # the wrapper adds no units of its own, so needs no top-level units
         roots = [] if sharded else data_parallel_roots(module)
-        return ModelFacts(True, sharded, blocks, units, [], [], [], roots)
+        return ModelFacts(True, sharded, blocks, units, [], [], ActivationCheckpointingPlan(), roots)
     tied = tied_parameters(module)
     experts = plan_experts(module, dims.expert, dims.shard, expert_selectors(module, options))
-    checkpointed = resolve_activation_checkpointing(module, options.activation_checkpointing, units, blocks)
+    checkpointing = activation_checkpointing_step.plan_activation_checkpointing(
+        module,
+        options.activation_checkpointing,
+        lambda spec: resolve_activation_checkpointing(module, spec, units, blocks),
+        options.strategy,
+    )
     roots = [] if dims.pipeline > 1 else data_parallel_roots(module)  # refuses containers holding parameters
-    return ModelFacts(False, False, blocks, units, tied, list(experts), checkpointed, roots)
+    return ModelFacts(False, False, blocks, units, tied, list(experts), checkpointing, roots)
 
 
 @dataclass
@@ -225,6 +231,10 @@ def _tensor_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> N
         apply_tensor_parallel(root, applying.meshes.tensor_parallel, plan.tensor_parallel, plan.tied)
 
 
+def _plan_expert_parallel(planning: Planning) -> Mapping[str, Any]:
+    return {"experts": list(planning.facts.experts)}  # found with the facts: tensor parallelism leaves them out
+
+
 def _expert_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
     if plan.experts:
         assert applying.meshes.expert is not None, "an expert-parallel plan needs the expert mesh"
@@ -239,7 +249,7 @@ def _plan_context_parallel(planning: Planning) -> Mapping[str, Any]:
         planning.dims,
         planning.options.context_parallel_loss,
         planning.options.strategy,
-        facts.checkpointed,
+        facts.checkpointing.modules,
         split.stages if split is not None else None,
     )
     return {"context_parallel": part.blocks, "context_parallel_loss": part.loss_module}
@@ -256,10 +266,18 @@ def _context_parallel_around_step(applying: Applying) -> StepContext | None:
     return None if runtime is None else partial(context_parallel_step.around_step, runtime)
 
 
+def _plan_activation_checkpointing(planning: Planning) -> Mapping[str, Any]:
+    part = planning.facts.checkpointing  # found with the facts: context parallelism checks it cuts no block
+    return {"activation_checkpointing": list(part.modules), "activation_checkpointing_policy": part.policy}
+
+
 def _activation_checkpointing(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
     context = applying.context_parallel
-    apply_activation_checkpointing(
-        root, plan.activation_checkpointing, context.checkpoint_contexts if context is not None else None
+    part = activation_checkpointing_step.ActivationCheckpointingPlan(
+        plan.activation_checkpointing, plan.activation_checkpointing_policy
+    )
+    activation_checkpointing_step.apply_activation_checkpointing(
+        root, part, context.checkpoint_contexts if context is not None else None
     )
 
 
@@ -322,25 +340,15 @@ def _materialize(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
         materialize_meta_tensors(root, applying.meshes.device, plan.tied)
 
 
-def _from_facts(*fields: str) -> Callable[[Planning], Mapping[str, Any]]:
-    """A step whose slice is facts found on the model already (`ModelFacts`), by `ModulePlan` field name."""
-    names = {"experts": "experts", "activation_checkpointing": "checkpointed"}
-
-    def plan(planning: Planning) -> Mapping[str, Any]:
-        return {name: list(getattr(planning.facts, names[name])) for name in fields}
-
-    return plan
-
-
 #: The steps, in the order they apply (torchtitan's: a model is split into stages first, each stage's modules are
 #: tensor- and expert-parallelised, then wrapped for recomputation and compiled, and the data-parallel wrapper goes
 #: around all of it; shards are allocated last, once every layout is known). A new step goes at its place here.
 STEPS: tuple[Step, ...] = (
     Step("pipeline split", _plan_pipeline_split, _pipeline_split),
     Step("tensor parallel", _plan_tensor_parallel, _tensor_parallel),
-    Step("expert parallel", _from_facts("experts"), _expert_parallel),
+    Step("expert parallel", _plan_expert_parallel, _expert_parallel),
     Step("context parallel", _plan_context_parallel, _context_parallel, _context_parallel_around_step),
-    Step("activation checkpointing", _from_facts("activation_checkpointing"), _activation_checkpointing),
+    Step("activation checkpointing", _plan_activation_checkpointing, _activation_checkpointing),
     Step("compile", _plan_compile, _compile),
     Step("data parallel", _plan_data_parallel, _data_parallel),
     Step("materialise", _plan_materialize, _materialize),
@@ -410,16 +418,6 @@ def apply_tensor_parallel(
     if plan and tp_mesh.size() > 1:
         parallelize_module(root, tp_mesh, dict(plan))
         retie(root, tied)
-
-
-def apply_activation_checkpointing(
-    root: nn.Module, fqns: Sequence[str], context_fn: Callable[[], tuple[Any, Any]] | None = None
-) -> None:
-    """Recompute each listed block's activations in backward instead of storing them; `context_fn` gives the context
-    managers around a block's forward and its recomputation (`torch.utils.checkpoint`'s), per forward."""
-    options = {} if context_fn is None else {"context_fn": context_fn}
-    for fqn in fqns:
-        checkpoint_activations(root.get_submodule(fqn), **options)
 
 
 def apply_compile(root: nn.Module, fqns: Sequence[str], options: Mapping[str, Any]) -> None:

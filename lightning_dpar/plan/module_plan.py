@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_dpar.activation_checkpointing.step import CheckpointPolicyName
 from lightning_dpar.helpers import is_under
 from lightning_dpar.pipeline.split import PipelineSplit
 
@@ -67,6 +68,9 @@ class ModulePlan:
     gathered whole.
 
     `data_parallel` says how the data-parallel step wraps the model (`DataParallelSettings`).
+
+    `activation_checkpointing_policy` says how the `activation_checkpointing` modules are recomputed: `"full"` or
+    `"selective"` (`lightning_dpar.activation_checkpointing`).
     """
 
     tensor_parallel: dict[str, ParallelStyle]
@@ -84,6 +88,7 @@ class ModulePlan:
     context_parallel: list[str] = field(default_factory=list)
     context_parallel_loss: str | None = None
     data_parallel: DataParallelSettings = field(default_factory=DataParallelSettings)
+    activation_checkpointing_policy: CheckpointPolicyName = "full"
 
 
 def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> ModulePlan:

@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_dpar.activation_checkpointing.step import ActivationCheckpointingSetting
 from lightning_dpar.helpers import class_name, show_names
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
@@ -45,7 +46,8 @@ class PlanOptions:
         strategy: the strategy's class name, for error messages.
         tp_plan: the strategy's `tp_plan` argument, parsed, or `"auto"`, or `None` (then the LightningModule's
             `tp_plan` attribute, then a transformers model's own plan).
-        activation_checkpointing: `True`, or class names / module-name globs.
+        activation_checkpointing: `True` (full), `"selective"` (the op-level policy,
+            `lightning_dpar.activation_checkpointing`), or class names / module-name globs.
         compile: `torch.compile` options, or `None` (eager).
         pipeline: the pipeline settings (used when the mesh has a pipeline dim).
         kept_size_args: the strategy arguments an error's suggested fix keeps (`pipeline_parallel_size=2`).
@@ -65,7 +67,7 @@ class PlanOptions:
 
     strategy: str
     tp_plan: Mapping[str, PlanStyle] | str | None = None
-    activation_checkpointing: bool | Sequence[ModuleSelector] = False
+    activation_checkpointing: ActivationCheckpointingSetting = False
     compile: Mapping[str, Any] | None = None
     pipeline: PipelineConfig | None = None
     kept_size_args: tuple[tuple[str, object], ...] = ()

@@ -38,6 +38,7 @@ from lightning_dpar._private_api import (
     optimizers_to_device,
     replace_model_checkpoint_link,
 )
+from lightning_dpar.activation_checkpointing.step import ActivationCheckpointingSetting
 from lightning_dpar.checkpoint.adapter_only import CheckpointWeights
 from lightning_dpar.checkpoint.manager import CheckpointFormatName, CheckpointManager
 from lightning_dpar.conformance.batchnorm import check_sync_batchnorm_supported, convert_sync_batchnorm
@@ -88,7 +89,9 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         data_parallel_size: ranks that see different batches (`"auto"`: world / tensor_parallel_size).
         replicate_size: HSDP replica groups (1: plain FSDP).
         tp_plan: `{module-name pattern: style}`; see `lightning_dpar.plan`.
-        activation_checkpointing: `True` (each sharded block) or a list of class names / module-name globs.
+        activation_checkpointing: `True` (each sharded block recomputed whole in backward),
+            `"selective"` (the same blocks keep their matmul and attention outputs and recompute only the cheap
+            ops: torchtitan's op-level policy; see docs/efficiency.md), or a list of class names / module-name globs.
         compile: `True`, or a dict of `torch.compile` options (`{"mode": "max-autotune"}`), compiles each block in
             place after tensor parallelism and activation checkpointing, before the data-parallel wrapper; names
             and checkpoint keys stay those of the eager model. See `lightning_dpar.parallel.compilation`.
@@ -129,7 +132,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         data_parallel_size: SizeArg = "auto",
         replicate_size: SizeArg = 1,
         tp_plan: TPPlanSpec | None = None,
-        activation_checkpointing: bool | Sequence[ModuleSelector] = False,
+        activation_checkpointing: ActivationCheckpointingSetting = False,
         compile: CompileSpec = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,

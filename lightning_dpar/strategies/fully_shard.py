@@ -10,6 +10,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dpar._private_api import StrategyRegistryType
+from lightning_dpar.activation_checkpointing.step import ActivationCheckpointingSetting
 from lightning_dpar.context_parallel import check_settings
 from lightning_dpar.context_parallel.loss import check_loss_mode
 from lightning_dpar.parallel_dims import ParallelDims, SizeArg
@@ -36,7 +37,9 @@ class FullyShardStrategy(DparStrategy):
             smaller group of this size (`int`), as `fully_shard` defines it.
         replicate_size: HSDP: number of replica groups (`"auto"`: one per node); each group shards the model.
         cpu_offload: keep sharded params, gradients and optimizer state in CPU memory.
-        activation_checkpointing: `True` (each sharded block) or a list of class names / module-name globs.
+        activation_checkpointing: `True` (each sharded block recomputed whole in backward),
+            `"selective"` (the same blocks keep their matmul and attention outputs and recompute only the cheap
+            ops: torchtitan's op-level policy; see docs/efficiency.md), or a list of class names / module-name globs.
         pipeline_parallel_size: pipeline stages' ranks: the model is split between its repeated blocks, and each
             group of `world / pipeline_parallel_size` ranks holds one stage (or `pipeline_stages_per_rank`). See
             `docs/pipeline.md`.
@@ -64,7 +67,7 @@ class FullyShardStrategy(DparStrategy):
         reshard_after_forward: bool | int = True,
         replicate_size: SizeArg = 1,
         cpu_offload: bool = False,
-        activation_checkpointing: bool | Sequence[ModuleSelector] = False,
+        activation_checkpointing: ActivationCheckpointingSetting = False,
         pipeline_parallel_size: int = 1,
         pipeline_schedule: str = "1F1B",
         pipeline_microbatches: int | None = None,

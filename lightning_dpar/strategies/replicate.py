@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dpar._private_api import StrategyRegistryType, compiled_autograd, swap_ddp_optimize_mode
+from lightning_dpar.activation_checkpointing.step import ActivationCheckpointingSetting
 from lightning_dpar.conformance.unit_guard import UnitCallGuard
 from lightning_dpar.parallel import data_parallel, parallelize
 from lightning_dpar.parallel.compilation import compiled_autograd_compiler
@@ -49,7 +50,9 @@ class ReplicateStrategy(DparStrategy):
             gradient all-reduce dtype; callables need DDP mode.
         tensor_parallel_size: ranks per tensor-parallel group (1: pure data parallel).
         tp_plan: see `FSDPTensorParallelStrategy`.
-        activation_checkpointing: `True` (each repeated block) or a list of class names / module-name globs.
+        activation_checkpointing: `True` (each repeated block recomputed whole in backward),
+            `"selective"` (the same blocks keep their matmul and attention outputs and recompute only the cheap
+            ops: torchtitan's op-level policy; see docs/efficiency.md), or a list of class names / module-name globs.
         compiled_autograd: with `compile`, also capture each backward pass in one compiled graph. DDP then
             all-reduces from traced per-parameter hooks (its "python reducer") and Inductor fuses them into buckets
             of `bucket_cap_mb`; without it, compiled blocks run under DDP's usual C++ reducer and dynamo's DDP
@@ -69,7 +72,7 @@ class ReplicateStrategy(DparStrategy):
         comm_hook: CommHook | None = None,
         tensor_parallel_size: SizeArg = 1,
         tp_plan: TPPlanSpec | None = None,
-        activation_checkpointing: bool | Sequence[ModuleSelector] = False,
+        activation_checkpointing: ActivationCheckpointingSetting = False,
         compiled_autograd: bool = False,
         **kwargs: Any,
     ) -> None:

@@ -109,3 +109,8 @@ def test_gpu_check_smoke_end_to_end(tmp_path):
             assert math.isfinite(float(row.split("|")[2])), row
         for name in ("dpar_fsdp", "dpar_fsdp_compiled"):
             assert "overhead_vs_plain" in model["summary"][name] and f"| {name} | " in table
+        # selective activation checkpointing, compared with the same policy applied by hand, eager and compiled
+        for name in ("dpar_fsdp_selective", "dpar_fsdp_selective_compiled"):
+            assert model["summary"][name]["checkpointing"] == "selective"
+            assert "overhead_vs_plain" in model["summary"][name] and f"| {name} | " in table
+        assert "speedup_vs_eager" in model["summary"]["dpar_fsdp_selective_compiled"]

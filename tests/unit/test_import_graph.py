@@ -179,6 +179,7 @@ LAYERS = [
     "pipeline",
     "conformance",
     "context_parallel",
+    "activation_checkpointing",
     "plan",
     "experts",
     "parallel",

@@ -78,6 +78,17 @@ def test_fsdp_arguments_from_yaml(tmp_path):
     assert strategy._activation_checkpointing is True
 
 
+@pytest.mark.parametrize("strategy_class", ["FullyShardStrategy", "FSDPTensorParallelStrategy", "ReplicateStrategy"])
+def test_selective_activation_checkpointing_from_yaml(tmp_path, strategy_class):
+    """`activation_checkpointing: selective` parses as the setting, not as a list of one-letter selectors."""
+    strategy = build_strategy(
+        tmp_path,
+        {"class_path": f"lightning_dpar.{strategy_class}", "init_args": {"activation_checkpointing": "selective"}},
+    )
+    assert strategy._activation_checkpointing == "selective"
+    assert strategy.plan_options.activation_checkpointing == "selective"
+
+
 @pytest.mark.parametrize("hook", ["bf16_compress", "fp16_compress"])
 def test_replicate_ddp_knobs_from_yaml(tmp_path, hook):
     strategy = build_strategy(

@@ -273,22 +273,14 @@ def group_context_parallel_errors() -> Iterator[Case]:
     yield case("router_loss", cp(), lambda: HFModule("Qwen3MoeConfig", **router_loss), lambda: Tokens(SEQ))
 
 
-def activation_memory(model: str, cp: int, checkpointing: bool = False, loss: str = "whole") -> dict | None:
-    """One step's activation memory on each rank (`StorageMeter`: gloo's threads free the all-gathers' tensors) for
-    a batch of 2 x 512 tokens per data-parallel rank, under FSDP over every rank with context parallelism `cp` (and
-    activation checkpointing of the blocks), and the activation estimate (the `plan` dry run's) for the same layout
-    and batch (`loss`: `context_parallel_loss`)."""
+def measure_and_estimate(strategy: Any, make: Callable[[], Any], data: Tokens) -> tuple[list, Any] | None:
+    """One step's activation memory on each rank (`StorageMeter`: gloo's threads free the all-gathers' tensors),
+    training `make()` on `data` in batches of 2 under `strategy`, and on rank 0 the activation estimate (the `plan`
+    dry run's) of the same layout and batch: `(each rank's (retained, peak), estimate)`; `None` on other ranks."""
     from lightning_dpar.estimates.activations import estimate_activations
     from tests.support.activation_meter import StorageMeter
 
     meter = StorageMeter()
-    if model == "gpt":
-        make, data = (lambda: GPT(vocab_size=256, block_size=512, n_layer=2, n_head=4, n_embd=64)), Tokens(513, n=16)
-    else:
-        make, data = (lambda: HFModule(hidden_size=64, intermediate_size=128)), Tokens(512, n=16)
-    strategy = FullyShardStrategy(
-        context_parallel_size=cp, activation_checkpointing=checkpointing, context_parallel_loss=loss
-    )
     trainer = trainer_for(strategy, callbacks=[meter])
     trainer.fit(make(), DataLoader(data, batch_size=2))
     assert meter.measured is not None
@@ -300,6 +292,25 @@ def activation_memory(model: str, cp: int, checkpointing: bool = False, loss: st
         meta = make()
     dims = trainer.strategy.dims
     estimate = estimate_activations(meta, trainer.strategy.module_plan(meta, dims, 0), dims, (2, len(data.ids[0])))
+    return measured, estimate
+
+
+def activation_memory(model: str, cp: int, checkpointing: bool = False, loss: str = "whole") -> dict | None:
+    """One step's activation memory on each rank (`StorageMeter`: gloo's threads free the all-gathers' tensors) for
+    a batch of 2 x 512 tokens per data-parallel rank, under FSDP over every rank with context parallelism `cp` (and
+    activation checkpointing of the blocks), and the activation estimate (the `plan` dry run's) for the same layout
+    and batch (`loss`: `context_parallel_loss`)."""
+    if model == "gpt":
+        make, data = (lambda: GPT(vocab_size=256, block_size=512, n_layer=2, n_head=4, n_embd=64)), Tokens(513, n=16)
+    else:
+        make, data = (lambda: HFModule(hidden_size=64, intermediate_size=128)), Tokens(512, n=16)
+    strategy = FullyShardStrategy(
+        context_parallel_size=cp, activation_checkpointing=checkpointing, context_parallel_loss=loss
+    )
+    result = measure_and_estimate(strategy, make, data)
+    if result is None:
+        return None
+    measured, estimate = result
     footprint = estimate.rank(0).per_microbatch(checkpointing)
     return {
         "retained": [r for r, _ in measured],

@@ -61,6 +61,7 @@ MODULES = [
         "context_parallel_pipeline",
         "nonfinite",
         "fabric",
+        "activation_checkpointing",
     )
 ]
 

@@ -43,9 +43,30 @@ def test_activations_are_the_pure_estimates_and_go_on_top_of_the_peak():
     peak = report.memory.total + report.largest_unit[1] + with_ac.peak
     assert f"  peak        {format_bytes(peak)}" in rendered
     assert "Activations on each rank, per microbatch: token ids (4, 65) int64 (given here)" in rendered
-    row = f"  with activation checkpointing     {format_bytes(with_ac.retained)}"
+    row = f"  full activation checkpointing       {format_bytes(with_ac.retained)}"
     assert any(line.startswith(row) and line.endswith("<- the plan") for line in rendered.splitlines())
     assert "not included: communication buffers, allocator overhead" in rendered
+
+
+def test_selective_checkpointing_is_the_plans_row_between_none_and_full_with_its_recomputed_flops():
+    """`activation_checkpointing="selective"`: the dry run's activation table marks the selective row as the plan's,
+    its figures between the two others, and each row gives the share of the step's matmul and attention FLOPs its
+    backward recomputes."""
+    strategy = lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2, activation_checkpointing="selective")
+    report = plan(strategy, _small_gpt(), world_size=4, batch=(4, 65), batch_source="given here")
+    estimate = report.activations
+    assert estimate.checkpointing == "selective"
+    rank = estimate.rank(0)
+    none, selective, full = (rank.per_microbatch(setting) for setting in (False, "selective", True))
+    assert full.retained < selective.retained < none.retained
+    peak = report.memory.total + report.largest_unit[1] + selective.peak
+    assert f"  peak        {format_bytes(peak)}" in report.render()
+    flops = estimate.flops
+    assert flops.recomputed(False) == 0 < flops.recomputed("selective") < flops.recomputed(True)
+    rows = {line.split("  ")[1]: line for line in report.render().splitlines() if "activation checkpointing  " in line}
+    assert rows["selective activation checkpointing"].endswith("<- the plan")
+    assert f"{flops.recomputed_fraction('selective'):.0%}" in rows["selective activation checkpointing"]
+    assert f"{flops.recomputed_fraction(True):.0%}" in rows["full activation checkpointing"]
 
 
 def test_traces_are_reused_across_tensor_parallel_sizes_and_give_the_same_estimate():
@@ -62,9 +83,9 @@ def test_traces_are_reused_across_tensor_parallel_sizes_and_give_the_same_estima
         assert estimate_activations(model, plan_, dims, (4, 65), traces=traces) == estimate_activations(
             model, plan_, dims, (4, 65)
         )
-        assert len(traces) == 2  # without and with activation checkpointing, traced for TP 2 only
+        assert len(traces) == 3  # without, with selective and with full checkpointing, traced for TP 2 only
     estimate_activations(model, plan_, dims, (2, 65), traces=traces)
-    assert len(traces) == 4
+    assert len(traces) == 6
 
 
 def test_pipeline_stages_hold_their_microbatches_in_flight(capsys):

@@ -94,6 +94,18 @@ def test_compute_is_6n_per_token_over_throughput_and_split_by_tp_and_pp():
     assert checkpointed.time.compute == pytest.approx(flops * 80 * 8 / 6 / 1e12)
 
 
+def test_selective_checkpointing_recomputes_its_traced_share_of_what_full_recomputes():
+    """6 + 2 x the share the dry run's trace measured (`MeshMemory.selective_share`); not traced, priced as full (an
+    upper bound), with its activations counted as without checkpointing (an upper bound too)."""
+    flops = 6 * (1_000_000) + 12 * 4 * 64 * 10
+    traced = replace(MESH, selective_share=0.25)
+    selective = estimate(Layout(dims(), activation_checkpointing="selective"), FACTS, traced, FLAT)
+    assert selective.time.compute == pytest.approx(flops * 80 * (6 + 2 * 0.25) / 6 / 1e12)
+    untraced = estimate(Layout(dims(), activation_checkpointing="selective"), FACTS, MESH, FLAT)
+    assert untraced.time.compute == pytest.approx(flops * 80 * 8 / 6 / 1e12)
+    assert untraced.memory.activations == estimate(Layout(dims()), FACTS, MESH, FLAT).memory.activations
+
+
 def test_moe_compute_counts_the_active_experts_only():
     moe = ModelFacts(
         params=1_000_000,
@@ -157,6 +169,11 @@ def test_traced_activations_are_taken_per_checkpointing_setting_on_the_rank_with
     assert (without.parameters, without.activations, without.activations_traced) == (1000, 9000, True)
     with_ = estimate(replace(layout, activation_checkpointing=True), FACTS, mesh, FLAT).memory
     assert (with_.parameters, with_.activations) == (3000, 400)
+    first, last = replace(first, activations_selective=8500), replace(last, activations_selective=450)
+    selective = estimate(
+        replace(layout, activation_checkpointing="selective"), FACTS, MeshMemory((first, last), 0), FLAT
+    ).memory
+    assert (selective.parameters, selective.activations) == (1000, 8500)
 
 
 def test_groups_spanning_nodes_use_the_slower_link():

@@ -76,6 +76,11 @@ def test_each_layouts_activations_are_the_dry_runs_estimate_of_that_layout(pipel
     for rank, memory in enumerate(priced.ranks):
         assert memory.activations == reported.peak(rank, checkpointing=False)
         assert memory.activations_checkpointed == reported.peak(rank, checkpointing=True)
+        assert memory.activations_selective == reported.peak(rank, checkpointing="selective")
+        assert memory.activations_checkpointed < memory.activations_selective < memory.activations
+    flops = reported.flops
+    assert priced.selective_share == flops.recomputed("selective") / flops.recomputed(True)
+    assert 0 < priced.selective_share < 1
 
 
 def test_the_sequence_length_is_read_off_a_module_when_the_hparams_lack_it():

@@ -31,7 +31,7 @@ def test_candidates_cover_every_mesh_and_refuse_with_reasons():
     layouts, rejected = enumerate_layouts(4, 4, 1, layers=4, batch_size=6)
     meshes = {(c.dims.pipeline, c.dims.replicate, c.dims.shard, c.dims.tensor_parallel) for c in layouts}
     assert (1, 1, 4, 1) in meshes and (1, 1, 1, 4) in meshes and (1, 2, 2, 1) in meshes and (2, 1, 2, 1) in meshes
-    assert {c.activation_checkpointing for c in layouts} == {False, True}
+    assert {c.activation_checkpointing for c in layouts} == {False, "selective", True}
     # 6 sequences per rank do not split into 4 microbatches; 8 stages need 8 layers.
     reasons = {r.what: r.reason for r in rejected}
     assert "does not divide into 4 microbatches" in reasons["pp2 1F1B m4"]
@@ -108,6 +108,22 @@ def test_a_budget_below_the_runtime_memory_tries_no_other_world():
     assert suggestion.devices_needed is None and suggestion.memory_needed is not None
     assert "no device count fits 16.00 MiB per device: the profile's runtime memory alone" in suggestion.describe()
     assert "32.00 MiB" in suggestion.describe()
+
+
+def test_selective_checkpointing_is_chosen_where_it_fits_and_full_checkpointing_is_not_needed():
+    """Without checkpointing nothing fits; selective checkpointing fits and recomputes a tenth of what full does
+    (the traced share), so it beats full checkpointing on every mesh where both fit."""
+    memory = PRESETS["h100-node"].device_memory
+
+    def probe(layout: Layout) -> MeshMemory:
+        rank = replace(
+            sharded_probe(layout).ranks[0], activations=2 * memory, activations_checkpointed=0, activations_selective=0
+        )
+        return MeshMemory((rank,), sharded_probe(layout).gathered_unit, selective_share=0.1)
+
+    result = search(FACTS, 4, 1, PRESETS["h100-node"], probe)
+    assert result.best is not None and result.best.layout.activation_checkpointing == "selective"
+    assert all(e.layout.activation_checkpointing for e in result.ranked)
 
 
 def test_activation_checkpointing_can_be_fixed():
