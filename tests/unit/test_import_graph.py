@@ -191,6 +191,7 @@ LAYERS = [
     "strategies",
     "estimates",
     "layout_search",
+    "fabric",
     "performance_monitor",
     "ray",
     "examples",

@@ -6,6 +6,7 @@ tensor-parallel layer without FSDP's view warning (one gloo process). Training s
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,6 +89,34 @@ def test_the_fix_picks_the_largest_valid_size_that_tiles_the_world_and_keeps_the
     yaml = "class_path: lightning_dpar.FSDP3DStrategy\n    init_args:\n      a: 2\n      tensor_parallel_size: 3\n"
     assert fix.endswith(yaml)
     assert "tensor_parallel_size=1)" in tensor_parallel_size_fix("S", [4], lambda size: False, {})
+
+
+class FusedAttention(nn.Module):
+    """LitGPT's attention layout (`litgpt.model.CausalSelfAttention`): one `qkv` Linear whose output the forward
+    splits with the config's global head counts, and a `proj`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(n_head=4, n_query_groups=2, head_size=8)
+        self.qkv = nn.Linear(32, (4 + 2 * 2) * 8)
+        self.proj = nn.Linear(32, 32)
+
+
+def test_a_fused_qkv_split_by_global_head_counts_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"splits 'attn.qkv' column-wise, but it is a fused q/k/v projection") as error:
+        resolve_tp_plan(nn.ModuleDict({"attn": FusedAttention()}), parse_tp_plan({"attn.qkv": "colwise"}), 2)
+    assert "(4 query heads, 2 key/value groups of size 8)" in str(error.value)
+    assert "`transformer.h.*.mlp.proj` rowwise" in str(error.value)  # the fix
+
+
+def test_a_fused_qkv_stays_allowed_where_nothing_splits_it():
+    root = nn.ModuleDict({"attn": FusedAttention()})
+    assert set(resolve_tp_plan(root, parse_tp_plan({"attn.qkv": "colwise"}), 1)) == {"attn.qkv"}  # one rank
+    assert set(resolve_tp_plan(root, parse_tp_plan({"attn.proj": "colwise"}), 2)) == {"attn.proj"}  # not the qkv
+    mlp = FusedAttention()  # a sibling of the same width that is not the attention's `qkv` (LitGPT's MLP can be)
+    mlp.fc = mlp.qkv
+    del mlp.qkv
+    assert set(resolve_tp_plan(nn.ModuleDict({"mlp": mlp}), parse_tp_plan({"mlp.fc": "colwise"}), 2)) == {"mlp.fc"}
 
 
 def test_devices_3_with_default_2d_sizes_names_the_size_module_and_dimension(capsys):
