@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_dpar._private_api import tree_leaves, tree_map
 from lightning_dpar.activation_checkpointing.step import Checkpointing, CheckpointPolicyName, checkpointing_of
 from lightning_dpar.estimates.activation_trace import StepTrace, trace_step, training_loss
+from lightning_dpar.loss_parallel.step import sharded_output_styles
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.plan import ModulePlan, repeated_blocks, resolve_activation_checkpointing
@@ -329,7 +330,10 @@ def estimate_activations(
         raise ValueError("pipeline parallelism needs the plan's split and the strategy's `pipeline` settings")
     microbatches = pipeline.num_microbatches(dims.pipeline) if pipeline is not None else 1
     microbatch = microbatch_of(batch, microbatches)
-    tensor_parallel = whole.tensor_parallel if dims.tensor_parallel > 1 else {}
+    # Under loss parallel the output layer's logits stay sharded (`lightning_dpar.loss_parallel`): traced as split,
+    # they and the log-probabilities the loss keeps count 1 / tensor_parallel on each rank.
+    styles = sharded_output_styles(whole.tensor_parallel, whole.loss_parallel)
+    tensor_parallel = styles if dims.tensor_parallel > 1 else {}
     units = [unit for stage in split.stages for unit in stage] if split is not None else []
     checkpointed = whole.activation_checkpointing or _what_true_checkpoints(module, whole, units)
 

@@ -61,6 +61,7 @@ MODULES = [
         "context_parallel_pipeline",
         "nonfinite",
         "activation_checkpointing",
+        "loss_parallel",
     )
 ]
 
