@@ -3,15 +3,17 @@
 strategy's frozen `PlanOptions`), and `apply_plan`, which applies each slice. Training, the `plan` dry run and the
 layout search all go through both.
 
-The order is torchtitan's: pipeline split -> tensor parallel -> loss parallel -> expert parallel -> context parallel -> activation
+The order is torchtitan's: pipeline split -> tensor parallel -> loss parallel (the output layer's logits kept
+sharded; torchtitan folds it into its output layer's style) -> expert parallel -> context parallel -> activation
 checkpointing -> compile -> data parallel (`fully_shard` or `replicate`) -> materialise. The context-parallel hooks
 come before activation checkpointing, which gets their `context_fn`: a recomputed block's attention must be
 context-parallel again.
 
 A `Step` binds what its feature's folder exports: its slice of the plan (`plan`), how it is applied (`apply`), and,
-if it has one, what it does around each training or evaluation step (`around_step`). A feature's own code stays in
-its folder (`pipeline/step.py`, `experts/`, `context_parallel/step.py`, `parallel/data_parallel.py`); a new feature
-is one more folder and one more `Step` at its place in `STEPS` (docs/architecture.md).
+if it has them, what it does around each step's forward (`around_step`) and backward (`around_backward`) and to its
+output (`step_output`). A feature's own code stays in its folder (`pipeline/step.py`, `experts/`,
+`context_parallel/step.py`, `loss_parallel/step.py`, `parallel/data_parallel.py`); a new feature is one more folder
+and one more `Step` at its place in `STEPS` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -68,9 +70,9 @@ __all__ = [
     "STEPS",
     "AppliedPlan",
     "Applying",
+    "BackwardContext",
     "ModelFacts",
     "Planning",
-    "BackwardContext",
     "Step",
     "StepContext",
     "StepOutput",

@@ -52,7 +52,6 @@ NOT_YET_TESTED_BY_NAME = {
     "lightning_dpar.plan.compile",
     "lightning_dpar.plan.initialisers",
     "lightning_dpar.plan.styles",
-    "lightning_dpar.plan.tensor_parallel",
     "lightning_dpar.strategies.checkpoint_hooks",
     "lightning_dpar.strategies.collectives",
     "lightning_dpar.strategies.data_loading",

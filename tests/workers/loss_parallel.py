@@ -95,7 +95,10 @@ def group_loss_parallel() -> Iterator[Case]:
     if world != 2:
         return
     # Refused before training, alike on every rank.
-    yield Case("error_without_tp", lambda: expect_error(lambda: FullyShardStrategy(loss_parallel=True), LabelledGPT, gpt_data()))
+    yield Case(
+        "error_without_tp",
+        lambda: expect_error(lambda: FullyShardStrategy(loss_parallel=True), LabelledGPT, gpt_data()),
+    )
     yield Case(
         "error_head_not_in_plan",
         lambda: expect_error(tp(tp_plan=TP_PLAN), LabelledGPT, gpt_data()),
