@@ -354,6 +354,7 @@ def estimate_activations(
             loss=loss,
             context_parallel=dims.context,
             context_parallel_loss=whole.context_parallel_loss,
+            loss_parallel=whole.loss_parallel is not None,
         )
         if traces is not None:
             traces[key] = traced
