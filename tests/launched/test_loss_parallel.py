@@ -40,6 +40,14 @@ def test_loss_parallel_matches_one_process(world, case, request):
 
 
 @pytest.mark.slow
+def test_validation_under_loss_parallel_logs_one_processs_loss(lp2):
+    """`validate` after `fit`: the validation forward runs inside `loss_parallel()` too, and its loss (a DTensor,
+    logged with `sync_dist=True`: the strategy reduces its whole value) equals one process's on the trained model."""
+    result = lp2["validation_after_fit"]
+    assert abs(result["val_loss"] - result["want"]) < ATOL
+
+
+@pytest.mark.slow
 def test_loss_parallel_halves_the_logits_bytes_per_rank_as_estimated(lp2):
     """One real step under TP 2 (a vocabulary of 4,096 on 2 x 256 tokens: 8 MiB of fp32 logits): what the forward
     keeps for backward falls by exactly half the logits (the log-probabilities the loss keeps are this rank's

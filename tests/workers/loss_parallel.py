@@ -46,8 +46,11 @@ class LabelledGPT(GPT):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=True)  # reduced over the data-parallel ranks: a DTensor in the step
         return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), sync_dist=True)
 
 
 class UnevenLlama(L.LightningModule):
@@ -94,6 +97,7 @@ def group_loss_parallel() -> Iterator[Case]:
         yield Case("error_pipeline", lambda: expect_error(tp(pipeline_parallel_size=2), LabelledGPT, gpt_data()))
     if world != 2:
         return
+    yield Case("validation_after_fit", validation_after_fit)
     # Refused before training, alike on every rank.
     yield Case(
         "error_without_tp",
@@ -110,6 +114,32 @@ def group_loss_parallel() -> Iterator[Case]:
     # At the first use of the sharded logits, alike on every rank.
     yield Case("error_label_smoothing", lambda: expect_error(tp(), lambda: LabelledGPT(smoothing=0.1), gpt_data()))
     yield Case("error_argmax", lambda: expect_error(tp(), lambda: LabelledGPT(argmax=True), gpt_data()))
+
+
+def validation_after_fit() -> dict | None:
+    """The GPT fitted under TP 2 with loss parallel, then `validate` (its `val_loss` logged with `sync_dist`): the
+    validation forward runs inside `loss_parallel()` too, and the loss equals one process's on the same model."""
+    from torch.utils.data import DataLoader
+
+    from tests.workers.common import BATCH, full_params, trainer_for
+
+    trainer = trainer_for(tp()())
+    module = LabelledGPT()
+    trainer.fit(module, DataLoader(Tokens(SEQ + 1, ignored=True), batch_size=BATCH))
+    val_data = Tokens(SEQ + 1, n=8, seed=11, ignored=True)
+    (metrics,) = trainer.validate(module, DataLoader(val_data, batch_size=BATCH), verbose=False)
+    params = full_params(trainer)
+    if trainer.global_rank != 0:
+        return None
+    reference = LabelledGPT()
+    reference.load_state_dict(params)
+    with torch.no_grad():
+        batches = [
+            {k: torch.stack([val_data[i][k] for i in range(s, s + BATCH)]) for k in ("input_ids", "labels")}
+            for s in (0, BATCH)
+        ]
+        want = sum(float(reference.loss(b)) for b in batches) / 2
+    return {"val_loss": float(metrics["val_loss"]), "want": want}
 
 
 def logits_memory(loss_parallel: bool) -> dict | None:
