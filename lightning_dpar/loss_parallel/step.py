@@ -154,5 +154,6 @@ def around_step(output_layer: str, training: bool = True, args: Sequence[Any] = 
             " `nn.CrossEntropyLoss` on them, without `label_smoothing` (class-index targets, reduction 'mean',"
             f" 'sum' or 'none'). This step used them otherwise: {error}. Compute the loss with `F.cross_entropy`"
             " and `label_smoothing=0`; for any other use of the logits (argmax, metrics, logging) gather them first"
-            " with `logits.full_tensor()`; or set `loss_parallel=False`."
+            " with `logits.full_tensor()`; to add a plain tensor to the loss (an auxiliary loss), take the loss's"
+            " whole value with `loss.to_local()` (differentiable); or set `loss_parallel=False`."
         ) from error
