@@ -1,7 +1,8 @@
 """lightning_dpar: composable data, fully sharded and tensor parallelism for PyTorch Lightning.
 
 Importing the package registers the strategy names (`"dpar_replicate"`, `"dpar_fsdp"`, `"dpar_fsdp_offload"`,
-`"dpar_hsdp"`, `"dpar_2d"`, `"dpar_3d"`, `"dpar_auto"`) with Lightning, so `Trainer(strategy="dpar_2d")` works.
+`"dpar_hsdp"`, `"dpar_2d"`, `"dpar_3d"`, `"dpar_auto"`) with Lightning, so `Trainer(strategy="dpar_2d")` works, and
+the same names (but `dpar_auto` and the fault-tolerant ones) with Fabric: `Fabric(strategy="dpar_2d")`.
 
 How a run flows: `strategies` (Lightning's hooks) -> `plan` (what goes where, as data, computed once) ->
 `parallel` (the plan applied, in torchtitan's fixed order) -> `checkpoint` (its manager owns save, load and resume).
@@ -22,6 +23,8 @@ See `docs/architecture.md`. The folders, in layers (none imports one below it; t
 - `strategies/`: the Lightning strategies (`fully_shard`, `replicate` on `base`) and their hooks by concern;
 - `estimates/`: state and activation memory, and the `plan` dry run;
 - `layout_search/`: the automatic layout search and `dpar_auto`;
+- `fabric/`: the same strategies behind Lightning Fabric's API, each driving the Trainer-side one (`dpar_*` names
+  registered in Fabric's registry too);
 - `fault_tolerance/`: per-step fault tolerance across torchft replica groups (`dpar_ft_hsdp`, optional extra `ft`);
 - `cli`, `__main__`, `progress`, `performance_monitor`, `ray`, `examples/`: the command line and user-facing tools;
 - `_private_api`: every private API (a module per library); `helpers`: small shared helpers; `agreement`: ranks agree on
@@ -32,6 +35,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dpar.checkpoint import CheckpointLoadError
 from lightning_dpar.checkpoint.module_from_checkpoint import load_from_checkpoint
+from lightning_dpar.fabric import register_fabric_strategies
 from lightning_dpar.fault_tolerance import FaultTolerance, with_fault_tolerance
 from lightning_dpar.hf_weights.pretrained import PretrainedWeights
 from lightning_dpar.layout_search.strategy import AutoParallelStrategy
@@ -70,6 +74,7 @@ for _strategy in (
     FaultTolerantFSDPTensorParallelStrategy,
 ):
     _strategy.register_strategies(StrategyRegistry)
+register_fabric_strategies()  # the same names in Fabric's registry (`lightning_dpar.fabric`)
 
 __all__ = [
     "AutoParallelStrategy",

@@ -9,9 +9,22 @@ from typing import Any
 
 import torch.nn as nn
 
+# Fabric's launchers (the ones its own `ModelParallelStrategy` and `DDPStrategy` configure in `_configure_launcher`):
+# `lightning_dpar.fabric` starts its ranks as the Trainer side does, through Lightning's own launchers.
+from lightning.fabric.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher as FabricMultiProcessingLauncher,
+)
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as FabricSubprocessScriptLauncher,
+)
+
 # The type of Lightning's strategy registry, which `Strategy.register_strategies(registry)` receives: the public
 # `StrategyRegistry` is an instance of it, and the class itself is only exported privately.
 from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType
+
+# The interface through which `Fabric.no_backward_sync` asks a strategy to skip gradient sync: Fabric reads
+# `strategy._backward_sync_control`, an instance of this private base class, and has no public one.
+from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl
 
 # Lightning's launchers, process-group initialisation and reduction helper: the building blocks every built-in
 # Lightning strategy uses; re-implementing them would diverge from Lightning's env handling (SLURM, torchelastic).
@@ -38,6 +51,9 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = [
     "IS_INTERACTIVE",
     "LIGHTNING_SUBCLASS_HOOKS",
+    "BackwardSyncControl",
+    "FabricMultiProcessingLauncher",
+    "FabricSubprocessScriptLauncher",
     "Launcher",
     "MultiProcessingLauncher",
     "StrategyRegistryType",
@@ -113,6 +129,8 @@ LIGHTNING_SUBCLASS_HOOKS = {
     "_configure_launcher": "Strategy subclasses choose their launcher here (Lightning's abstract hook).",
     "_launcher": "the attribute `_configure_launcher` must set; Lightning reads it to launch the processes.",
     "_precision_plugin": "the attribute behind `Strategy.precision_plugin`, which we override to translate plugins.",
+    "_precision": "the attribute behind Fabric's `Strategy.precision`, which we override to translate plugins.",
+    "_backward_sync_control": "what `Fabric.no_backward_sync` asks to skip gradient sync; Fabric reads only this.",
     "_strategy": "the strategy a `_MultiProcessingLauncher` subclass launches, stored by its base class.",
     "_collect_rank_zero_results": "the launcher's hook for what rank 0 hands back to the interactive process; ours"
     " gathers the sharded weights (Lightning's sends rank 0's shards only).",

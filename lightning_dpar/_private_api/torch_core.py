@@ -37,6 +37,7 @@ __all__ = [
     "muon_newton_schulz",
     "privateuse1_backend_name",
     "replace_muon_group_step",
+    "selective_checkpoint_private_ops",
     "storage_key",
     "swap_ddp_optimize_mode",
     "swapped_parameters",
@@ -50,6 +51,32 @@ def grouped_mm() -> Callable[..., torch.Tensor] | None:
     """`torch._grouped_mm(input, weights, offs=...)`, one matmul per group of rows, where this torch has it: no public
     grouped GEMM exists; torchtitan's and transformers' `grouped_mm` experts use it (it runs on CPU too, in fp32)."""
     return getattr(torch, "_grouped_mm", None)
+
+
+#: The private operators whose outputs selective activation checkpointing keeps (torchtitan's save list): every fused
+#: attention kernel torch dispatches `scaled_dot_product_attention` to (CPU's included, which the CPU tests and the
+#: activation estimate's trace run), the functional reduce-scatter of sequence parallelism, float8's scaled matmul.
+#: `torch.utils.checkpoint`'s policy sees operators, and these have no public names. Checked on torch 2.11, 2.13 and
+#: 2.15 (all present); one a torch version lacks is left out, not an error.
+_SELECTIVE_CHECKPOINT_PRIVATE_OPS = (
+    ("aten", "_scaled_dot_product_efficient_attention"),
+    ("aten", "_scaled_dot_product_flash_attention"),
+    ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+    ("aten", "_scaled_dot_product_cudnn_attention"),
+    ("aten", "_scaled_dot_product_fused_attention_overrideable"),
+    ("_c10d_functional", "reduce_scatter_tensor"),
+    ("aten", "_scaled_mm"),
+)
+
+
+def selective_checkpoint_private_ops() -> frozenset[Any]:
+    """The `.default` overloads of `_SELECTIVE_CHECKPOINT_PRIVATE_OPS` this torch has."""
+    found = set()
+    for namespace, name in _SELECTIVE_CHECKPOINT_PRIVATE_OPS:
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        if packet is not None:
+            found.add(packet.default)
+    return frozenset(found)
 
 
 @contextmanager

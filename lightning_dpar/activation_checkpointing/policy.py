@@ -45,6 +45,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from lightning_dpar._private_api import selective_checkpoint_private_ops
+
 __all__ = ["SELECTIVE_SAVED_OPS", "ContextFn", "checkpoint_context_fn", "checkpoint_forward", "selective_policy"]
 
 #: `torch.utils.checkpoint`'s `context_fn`: the context managers around a block's forward and its recomputation.
@@ -57,18 +59,7 @@ _MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
 #: The ops whose outputs selective checkpointing keeps: torchtitan's save list (matmuls, every fused attention
 #: kernel, the reduce-scatter of sequence parallelism, `max`, float8's scaled matmul) and CPU's fused attention,
 #: which the CPU tests and the activation estimate's trace run.
-SELECTIVE_SAVED_OPS: frozenset[Any] = _MATMULS | frozenset(
-    {
-        torch.ops.aten._scaled_dot_product_efficient_attention.default,
-        torch.ops.aten._scaled_dot_product_flash_attention.default,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-        torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
-        torch.ops._c10d_functional.reduce_scatter_tensor.default,
-        torch.ops.aten.max.default,
-        torch.ops.aten._scaled_mm.default,
-    }
-)
+SELECTIVE_SAVED_OPS: frozenset[Any] = _MATMULS | {torch.ops.aten.max.default} | selective_checkpoint_private_ops()
 
 
 def selective_policy() -> Callable[..., CheckpointPolicy]:

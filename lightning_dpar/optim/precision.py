@@ -39,8 +39,8 @@ class DparPrecision(Precision):
         precision = _ALIASES.get(str(precision), str(precision))
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(
-                f"Trainer `precision={precision!r}` is not supported by the lightning_dpar strategies. Use one of"
-                f" {list(SUPPORTED_PRECISION)}; fp16 needs a sharded grad scaler, use 'bf16-mixed' instead."
+                f"`precision={precision!r}` (Trainer or Fabric) is not supported by the lightning_dpar strategies. Use"
+                f" one of {list(SUPPORTED_PRECISION)}; fp16 needs a sharded grad scaler, use 'bf16-mixed' instead."
             )
         self.precision: PrecisionName = precision  # type: ignore[assignment]
         #: Device type to autocast on (`autocast_on`), only when the wrapper cannot apply bf16-mixed itself
@@ -111,11 +111,16 @@ class DparPrecision(Precision):
         guard = self.nonfinite
         step = guard.pending if guard is not None else None
         if guard is None or step is None or not step.deferred or step.decided:
-            self._clipper.clip_grad_norm_(self.main_params(optimizer), float(clip_val))
+            self.clip_norm(optimizer, clip_val)
             return
         self._clipper.clip_grad_norm_(
             self.main_params(optimizer), float(clip_val), fold=step.flags, before_scaling=guard.decide
         )
+
+    def clip_norm(self, optimizer: Optimizable, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale `optimizer`'s gradients so their norm over every mesh is at most `max_norm`; returns the norm before
+        clipping (Fabric's `clip_gradients` returns it, `lightning_dpar.fabric`)."""
+        return self._clipper.clip_grad_norm_(self.main_params(optimizer), float(max_norm), float(norm_type))
 
     def clip_grad_by_value(self, optimizer: Optimizable, clip_val: int | float) -> None:
         self._clipper.clip_grad_value_(self.main_params(optimizer), float(clip_val))

@@ -41,7 +41,8 @@ def resolve_tp_plan(
     """Expand patterns into concrete module names, checking every pattern matches, every style fits its module and
     `tensor_parallel_size` divides every dimension (and head count) it splits.
 
-    Returns `{fqn: style}` in module order; one module matched by two patterns is an error, not a silent override.
+    Returns `{fqn: style}` pattern by pattern in the plan's order, each pattern's modules in module order; one module
+    matched by two patterns is an error, not a silent override.
     A named style that means "replicate" (`"replicate"`) leaves its modules out. Pure (no process group), so a bad
     plan fails on every rank before any collective, and in the `plan` dry run, with the same message.
 
@@ -69,6 +70,7 @@ def resolve_tp_plan(
             if style is None:
                 continue
             _check_style_fits(fqn, module, style)
+            _check_not_fused_by_global_heads(root, fqn, module, style, tensor_parallel_size)
             gathered = type(style) is ColwiseParallel and Replicate() in style.output_layouts
             if not (uneven_gathered_columns and gathered):
                 _check_divisible(fqn, module, style, tensor_parallel_size)
@@ -85,6 +87,36 @@ def _check_style_fits(fqn: str, module: nn.Module, style: ParallelStyle) -> None
                 f" {' and '.join(class_name(t) for t in module_types)} only. Point the pattern at the Linear layers"
                 " inside that module (e.g. '<block>.*.fc1') or give a custom ParallelStyle."
             )
+
+
+def _check_not_fused_by_global_heads(
+    root: nn.Module, fqn: str, module: nn.Module, style: ParallelStyle, tensor_parallel_size: int
+) -> None:
+    """Refuse a column-wise split of a fused q/k/v projection that its attention splits by the model's global head
+    counts: LitGPT's `qkv`, found by its name and shape (out_features = (n_head + 2 n_query_groups) x head_size),
+    split into q, k and v with `config.n_head` and `config.n_query_groups` in every forward. Its contiguous column
+    shards would hold rows of q, k and v mixed, and the forward would still reshape by the global counts: it cannot
+    run, or would compute wrong attention."""
+    if tensor_parallel_size == 1 or not isinstance(module, nn.Linear) or not isinstance(style, ColwiseParallel):
+        return
+    parent_fqn, _, _ = fqn.rpartition(".")
+    parent = root.get_submodule(parent_fqn)
+    if getattr(parent, "qkv", None) is not module:  # LitGPT's name; an MLP of the same width is not it
+        return
+    config = getattr(parent, "config", None)
+    n_head, groups, head_size = (getattr(config, name, None) for name in ("n_head", "n_query_groups", "head_size"))
+    if not all(isinstance(n, int) for n in (n_head, groups, head_size)):
+        return
+    if module.out_features != (n_head + 2 * groups) * head_size:  # type: ignore[operator]
+        return
+    raise ValueError(
+        f"tp_plan splits {fqn!r} column-wise, but it is a fused q/k/v projection ({n_head} query heads, {groups}"
+        f" key/value groups of size {head_size}) that {class_name(parent)} splits by the"
+        " global head counts in every forward (LitGPT's `qkv`): a column shard would hold rows of q, k and v mixed,"
+        " not whole heads. Leave attention whole and split the MLP only (LitGPT: `transformer.h.*.mlp.fc_[12]`"
+        " colwise, `transformer.h.*.mlp.proj` rowwise), or train the attention tensor-parallel with a model whose"
+        " q, k and v are separate Linear layers."
+    )
 
 
 def _sharded_dim(module: nn.Module, style: ParallelStyle) -> tuple[str, int] | None:

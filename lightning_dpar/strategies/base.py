@@ -388,18 +388,23 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            # Before the first step, alike on every rank (the shard probe too): updates needing whole tensors refused.
-            assert self.dims is not None
-            layout = self.parameter_layout(self.dims)
-            on_shards = shard_probe.agreed(shard_probe.probe_on_shards)
-            check_optimizers(self.optimizers, layout, type(self).__name__, self._computes_whole_updates, on_shards)
-            for optimizer in self.optimizers:
-                if layout.split_by and self._computes_whole_updates(optimizer):
-                    distributed_muon.install(optimizer)
+            self.prepare_optimizers(self.optimizers)
         self.precision_plugin.nonfinite = self.nonfinite  # gradient-norm clipping agrees on its flags
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def prepare_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Before the first step, alike on every rank (the shard probe too): updates needing whole tensors refused
+        on this layout (`optim.exactness`), Muon's distributed form installed where parameters are split. The
+        Trainer's `setup` and Fabric's (`lightning_dpar.fabric`) both call this."""
+        assert self.dims is not None
+        layout = self.parameter_layout(self.dims)
+        on_shards = shard_probe.agreed(shard_probe.probe_on_shards)
+        check_optimizers(optimizers, layout, type(self).__name__, self._computes_whole_updates, on_shards)
+        for optimizer in optimizers:
+            if layout.split_by and self._computes_whole_updates(optimizer):
+                distributed_muon.install(optimizer)
 
     def _computes_whole_updates(self, optimizer: Optimizer) -> bool:
         """Whether this strategy computes `optimizer`'s updates on whole tensors on split parameters (Muon)."""

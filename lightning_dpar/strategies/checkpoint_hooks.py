@@ -12,6 +12,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -55,7 +56,12 @@ class CheckpointHooks(ParallelStrategy):
         """The model's state to save; its unsharded buffers are rank 0's (of each data-parallel group), as in a DDP
         checkpoint, whichever rank writes them."""
         assert self.model is not None
-        state = self.checkpoints.model_state(self.model)
+        return self.model_checkpoint_state(self.model)
+
+    def model_checkpoint_state(self, model: nn.Module) -> dict[str, Any]:
+        """`model`'s state as a checkpoint holds it (shards, or gathered with `checkpoint_format="full"`), with rank
+        0's unsharded buffers; the Trainer's hook and Fabric's save (`lightning_dpar.fabric`) both write this."""
+        state = self.checkpoints.model_state(model)
         return self._buffer_sync.first_rank_copies(state) if self._buffer_sync is not None else state
 
     @override
@@ -79,11 +85,17 @@ class CheckpointHooks(ParallelStrategy):
         writes one file. See `docs/checkpointing.md`."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take `storage_options`.")
-        trainer = attached_trainer(self.lightning_module)
-        data_parallel = self.sampler_shards()
-        record = self.checkpoints.record(trainer, type(self).__name__, self.world_size, data_parallel)
-        checkpoint.update(hf_model_record(self.lightning_module))  # for `consolidate --format hf`
-        checkpoint.update(peft_model_record(self.lightning_module))  # for `consolidate --format peft`
+        assert self.lightning_module is not None
+        self.write_checkpoint(checkpoint, filepath, attached_trainer(self.lightning_module), self.lightning_module)
+
+    def write_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, trainer: Any, module: nn.Module) -> None:
+        """Write `checkpoint` (Lightning's layout: `state_dict`, `optimizer_states`, the rest) of `module` through
+        the checkpoint manager, with our record (layout; the data position when `trainer` is given) and what
+        `consolidate --format hf`/`peft` need; collective. The Trainer's save and Fabric's (`lightning_dpar.fabric`)
+        both end here, so their checkpoints are the same."""
+        record = self.checkpoints.record(trainer, type(self).__name__, self.world_size, self.sampler_shards())
+        checkpoint.update(hf_model_record(module))  # for `consolidate --format hf`
+        checkpoint.update(peft_model_record(module))  # for `consolidate --format peft`
         self.checkpoints.save(checkpoint, filepath, record)
 
     def _point_last_link(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:

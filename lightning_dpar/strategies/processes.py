@@ -104,22 +104,29 @@ class ProcessHooks(ParallelStrategy):
         """The process group (one that existed before is left alone) and this run's meshes, attached to the
         LightningModule (`self.device_mesh` in `configure_model`). Fit then validate reuse the meshes the parameters
         already live on."""
-        if not dist.is_initialized():
-            reset_seed()
-            self._process_group_backend = self._process_group_backend or dist.get_default_backend_for_device(
-                self.root_device
-            )
-            assert self.cluster_environment is not None
-            start_process_group(  # destroyed when the process exits; one that existed before is left alone
-                self.cluster_environment,
-                self._process_group_backend,
-                timeout=self._timeout,
-                device_id=self.root_device if self.root_device.type != "cpu" else None,
-            )
+        self.start_process_group()
         meshes = self.meshes if self.meshes is not None else dims.build_meshes(self.root_device)
         assert self.lightning_module is not None
         attach_device_mesh(self.lightning_module, meshes.world)
         return meshes
+
+    def start_process_group(self) -> None:
+        """The default process group, with this strategy's backend and timeout, unless one exists (which is left
+        alone); the one started here is destroyed when the process exits. Fabric's strategies
+        (`lightning_dpar.fabric`) start theirs here too."""
+        if dist.is_initialized():
+            return
+        reset_seed()
+        self._process_group_backend = self._process_group_backend or dist.get_default_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        start_process_group(
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=self._timeout,
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -143,13 +143,19 @@ class ReplicateStrategy(DparStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self.prepare_ddp_mode()
+        super().setup(trainer)
+
+    def prepare_ddp_mode(self) -> None:
+        """In DDP mode (no tensor parallelism), before the model is wrapped: bf16-mixed by autocast (DDP has no
+        mixed-precision policy) and, with `compiled_autograd`, DDP's python reducer, which composable `replicate`
+        picks when it builds its reducer at the first forward. The Trainer's `setup` and Fabric's
+        (`lightning_dpar.fabric`) both call this."""
         assert self.dims is not None
         if self.dims.tensor_parallel == 1:
             self.precision_plugin.autocast_on(self.root_device.type)
             if self._compiled_autograd and self._previous_ddp_optimize_mode is None:
-                # Before the first forward, when composable `replicate` builds its DDP reducer.
                 self._previous_ddp_optimize_mode = swap_ddp_optimize_mode("python_reducer")
-        super().setup(trainer)
 
     @override
     def _parallelize(self, module: nn.Module) -> parallelize.AppliedPlan:
@@ -173,15 +179,36 @@ class ReplicateStrategy(DparStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        # Every rank unfreezes the same parameters at the same step (callbacks run alike everywhere).
-        unsynced = self._direct_parameters + [p for p in self._frozen_at_wrap if p.requires_grad]
-        if unsynced:
-            closure = partial(self._closure_then_average_gradients, closure, unsynced)
+        if self._unsynced_parameters():
+            closure = partial(self._closure_then_average_gradients, closure)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-    def _closure_then_average_gradients(self, closure: Callable[[], Any], parameters: list[nn.Parameter]) -> Any:
-        """Run the closure (forward and backward), then average `parameters`' gradients, which DDP does not."""
+    def _unsynced_parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters DDP does not average: those on the root module itself, and those frozen when it
+        wrapped the model and trainable now (every rank unfreezes the same ones at the same step: callbacks run alike
+        everywhere)."""
+        return self._direct_parameters + [p for p in self._frozen_at_wrap if p.requires_grad]
+
+    def _closure_then_average_gradients(self, closure: Callable[[], Any]) -> Any:
+        """Run the closure (forward and backward), then average the gradients DDP does not."""
         result = closure()
+        self.average_unsynced_gradients()
+        return result
+
+    def after_backward(self, synced: bool) -> None:
+        """After a backward outside Lightning's loop (Fabric's, `lightning_dpar.fabric`): the gradients DDP does not
+        average are averaged once the backward synchronised (`synced`: not inside `no_backward_sync`), before any
+        clipping, and the unit guard starts over."""
+        if synced:
+            self.average_unsynced_gradients()
+        if self._unit_guard is not None:
+            self._unit_guard.reset()
+
+    def average_unsynced_gradients(self) -> None:
+        """Average the gradients of `_unsynced_parameters` over the data-parallel group (collective)."""
+        parameters = self._unsynced_parameters()
+        if not parameters:
+            return
         group = self.data_parallel_group
         for parameter in parameters:
             if parameter.grad is None:  # unused on this rank: every rank must all-reduce the same sizes
@@ -193,7 +220,6 @@ class ReplicateStrategy(DparStrategy):
             flat.div_(dist.get_world_size(group))
             for gradient, averaged in zip(gradients, flat.split([g.numel() for g in gradients])):
                 gradient.copy_(averaged.view_as(gradient))
-        return result
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

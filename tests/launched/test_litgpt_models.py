@@ -1,6 +1,8 @@
-"""LitGPT `GPT` models through real Trainers on 2 and 4 gloo ranks: meta-device init materialised shard by shard
-equals building the model normally on CPU with the same seed (skipped without `litgpt`; it is not in CI's extras
-because its `huggingface_hub<1.4` pin conflicts with transformers 5, see docs/ordinary-models.md)."""
+"""LitGPT `GPT` models through real Trainers and real Fabric loops on 2 and 4 gloo ranks: meta-device init
+materialised shard by shard equals building the model normally on CPU with the same seed; a Fabric loop shaped like
+LitGPT's pretraining script trains under `dpar_fsdp` and `dpar_2d` (MLP tensor parallelism) like one process, and
+a plan splitting LitGPT's fused `qkv` column-wise is refused by name (skipped without `litgpt`; it is not in CI's
+extras because its `huggingface_hub<1.4` pin conflicts with transformers 5, see docs/ordinary-models.md)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,28 @@ CASES = ["litgpt_replicate", "litgpt_meta_init_fsdp", "litgpt_meta_init_2d_mlp_t
 @pytest.fixture(scope="module", params=[2, 4])
 def results(request, tmp_path_factory):
     return run_workers(request.param, "litgpt", tmp_path_factory.mktemp(f"litgpt{request.param}"))
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def fabric_results(request, tmp_path_factory):
+    return run_workers(request.param, "litgpt_fabric", tmp_path_factory.mktemp(f"litgpt_fabric{request.param}"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["litgpt_fabric_fsdp", "litgpt_fabric_2d"])
+def test_litgpt_pretraining_loop_under_fabric_matches_one_process(fabric_results, case):
+    result = fabric_results[case]
+    assert result["max_abs_diff"] < 1e-5
+    assert result["steps"] == 3  # optimizer steps, each over accumulated micro-batches
+
+
+@pytest.mark.slow
+def test_litgpt_fused_qkv_split_is_refused_on_every_rank_with_the_mlp_plan_as_fix(fabric_results):
+    messages = fabric_results["litgpt_fabric_refuses_fused_qkv_split"]
+    assert len(set(messages)) == 1 and messages[0] is not None, messages
+    assert "splits 'transformer.h.0.attn.qkv' column-wise, but it is a fused q/k/v projection" in messages[0]
+    assert "litgpt.model.CausalSelfAttention" in messages[0]
+    assert "`transformer.h.*.mlp.fc_[12]` colwise" in messages[0]
 
 
 @pytest.mark.slow

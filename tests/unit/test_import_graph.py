@@ -192,6 +192,7 @@ LAYERS = [
     "strategies",
     "estimates",
     "layout_search",
+    "fabric",
     "performance_monitor",
     "ray",
     "examples",

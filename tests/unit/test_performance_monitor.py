@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dpar import PerformanceMonitor
+from lightning_dpar.performance_monitor import PerformanceMonitor
 from tests.support.models import ParityModule, RegressionData, loader
 
 SEQ, VOCAB, BATCH = 8, 32, 4

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.fabric.strategies import ParallelStrategy as FabricParallelStrategy
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy, Strategy
 from torch.distributed.device_mesh import DeviceMesh
@@ -159,6 +160,7 @@ def test_every_listed_subclass_hook_is_a_real_lightning_name():
     from lightning_dpar._private_api import MultiProcessingLauncher
 
     lightning_names = _private_names_of(ParallelStrategy) | _private_names_of(MultiProcessingLauncher)
+    lightning_names |= _private_names_of(FabricParallelStrategy)  # the base of `lightning_dpar.fabric`'s strategies
     assert set(LIGHTNING_SUBCLASS_HOOKS) <= lightning_names
 
 

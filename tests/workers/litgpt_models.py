@@ -102,4 +102,116 @@ def group_litgpt() -> Iterator[Case]:
     )
 
 
-GROUPS = {"litgpt": group_litgpt}
+#: The MLP plan for a bare `GPT` (Fabric sets up the model itself, not a LightningModule around it).
+FABRIC_MLP_TP_PLAN = {k.removeprefix("net."): v for k, v in MLP_TP_PLAN.items()}
+MICRO, ACCUMULATE, FABRIC_STEPS, MAX_NORM = 2, 2, 3, 0.5
+
+
+def _pretrain_batches(dp: int) -> list[torch.Tensor]:
+    """One global batch per optimizer step: `dp` ranks x `ACCUMULATE` micro-batches of `MICRO` sequences."""
+    ids, size = TokenIds().ids, dp * ACCUMULATE * MICRO
+    return [ids[s * size : (s + 1) * size] for s in range(FABRIC_STEPS)]
+
+
+def _pretrain_reference(dp: int) -> dict[str, torch.Tensor]:
+    from litgpt.model import GPT
+    from litgpt.utils import chunked_cross_entropy
+
+    torch.manual_seed(SEED)  # built normally on CPU, with the seed the sharded run materialised with
+    model = GPT(config())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for batch in _pretrain_batches(dp):
+        chunked_cross_entropy(model(batch[:, :-1]), batch[:, 1:]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def fabric_pretrain_case(strategy, dp: int, save_to: str | None = None) -> dict | None:
+    """A Fabric loop shaped like LitGPT's pretraining script (`litgpt/pretrain.py`): the model built on the meta
+    device under `fabric.init_module(empty_init=True)`, `fabric.setup` then `fabric.setup_optimizers`, a `state`
+    dict with `iter_num` and `step_count`, `no_backward_sync` while accumulating, the loss divided by the
+    accumulation, `clip_gradients` before each step, `fabric.save(path, state)`; against one process."""
+    from litgpt.model import GPT
+    from litgpt.utils import chunked_cross_entropy
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    fabric = L.Fabric(accelerator="cpu", devices=world_size(), strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = GPT(config())
+    torch.manual_seed(SEED)  # the shards are materialised from this stream, as a CPU build would be
+    model = fabric.setup(model)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+    state = {"model": model, "optimizer": optimizer, "iter_num": 0, "step_count": 0}
+    sampler = fabric.strategy.distributed_sampler_kwargs
+    rank, replicas = sampler["rank"], sampler["num_replicas"]
+    micro_batches = [
+        micro
+        for batch in _pretrain_batches(dp)
+        for micro in batch.chunk(replicas)[rank].chunk(ACCUMULATE)  # this rank's part, in micro-batches
+    ]
+    for input_ids in micro_batches:
+        state["iter_num"] += 1
+        is_accumulating = state["iter_num"] % ACCUMULATE != 0
+        with fabric.no_backward_sync(model, enabled=is_accumulating):
+            logits = model(input_ids[:, :-1])
+            loss = chunked_cross_entropy(logits, input_ids[:, 1:])
+            fabric.backward(loss / ACCUMULATE)
+        if not is_accumulating:
+            fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)
+            optimizer.step()
+            optimizer.zero_grad()
+            state["step_count"] += 1
+    if save_to is not None:
+        fabric.save(save_to, state)
+    got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    got = {k: v.detach().cpu() for k, v in got.items()}
+    if fabric.global_rank != 0:
+        return None
+    want = _pretrain_reference(dp)
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    return {"max_abs_diff": max((got[k] - want[k]).abs().max().item() for k in want), "steps": state["step_count"]}
+
+
+def _refused_attention_plan() -> list[str | None]:
+    import torch.distributed as dist
+    from litgpt.model import GPT
+
+    from lightning_dpar.fabric import FSDPTensorParallelStrategy as FabricFSDPTensorParallelStrategy
+
+    message = None
+    try:
+        plan = {**FABRIC_MLP_TP_PLAN, "transformer.h.*.attn.qkv": "colwise", "transformer.h.*.attn.proj": "rowwise"}
+        fabric = L.Fabric(
+            accelerator="cpu",
+            devices=world_size(),
+            strategy=FabricFSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=plan),
+        )
+        fabric.launch()
+        with fabric.init_module(empty_init=True):
+            model = GPT(config())
+        fabric.setup(model)
+    except ValueError as error:
+        message = str(error)
+    messages: list[str | None] = [None] * world_size()
+    dist.all_gather_object(messages, message)
+    return messages
+
+
+def group_litgpt_fabric() -> Iterator[Case]:
+    from lightning_dpar.fabric import FSDPTensorParallelStrategy as FabricFSDPTensorParallelStrategy
+
+    world = world_size()
+    yield Case("litgpt_fabric_fsdp", lambda: fabric_pretrain_case("dpar_fsdp", world))
+    yield Case(
+        "litgpt_fabric_2d",
+        lambda: fabric_pretrain_case(
+            FabricFSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=FABRIC_MLP_TP_PLAN), world // 2
+        ),
+    )
+    yield Case("litgpt_fabric_refuses_fused_qkv_split", _refused_attention_plan)
+
+
+GROUPS = {"litgpt": group_litgpt, "litgpt_fabric": group_litgpt_fabric}

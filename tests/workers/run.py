@@ -60,6 +60,7 @@ MODULES = [
         "context_parallel",
         "context_parallel_pipeline",
         "nonfinite",
+        "fabric",
         "activation_checkpointing",
         "loss_parallel",
     )

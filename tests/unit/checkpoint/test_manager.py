@@ -148,3 +148,45 @@ def test_save_checkpoint_refuses_storage_options(gloo_world, tmp_path):
     trainer = _fit(FullyShardStrategy(), 1, tmp_path, module=ParityModule())
     with pytest.raises(TypeError, match="does not take `storage_options`"):
         trainer.strategy.save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"a": 1})
+
+
+@pytest.mark.parametrize("checkpoint_format", ["sharded", "full"])
+def test_the_manager_saves_and_loads_model_and_optimizer_state_alone(gloo_world, tmp_path, checkpoint_format):
+    import lightning as L
+    from torch import nn
+
+    from lightning_dpar.checkpoint.manager import CheckpointManager
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    saving = CheckpointManager(checkpoint_format, async_save=False)
+    lightning_part = {"epoch": 3, "global_step": 7, "pytorch-lightning_version": L.__version__}
+    checkpoint = {
+        "state_dict": saving.model_state(model),
+        "optimizer_states": [saving.optimizer_state(model, optimizer)],
+        **lightning_part,
+    }
+    path = tmp_path / "step=7.ckpt"
+    saving.save(checkpoint, path, {"strategy": "test"})
+    saving.wait()
+    assert path.is_dir() == (checkpoint_format == "sharded")
+    fresh = nn.Sequential(nn.Linear(3, 2))
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    loading = CheckpointManager("sharded", async_save=False)  # loads read whichever format the path holds
+    assert loading.load(path, fresh, [fresh_optimizer], strict=True, fitting=False) == lightning_part
+    assert torch.equal(fresh[0].weight, model[0].weight) and torch.equal(fresh[0].bias, model[0].bias)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(fresh_optimizer.state[fresh[0].weight][name], optimizer.state[model[0].weight][name])
+
+
+def test_the_manager_refuses_an_unknown_format_and_background_full_saves():
+    from lightning_dpar.checkpoint.manager import CheckpointManager
+
+    with pytest.raises(ValueError, match=r"`checkpoint_format='zip'` is invalid; use 'sharded' or 'full'"):
+        CheckpointManager("zip", async_save=False)
+    with pytest.raises(ValueError, match=r"`async_save=True` needs `checkpoint_format='sharded'`, not 'full'"):
+        CheckpointManager("full", async_save=True)
+    assert CheckpointManager("sharded", async_save=True).async_save

@@ -10,10 +10,12 @@ import torch
 from torch import nn
 
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
-from lightning_dpar.context_parallel import (
+from lightning_dpar.context_parallel.checks import (
+    block_runs,
     check_batch,
     check_checkpointed_modules,
     check_model,
+    check_pipeline_split,
     check_settings,
     sequence_blocks,
 )
@@ -96,6 +98,22 @@ def test_checkpointing_a_module_enclosing_the_split_blocks_is_refused():
     for enclosing in ("model", ""):
         with pytest.raises(ValueError, match=r"encloses the blocks \['model.blocks.0', 'model.blocks.1'\]"):
             check_checkpointed_modules(blocks, [enclosing])
+
+
+def test_the_runs_of_blocks_are_all_of_them_or_each_stages_own():
+    blocks = ["layers.0", "layers.1", "layers.2", "layers.3"]
+    assert block_runs(blocks) == [blocks]
+    # this rank's stages: the embedding with block 0, blocks 2 and 3 (units inside them), the head alone
+    stages = [["embed", "layers.0"], ["layers.2.attn", "layers.2.mlp", "layers.3"], ["head"]]
+    assert block_runs(blocks, stages) == [["layers.0"], ["layers.2", "layers.3"]]
+    assert block_runs(blocks, [["layers.1"], ["layers.2"]]) == [["layers.1"], ["layers.2"]]  # adjoining: two runs
+
+
+def test_a_pipeline_split_inside_a_block_is_refused_naming_the_block_and_its_stages():
+    blocks = ["layers.0", "layers.1"]
+    check_pipeline_split(blocks, [["layers.0.attn", "layers.0.mlp"], ["layers.1"]])
+    with pytest.raises(ValueError, match=r"puts parts of block 'layers.1' on stages \[0, 2\]"):
+        check_pipeline_split(blocks, [["layers.0", "layers.1.attn"], ["head"], ["layers.1.mlp"]])
 
 
 def test_the_blocks_are_the_one_outermost_module_list():

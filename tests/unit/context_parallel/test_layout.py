@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_dpar.context_parallel import HeadTailLayout, attention_work, key_value_sends
+from lightning_dpar.context_parallel.layout import HeadTailLayout, attention_work, cpu_mask_bytes, key_value_sends
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 8])
@@ -100,3 +100,10 @@ def test_the_all_gather_sends_four_thirds_of_the_least_exchange_under_causal_att
     assert sum(least) == 3 * size * (size - 1) // 2 * chunk
     assert least[-1] == gathered[-1] and least[0] == gathered[0] // 2  # the last rank sends no more than it must
     assert key_value_sends(seq_len, size, causal=False) == (gathered, gathered)
+
+
+def test_the_cpu_masks_are_each_chunk_times_the_keys_before_its_end_in_floats():
+    # 16 tokens on 2 ranks: chunks of 4; rank 0 holds chunks 0 and 3 (keys up to 4 and 16), rank 1 chunks 1 and 2
+    assert cpu_mask_bytes(16, 2, rank=0) == 4 * (4 * 4 + 4 * 16)
+    assert cpu_mask_bytes(16, 2, rank=1) == 4 * (4 * 8 + 4 * 12)
+    assert cpu_mask_bytes(8, 1) == 4 * (4 * 4 + 4 * 8)

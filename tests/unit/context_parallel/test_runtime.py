@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dpar.context_parallel import ContextParallel
+from lightning_dpar.context_parallel.runtime import ContextParallel
 
 
 class Rotary(NamedTuple):

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import lightning_dpar
-from lightning_dpar.estimates import main, plan
+from lightning_dpar.estimates import main
+from lightning_dpar.estimates.dry_run import plan
 from lightning_dpar.estimates.state_memory import format_bytes
 from tests.conftest import ROOT
 from tests.support.models import Net, SharedWeightsModule

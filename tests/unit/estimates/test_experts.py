@@ -90,3 +90,28 @@ def test_worked_example_deepseek_v3_on_256_ranks(capsys, monkeypatch):
     assert "world=256 = replicate 1 x shard 256 (expert_shard 32 x expert 8) x tensor_parallel 1" in out
     assert "model.model.layers.*.mlp.experts x58: 256 experts; rank 0 (expert=0) holds experts 0-31" in out
     assert "Parameters on rank 0 (671,026,404,352 in total)" in out  # without the multi-token-prediction module
+
+
+def test_describe_experts_on_one_expert_rank(gloo_world):
+    """`describe_experts` by itself: on a one-rank expert mesh the rank holds every expert of each experts module
+    (grouped over the repeated layers), and the parameter bytes split into the experts' and the rest."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_dpar.estimates.experts import describe_experts
+    from lightning_dpar.examples.gpt import GPT
+    from lightning_dpar.parallel_dims import ParallelDims
+    from lightning_dpar.plan import ModulePlan
+
+    module = GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8, n_experts=4)
+    experts = ["model.blocks.0.mlp.experts", "model.blocks.1.mlp.experts"]
+    expert_bytes = sum(p.numel() * 4 for name, p in module.named_parameters() if name.startswith(tuple(experts)))
+    assert expert_bytes > 0
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("expert",))
+    dims = ParallelDims(1, 1, 1, 1)
+    assert describe_experts(module, ModulePlan({}, [], []), dims, mesh, rank=0) == []  # no experts in the plan
+    lines = describe_experts(module, ModulePlan({}, [], [], experts=experts), dims, mesh, rank=0)
+    assert lines[0] == (
+        "  model.blocks.*.mlp.experts x2: 4 experts; rank 0 (expert=0) holds experts 0-3 (by expert rank: 0: 0-3),"
+        " FSDP-sharded over expert_shard 1"
+    )
+    assert lines[1].startswith(f"  parameters on rank 0: experts {expert_bytes / 1024:.2f} KiB, other ")

@@ -15,12 +15,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_dpar
-from lightning_dpar.fault_tolerance import (
-    FaultTolerance,
-    FaultTolerantHooks,
-    LighthouseUnreachableError,
-    with_fault_tolerance,
-)
+from lightning_dpar.fault_tolerance import FaultTolerance, LighthouseUnreachableError
+from lightning_dpar.fault_tolerance.strategy import FaultTolerantHooks, with_fault_tolerance
 
 pytestmark = pytest.mark.usefixtures("no_pytest_argv")
 

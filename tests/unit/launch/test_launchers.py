@@ -40,3 +40,31 @@ def test_last_without_any_checkpoint_starts_from_scratch(gloo_world, tmp_path, c
     with caplog.at_level(logging.INFO):
         trainer = _fit(tmp_path, 2, ckpt_path="last")
     assert trainer.global_step == 2 and "resolves to" not in caplog.text
+
+
+def _fit_impl(model, train_dataloaders=None, ckpt_path=None):
+    """Stands for the Trainer function whose arguments are resolved (`Trainer._fit_impl`'s parameters)."""
+
+
+def test_only_a_ckpt_path_of_last_is_replaced_and_where_it_was_given(tmp_path):
+    import lightning as L
+
+    from lightning_dpar.launch.launchers import resolve_last_checkpoint_argument
+    from tests.support.checkpoint_files import write_sharded
+
+    trainer = L.Trainer(logger=False, callbacks=[ModelCheckpoint(dirpath=tmp_path)], enable_progress_bar=False)
+    (tmp_path / "epoch=0-step=1.ckpt").mkdir()
+    saved = str(write_sharded(tmp_path / "epoch=0-step=1.ckpt"))
+    assert resolve_last_checkpoint_argument(_fit_impl, ("m",), {"ckpt_path": "last"}, trainer) == (
+        ("m",),
+        {"ckpt_path": saved},
+    )
+    assert resolve_last_checkpoint_argument(_fit_impl, ("m", None, "last"), {}, trainer) == (("m", None, saved), {})
+    for args, kwargs, given in [
+        (("m",), {"ckpt_path": "best"}, trainer),  # not "last"
+        (("m",), {"ckpt_path": "last"}, None),  # no trainer
+        (("m",), {"no_such_argument": 1}, trainer),  # not this function's arguments: Lightning will say so
+    ]:
+        assert resolve_last_checkpoint_argument(_fit_impl, args, kwargs, given) == (args, kwargs)
+    empty = L.Trainer(logger=False, callbacks=[ModelCheckpoint(dirpath=tmp_path / "none")], enable_progress_bar=False)
+    assert resolve_last_checkpoint_argument(_fit_impl, ("m",), {"ckpt_path": "last"}, empty)[1] == {"ckpt_path": "last"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_dpar.__main__ import main
+from lightning_dpar.layout_search.cli import main as search_main
 
 pytestmark = pytest.mark.usefixtures("no_pytest_argv")
 
@@ -56,5 +57,6 @@ def test_plan_auto_with_a_global_batch_prices_each_layout_at_its_share(capsys):
 
 
 def test_plan_auto_refuses_both_batch_sizes(capsys):
-    assert main(["plan", "--auto", "--batch-size", "2", "--global-batch-size", "8", *SMALL_GPT]) == 1
+    """`layout_search.cli.main` itself, which `plan --auto` hands the rest of its arguments to."""
+    assert search_main(["--batch-size", "2", "--global-batch-size", "8", *SMALL_GPT]) == 1
     assert "`--batch-size` and `--global-batch-size` both fix the batch" in capsys.readouterr().err

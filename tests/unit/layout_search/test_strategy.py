@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import lightning_dpar
-from lightning_dpar import AutoParallelStrategy
 from lightning_dpar.examples import GPT
 from lightning_dpar.layout_search.probe import search_model
 from lightning_dpar.layout_search.profiles import GIB, PRESETS
+from lightning_dpar.layout_search.strategy import AutoParallelStrategy
 
 
 def gpt() -> GPT:

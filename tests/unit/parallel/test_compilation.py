@@ -4,8 +4,42 @@ through real Trainers on 2 gloo ranks is in `tests/launched/test_compile.py` (ca
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_dpar import FullyShardStrategy, ReplicateStrategy
+from lightning_dpar.parallel.compilation import compile_options, compiled_autograd_compiler
+
+
+def test_compile_options_of_each_kind_of_argument():
+    assert compile_options(None) is None and compile_options(False) is None
+    assert compile_options(True) == {}
+    given = {"backend": "eager", "dynamic": False}
+    assert compile_options(given) == given and compile_options(given) is not given  # a copy
+    with pytest.raises(ValueError, match=r"unknown torch.compile options \['full_graph', 'modes'\]. Valid options: \["):
+        compile_options({"modes": "x", "full_graph": True, "mode": "default"})
+    with pytest.raises(TypeError, match=r"`compile=\['mode'\]` is invalid"):
+        compile_options(["mode"])
+
+
+def _breaks_the_graph(x: torch.Tensor) -> torch.Tensor:
+    torch._dynamo.graph_break()
+    return x + 1
+
+
+def test_the_backward_compiler_compiles_each_graph_whole_with_the_strategys_options():
+    compiler = compiled_autograd_compiler({"backend": "eager", "fullgraph": False})
+    linear = torch.fx.symbolic_trace(torch.nn.Linear(3, 2))
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(compiler(linear)(x), linear(x))
+
+    def breaking() -> torch.fx.GraphModule:  # a new one each time: dynamo caches what it compiled per graph module
+        graph = torch.fx.Graph()
+        graph.output(graph.call_function(_breaks_the_graph, (graph.placeholder("x"),)))
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    with pytest.raises(torch._dynamo.exc.Unsupported):  # the backward graph is one graph: `fullgraph` wins
+        compiler(breaking())(x)
+    torch.testing.assert_close(torch.compile(breaking(), backend="eager")(x), x + 1)  # without it, a break is allowed
 
 
 def test_compile_argument_validation():

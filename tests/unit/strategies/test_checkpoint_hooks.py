@@ -19,3 +19,15 @@ def test_async_save_is_settable_between_saves_and_needs_the_sharded_format():
     full = lightning_dpar.ReplicateStrategy(checkpoint_format="full")
     with pytest.raises(ValueError, match="not 'full'"):
         full.async_save = True
+
+
+def test_the_strategy_loads_after_setup_and_restores_the_optimizers_itself():
+    from lightning_dpar import ReplicateStrategy
+    from lightning_dpar.strategies.checkpoint_hooks import CheckpointHooks
+
+    strategy = ReplicateStrategy()
+    assert isinstance(strategy, CheckpointHooks)
+    # Shards load only into the wrapped model, and `load_checkpoint` reads the optimizer shards itself.
+    assert strategy.restore_checkpoint_after_setup and not strategy.lightning_restore_optimizer
+    with pytest.raises(TypeError, match=r"ReplicateStrategy.save_checkpoint does not take `storage_options`"):
+        strategy.save_checkpoint({}, "unused.ckpt", storage_options={"compress": True})
