@@ -114,7 +114,8 @@ def test_the_loss_is_handed_on_as_a_plain_tensor_with_its_gradient(gloo_world):
         plain["loss"].backward()
     reference = logits.detach().clone().requires_grad_()
     F.cross_entropy(reference, labels).backward()
-    assert torch.equal(plain["loss"].detach(), F.cross_entropy(reference.detach(), labels))
+    # torch's vocabulary-parallel log-softmax sums in another order (2.11: the last bit differs; 2.13: equal)
+    assert torch.allclose(plain["loss"].detach(), F.cross_entropy(reference.detach(), labels), rtol=0, atol=1e-6)
     assert torch.allclose(logits.grad, reference.grad, atol=1e-7)
     assert step.plain_loss(reference) is reference
 
