@@ -177,7 +177,8 @@ class ActivationEstimate:
     `microbatch` describes what one `training_step` call receives; `checkpointing` says whether the plan checkpoints
     (so which of the two figures training will see); `checkpointed` names the modules the "with checkpointing"
     figures checkpoint (the plan's, or those `activation_checkpointing=True` would choose); `ranks` has one entry per
-    pipeline rank (one without pipeline parallelism)."""
+    pipeline rank (one without pipeline parallelism); `loss_parallel` names the output layer whose logits are traced
+    sharded over the vocabulary (`loss_parallel=True`), `None` if they are gathered."""
 
     microbatch: str
     checkpointing: Checkpointing
@@ -188,6 +189,7 @@ class ActivationEstimate:
     microbatches: int = 1
     notes: tuple[str, ...] = ()
     flops: StepFlops | None = None
+    loss_parallel: str | None = None
 
     def rank(self, pipeline_rank: int = 0) -> RankActivations:
         return self.ranks[pipeline_rank]
@@ -288,6 +290,7 @@ def _merged(plans: ModulePlan | Sequence[ModulePlan]) -> ModulePlan:
         adopted=first.adopted,
         pipeline=first.pipeline,
         context_parallel_loss=first.context_parallel_loss,  # CP has no pipeline: one plan, the dry run's list
+        loss_parallel=first.loss_parallel,  # refused with pipelining: one plan, the dry run's list
     )
 
 
@@ -411,4 +414,5 @@ def estimate_activations(
         microbatches=microbatches,
         notes=tuple(notes),
         flops=StepFlops(without.flops, with_.flops, selective.flops),
+        loss_parallel=whole.loss_parallel if dims.tensor_parallel > 1 else None,
     )
