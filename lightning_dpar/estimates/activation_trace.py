@@ -137,8 +137,9 @@ class _Recorder(TorchDispatchMode):
     holds the storage), so a weak reference's callback says when it dies: no polling.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, loss_parallel: bool = False) -> None:
         super().__init__()
+        self.loss_parallel = loss_parallel
         self.clock = 0
         self.lives: dict[int, StorageLife] = {}  # live storages by StorageImpl address
         self.refs: dict[int, weakref.ref] = {}
@@ -149,6 +150,14 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.loss_parallel and func is torch.ops.aten._log_softmax_backward_data.default:
+            life = self.life(args[0])
+            if life is not None and life.split:
+                # torch's `loss_parallel()` computes the whole cross-entropy gradient in the loss's backward and
+                # hands it through the log-softmax's as it is (`grad_output.to(dtype)`): no second shard.
+                out = args[0].to(args[3])
+                self.clock += 1
+                return out
         out = func(*args, **kwargs)
         self.flops += _op_flops(func, args)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -372,6 +381,7 @@ def trace_step(
     loss: Callable[[nn.Module, Any], torch.Tensor] = training_loss,
     context_parallel: int = 1,
     context_parallel_loss: str | None = None,
+    loss_parallel: bool = False,
 ) -> StepTrace:
     """Run `loss(module, batch)` and its backward once on a fake copy of `module` (on any device, meta included),
     with `tensor_parallel` styles traced and `activation_checkpointing` applied to the named modules
@@ -383,11 +393,13 @@ def trace_step(
     `batch` is the shape of a token-id batch or a pytree of tensors (only shapes and dtypes are read). `units` are
     the pipeline units in call order: each storage records which one created it. `compute_dtype` casts floating
     parameters (FSDP2's mixed precision); `autocast_dtype` runs under CPU autocast (the `replicate` wrapper's).
+    `loss_parallel`: the cross-entropy of split logits is torch's vocabulary-parallel one (`loss_parallel()`),
+    whose backward hands the loss's gradient through the log-softmax's unchanged.
     """
     mode = FakeTensorMode()
     fake = _fake_copy(module, mode, compute_dtype)
     replace_experts_for_tracing(fake)  # MoE layers: their dense equivalent (`lightning_dpar.experts.tracing_stand_in`)
-    recorder = _Recorder()
+    recorder = _Recorder(loss_parallel)
     redistribute = _Redistribution(recorder)
     unmodelled = [
         f"{fqn}: {type(style).__name__}"

@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from lightning_dpar._private_api import tree_leaves, tree_map
 from lightning_dpar.activation_checkpointing.step import Checkpointing, CheckpointPolicyName, checkpointing_of
 from lightning_dpar.estimates.activation_trace import StepTrace, trace_step, training_loss
+from lightning_dpar.loss_parallel.step import sharded_output_styles
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.plan import ModulePlan, repeated_blocks, resolve_activation_checkpointing
@@ -176,7 +177,8 @@ class ActivationEstimate:
     `microbatch` describes what one `training_step` call receives; `checkpointing` says whether the plan checkpoints
     (so which of the two figures training will see); `checkpointed` names the modules the "with checkpointing"
     figures checkpoint (the plan's, or those `activation_checkpointing=True` would choose); `ranks` has one entry per
-    pipeline rank (one without pipeline parallelism)."""
+    pipeline rank (one without pipeline parallelism); `loss_parallel` names the output layer whose logits are traced
+    sharded over the vocabulary (`loss_parallel=True`), `None` if they are gathered."""
 
     microbatch: str
     checkpointing: Checkpointing
@@ -187,6 +189,7 @@ class ActivationEstimate:
     microbatches: int = 1
     notes: tuple[str, ...] = ()
     flops: StepFlops | None = None
+    loss_parallel: str | None = None
 
     def rank(self, pipeline_rank: int = 0) -> RankActivations:
         return self.ranks[pipeline_rank]
@@ -287,6 +290,7 @@ def _merged(plans: ModulePlan | Sequence[ModulePlan]) -> ModulePlan:
         adopted=first.adopted,
         pipeline=first.pipeline,
         context_parallel_loss=first.context_parallel_loss,  # CP has no pipeline: one plan, the dry run's list
+        loss_parallel=first.loss_parallel,  # refused with pipelining: one plan, the dry run's list
     )
 
 
@@ -329,7 +333,10 @@ def estimate_activations(
         raise ValueError("pipeline parallelism needs the plan's split and the strategy's `pipeline` settings")
     microbatches = pipeline.num_microbatches(dims.pipeline) if pipeline is not None else 1
     microbatch = microbatch_of(batch, microbatches)
-    tensor_parallel = whole.tensor_parallel if dims.tensor_parallel > 1 else {}
+    # Under loss parallel the output layer's logits stay sharded (`lightning_dpar.loss_parallel`): traced as split,
+    # they and the log-probabilities the loss keeps count 1 / tensor_parallel on each rank.
+    styles = sharded_output_styles(whole.tensor_parallel, whole.loss_parallel)
+    tensor_parallel = styles if dims.tensor_parallel > 1 else {}
     units = [unit for stage in split.stages for unit in stage] if split is not None else []
     checkpointed = whole.activation_checkpointing or _what_true_checkpoints(module, whole, units)
 
@@ -350,6 +357,7 @@ def estimate_activations(
             loss=loss,
             context_parallel=dims.context,
             context_parallel_loss=whole.context_parallel_loss,
+            loss_parallel=whole.loss_parallel is not None,
         )
         if traces is not None:
             traces[key] = traced
@@ -406,4 +414,5 @@ def estimate_activations(
         microbatches=microbatches,
         notes=tuple(notes),
         flops=StepFlops(without.flops, with_.flops, selective.flops),
+        loss_parallel=whole.loss_parallel if dims.tensor_parallel > 1 else None,
     )

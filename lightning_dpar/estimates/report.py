@@ -241,6 +241,8 @@ def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source
     lines.append(f"  checkpointing {described or 'nothing (no repeated blocks)'}")
     if estimate.tensor_parallel > 1:
         lines.append(f"  tensor parallel: sharded activations split over {estimate.tensor_parallel} ranks")
+    if estimate.loss_parallel is not None:
+        lines.append(f"  loss parallel: the logits of {estimate.loss_parallel} kept sharded over the vocabulary")
     if estimate.schedule is not None:
         per_stage = ", ".join(str(n) for n in rank.in_flight)
         bound = "" if rank.in_flight_known else " (not modelled for this schedule: every microbatch, an upper bound)"

@@ -27,6 +27,11 @@ TRAINER_ONLY: dict[str, tuple[Any, str]] = {
         "context parallelism splits each batch's sequences inside the Trainer's step hooks (and reshapes the loss"
         " there); a Fabric loop's batches and loss are the user's and are not split",
     ),
+    "loss_parallel": (
+        False,
+        "torch's `loss_parallel()` must be entered around the loss's computation and around its backward; a Fabric"
+        " loop computes the loss in the user's code, outside the model's forward that the strategy wraps",
+    ),
     "fault_tolerance": (
         None,
         "torchft's per-step protocol (quorum, cross-group gradient averaging, commit) runs in the Trainer's step"

@@ -3,15 +3,17 @@
 strategy's frozen `PlanOptions`), and `apply_plan`, which applies each slice. Training, the `plan` dry run and the
 layout search all go through both.
 
-The order is torchtitan's: pipeline split -> tensor parallel -> expert parallel -> context parallel -> activation
+The order is torchtitan's: pipeline split -> tensor parallel -> loss parallel (the output layer's logits kept
+sharded; torchtitan folds it into its output layer's style) -> expert parallel -> context parallel -> activation
 checkpointing -> compile -> data parallel (`fully_shard` or `replicate`) -> materialise. The context-parallel hooks
 come before activation checkpointing, which gets their `context_fn`: a recomputed block's attention must be
 context-parallel again.
 
 A `Step` binds what its feature's folder exports: its slice of the plan (`plan`), how it is applied (`apply`), and,
-if it has one, what it does around each training or evaluation step (`around_step`). A feature's own code stays in
-its folder (`pipeline/step.py`, `experts/`, `context_parallel/step.py`, `parallel/data_parallel.py`); a new feature
-is one more folder and one more `Step` at its place in `STEPS` (docs/architecture.md).
+if it has them, what it does around each step's forward (`around_step`) and backward (`around_backward`) and to its
+output (`step_output`). A feature's own code stays in its folder (`pipeline/step.py`, `experts/`,
+`context_parallel/step.py`, `loss_parallel/step.py`, `parallel/data_parallel.py`); a new feature is one more folder
+and one more `Step` at its place in `STEPS` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from lightning_dpar.context_parallel.runtime import ContextParallel
 from lightning_dpar.context_parallel.step import ContextParallelPlan
 from lightning_dpar.experts.parallel import apply_expert_parallel
 from lightning_dpar.experts.plan import plan_experts
+from lightning_dpar.loss_parallel import step as loss_parallel_step
 from lightning_dpar.parallel.data_parallel import MixedPrecision, apply_data_parallel, outermost_fsdp_modules
 from lightning_dpar.parallel.materialize import materialize_meta_tensors
 from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes
@@ -67,10 +70,12 @@ __all__ = [
     "STEPS",
     "AppliedPlan",
     "Applying",
+    "BackwardContext",
     "ModelFacts",
     "Planning",
     "Step",
     "StepContext",
+    "StepOutput",
     "apply_compile",
     "apply_plan",
     "apply_tensor_parallel",
@@ -82,6 +87,12 @@ __all__ = [
 #: What a step does around each training or evaluation step's forward, given whether it trains and the step's
 #: arguments: a context manager.
 StepContext = Callable[[bool, Sequence[Any]], AbstractContextManager[None]]
+#: What a step makes of each training step's output before Lightning reads it (the loss's backward, logging): a
+#: function of the output (loss parallel's loss, a DTensor replicated on every rank, handed on as its local tensor).
+StepOutput = Callable[[Any], Any]
+#: What a step does around each training step's backward: a context manager (loss parallel's `loss_parallel()`,
+#: which torch needs around the backward of the loss it computed as well as around its forward).
+BackwardContext = Callable[[], AbstractContextManager[None]]
 
 
 @dataclass(frozen=True)
@@ -155,6 +166,7 @@ class Applying:
     pipeline: PipelinedModel | None = None
     context_parallel: ContextParallel | None = None
     grad_sync_modules: list[nn.Module] = field(default_factory=list)
+    loss_parallel: str | None = None
 
 
 @dataclass(frozen=True)
@@ -171,20 +183,36 @@ class AppliedPlan:
     context_parallel: ContextParallel | None = None
 
     step_contexts: tuple[StepContext, ...] = ()
+    backward_contexts: tuple[BackwardContext, ...] = ()
+    output_steps: tuple[StepOutput, ...] = ()
+
+    def step_output(self, output: Any) -> Any:
+        """Each training step's output as the steps of this run that have a `StepOutput` (`output_steps`, in the
+        order of `STEPS`) hand it on to Lightning."""
+        for step in self.output_steps:
+            output = step(output)
+        return output
 
     def around_step(self, training: bool, args: Sequence[Any] = ()) -> AbstractContextManager[None]:
         """What the steps of this run that have one (`step_contexts`, in the order of `STEPS`) do around each
         training or evaluation step's forward (`args`: the step's arguments, the batch first)."""
         if len(self.step_contexts) == 1:
             return self.step_contexts[0](training, args)
-        return _each_entered(self.step_contexts, training, args)
+        return _each_entered([partial(context, training, args) for context in self.step_contexts])
+
+    def around_backward(self) -> AbstractContextManager[None]:
+        """What the steps of this run that have one (`backward_contexts`, in the order of `STEPS`) do around each
+        training step's backward."""
+        if len(self.backward_contexts) == 1:
+            return self.backward_contexts[0]()
+        return _each_entered(self.backward_contexts)
 
 
 @contextmanager
-def _each_entered(contexts: Sequence[StepContext], training: bool, args: Sequence[Any]) -> Generator[None, None, None]:
+def _each_entered(contexts: Sequence[Callable[[], AbstractContextManager[None]]]) -> Generator[None, None, None]:
     with ExitStack() as stack:
         for context in contexts:
-            stack.enter_context(context(training, args))
+            stack.enter_context(context())
         yield
 
 
@@ -193,13 +221,17 @@ class Step:
     """One step of the parallelisation: its `name`; its slice of the plan (`plan(planning)`: the `ModulePlan`
     fields it owns, refusing what it cannot apply before any collective); how it applies that slice (`apply`:
     reading its meshes and earlier steps' results from `Applying`, recording its own there); and, if it has one,
-    what it does around each training or evaluation step (`around_step(applying)`, once applied: its `StepContext`,
-    or `None` where this run needs none, so a step costs nothing per step where it does nothing)."""
+    what it does around each training or evaluation step's forward (`around_step(applying)`, once applied: its
+    `StepContext`, or `None` where this run needs none, so a step costs nothing per step where it does nothing) and
+    around each training step's backward (`around_backward(applying)`: its `BackwardContext`, or `None`), and what
+    it makes of each training step's output (`step_output(applying)`: its `StepOutput`, or `None`)."""
 
     name: str
     plan: Callable[[Planning], Mapping[str, Any]]
     apply: Callable[[nn.Module, ModulePlan, Applying], None]
     around_step: Callable[[Applying], StepContext | None] | None = None
+    around_backward: Callable[[Applying], BackwardContext | None] | None = None
+    step_output: Callable[[Applying], StepOutput | None] | None = None
 
 
 def _plan_pipeline_split(planning: Planning) -> Mapping[str, Any]:
@@ -227,8 +259,39 @@ def _plan_tensor_parallel(planning: Planning) -> Mapping[str, Any]:
 
 
 def _tensor_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
+    """The planned styles, the output layer's vocabulary-sharded under loss parallel (the next step's slice)."""
     if plan.tensor_parallel:
-        apply_tensor_parallel(root, applying.meshes.tensor_parallel, plan.tensor_parallel, plan.tied)
+        styles = loss_parallel_step.sharded_output_styles(plan.tensor_parallel, plan.loss_parallel)
+        apply_tensor_parallel(root, applying.meshes.tensor_parallel, styles, plan.tied)
+
+
+def _plan_loss_parallel(planning: Planning) -> Mapping[str, Any]:
+    """The output layer whose logits stay sharded, found in the tensor-parallel step's resolved styles."""
+    options, styles = planning.options, planning.slices["tensor_parallel"]
+    output = loss_parallel_step.plan_loss_parallel(
+        planning.module, planning.dims, options.loss_parallel, styles, options.strategy
+    )
+    return {"loss_parallel": output}
+
+
+def _loss_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
+    """Its style was applied with tensor parallelism's (one `parallelize_module` call, ties kept); what remains is
+    the context around each step, recorded here for `around_step` and `around_backward`."""
+    applying.loss_parallel = plan.loss_parallel
+
+
+def _loss_parallel_around_step(applying: Applying) -> StepContext | None:
+    output = applying.loss_parallel
+    return None if output is None else partial(loss_parallel_step.around_step, output)
+
+
+def _loss_parallel_around_backward(applying: Applying) -> BackwardContext | None:
+    output = applying.loss_parallel
+    return None if output is None else partial(loss_parallel_step.around_step, output)
+
+
+def _loss_parallel_step_output(applying: Applying) -> StepOutput | None:
+    return None if applying.loss_parallel is None else loss_parallel_step.plain_loss
 
 
 def _plan_expert_parallel(planning: Planning) -> Mapping[str, Any]:
@@ -346,6 +409,14 @@ def _materialize(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
 STEPS: tuple[Step, ...] = (
     Step("pipeline split", _plan_pipeline_split, _pipeline_split),
     Step("tensor parallel", _plan_tensor_parallel, _tensor_parallel),
+    Step(
+        "loss parallel",
+        _plan_loss_parallel,
+        _loss_parallel,
+        _loss_parallel_around_step,
+        _loss_parallel_around_backward,
+        _loss_parallel_step_output,
+    ),
     Step("expert parallel", _plan_expert_parallel, _expert_parallel),
     Step("context parallel", _plan_context_parallel, _context_parallel, _context_parallel_around_step),
     Step("activation checkpointing", _plan_activation_checkpointing, _activation_checkpointing),
@@ -396,6 +467,8 @@ def apply_plan(
         step.apply(root, plan, applying)
     fsdp_modules = [module for module in root.modules() if isinstance(module, FSDPModule)]
     contexts = [step.around_step(applying) for step in STEPS if step.around_step is not None]
+    backward = [step.around_backward(applying) for step in STEPS if step.around_backward is not None]
+    outputs = [step.step_output(applying) for step in STEPS if step.step_output is not None]
     return AppliedPlan(
         plan,
         root,
@@ -404,6 +477,8 @@ def apply_plan(
         applying.pipeline,
         applying.context_parallel,
         tuple(context for context in contexts if context is not None),
+        tuple(context for context in backward if context is not None),
+        tuple(output for output in outputs if output is not None),
     )
 
 

@@ -71,6 +71,10 @@ class ModulePlan:
 
     `activation_checkpointing_policy` says how the `activation_checkpointing` modules are recomputed: `"full"` or
     `"selective"` (`lightning_dpar.activation_checkpointing`).
+
+    `loss_parallel` names the output layer whose logits stay sharded over the vocabulary under tensor parallelism
+    (`loss_parallel=True`, `lightning_dpar.loss_parallel`): the tensor-parallel step gives it a vocabulary-sharded
+    style in place of its planned gathered one; `None`: the logits are gathered whole.
     """
 
     tensor_parallel: dict[str, ParallelStyle]
@@ -89,6 +93,7 @@ class ModulePlan:
     context_parallel_loss: str | None = None
     data_parallel: DataParallelSettings = field(default_factory=DataParallelSettings)
     activation_checkpointing_policy: CheckpointPolicyName = "full"
+    loss_parallel: str | None = None
 
 
 def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> ModulePlan:

@@ -60,6 +60,9 @@ class PlanOptions:
         expert_modules: selectors of the experts modules split by expert parallelism (`None`: found by the experts
             contract, `lightning_dpar.experts.plan`).
         context_parallel_loss: `"whole"` or `"per_rank"` (`lightning_dpar.context_parallel.loss`).
+        loss_parallel: keep the output layer's logits sharded over the vocabulary under tensor parallelism and
+            compute the cross-entropy vocabulary-parallel (`lightning_dpar.loss_parallel`); the output layer's
+            vocabulary then need not divide by the tensor-parallel size.
         data_parallel: how the data-parallel step wraps the model (`ModulePlan.data_parallel`); the planner adapts
             it to the mesh (FSDP replicas for `replicate` with tensor parallelism; no resharding after forward under
             a pipeline schedule that defers weight gradients).
@@ -78,6 +81,7 @@ class PlanOptions:
     ignored_modules: Sequence[ModuleSelector] = ()
     expert_modules: Sequence[ModuleSelector] | None = None
     context_parallel_loss: str = "whole"
+    loss_parallel: bool = False
     data_parallel: DataParallelSettings = field(default_factory=DataParallelSettings)
 
 
@@ -162,7 +166,9 @@ def _resolve_tp_plan(
             " `tp_plan` (expert parallelism already splits them), or set `expert_parallel_size=1`."
         )
     try:
-        return resolve_tp_plan(module, adapted, dims.tensor_parallel)
+        # Under loss parallel the output layer (its column-wise output gathered) may split an uneven vocabulary:
+        # DTensor shards it unevenly and torch's `loss_parallel()` is exact on uneven shards.
+        return resolve_tp_plan(module, adapted, dims.tensor_parallel, uneven_gathered_columns=options.loss_parallel)
     except TensorParallelSizeError as error:
         per_size = dims.pipeline * dims.replicate  # ranks per tensor-parallel rank outside the shard dim
 

@@ -33,7 +33,10 @@ _WEIGHT_SHARDING_STYLES: dict[type[ParallelStyle], dict[type[nn.Module], tuple[i
 
 
 def resolve_tp_plan(
-    root: nn.Module, plan: Mapping[str, PlanStyle], tensor_parallel_size: int = 1
+    root: nn.Module,
+    plan: Mapping[str, PlanStyle],
+    tensor_parallel_size: int = 1,
+    uneven_gathered_columns: bool = False,
 ) -> dict[str, ParallelStyle]:
     """Expand patterns into concrete module names, checking every pattern matches, every style fits its module and
     `tensor_parallel_size` divides every dimension (and head count) it splits.
@@ -42,6 +45,9 @@ def resolve_tp_plan(
     matched by two patterns is an error, not a silent override.
     A named style that means "replicate" (`"replicate"`) leaves its modules out. Pure (no process group), so a bad
     plan fails on every rank before any collective, and in the `plan` dry run, with the same message.
+
+    `uneven_gathered_columns` lets a column-wise style whose output is gathered whole split a dimension the size
+    does not divide (loss parallel's output layer: an uneven vocabulary is sharded unevenly, exactly).
     """
     resolved: dict[str, ParallelStyle] = {}
     matched_by: dict[str, str] = {}
@@ -65,7 +71,9 @@ def resolve_tp_plan(
                 continue
             _check_style_fits(fqn, module, style)
             _check_not_fused_by_global_heads(root, fqn, module, style, tensor_parallel_size)
-            _check_divisible(fqn, module, style, tensor_parallel_size)
+            gathered = type(style) is ColwiseParallel and Replicate() in style.output_layouts
+            if not (uneven_gathered_columns and gathered):
+                _check_divisible(fqn, module, style, tensor_parallel_size)
             resolved[fqn] = style
     _check_head_counts(root, resolved, tensor_parallel_size)
     return resolved

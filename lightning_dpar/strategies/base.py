@@ -89,6 +89,10 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         data_parallel_size: ranks that see different batches (`"auto"`: world / tensor_parallel_size).
         replicate_size: HSDP replica groups (1: plain FSDP).
         tp_plan: `{module-name pattern: style}`; see `lightning_dpar.plan`.
+        loss_parallel: with `tensor_parallel_size > 1`, keep the output layer's logits sharded over the vocabulary
+            (the `tp_plan` gives it `"colwise_gather_output"`; loss parallel keeps that output sharded) and compute
+            the cross-entropy vocabulary-parallel with torch's `loss_parallel()`, around each step's forward and
+            backward: each rank holds `1 / tensor_parallel_size` of the logits. See docs/efficiency.md.
         activation_checkpointing: `True` (each sharded block recomputed whole in backward),
             `"selective"` (the same blocks keep their matmul and attention outputs and recompute only the cheap
             ops: torchtitan's op-level policy; see docs/efficiency.md), or a list of class names / module-name globs.
@@ -132,6 +136,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         data_parallel_size: SizeArg = "auto",
         replicate_size: SizeArg = 1,
         tp_plan: TPPlanSpec | None = None,
+        loss_parallel: bool = False,
         activation_checkpointing: ActivationCheckpointingSetting = False,
         compile: CompileSpec = False,
         process_group_backend: str | None = None,
@@ -179,6 +184,9 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self._data_parallel_size = data_parallel_size
         self._replicate_size = replicate_size
         self._tp_plan = tp_plan if tp_plan == AUTO else parse_tp_plan(tp_plan)
+        if not isinstance(loss_parallel, bool):
+            raise TypeError(f"`loss_parallel={loss_parallel!r}` must be True or False.")
+        self._loss_parallel = loss_parallel
         self._activation_checkpointing = activation_checkpointing
         self._compile_options = compile_options(compile)
         self._process_group_backend = process_group_backend
@@ -300,6 +308,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         return PlanOptions(
             strategy=type(self).__name__,
             tp_plan=self._tp_plan,
+            loss_parallel=self._loss_parallel,
             activation_checkpointing=self._activation_checkpointing,
             compile=self._compile_options,
             pipeline=self._pipeline_config,

@@ -12,6 +12,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_dpar._private_api import sync_ddp_if_available
@@ -71,9 +72,13 @@ class Collectives(ParallelStrategy):
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        """Reduce over the data-parallel group by default: tensor-parallel peers hold identical values."""
+        """Reduce over the data-parallel group by default: tensor-parallel peers hold identical values. A DTensor (a
+        loss computed by `loss_parallel=True`, replicated on every tensor-parallel rank) is reduced as its whole value
+        (`full_tensor()`: no communication for a replicated one), as c10d's collectives take plain tensors only."""
         if not isinstance(tensor, Tensor):
             return tensor
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
         return sync_ddp_if_available(tensor, group if group is not None else self.data_parallel_group, reduce_op)
 
     @override

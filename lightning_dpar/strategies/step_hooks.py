@@ -124,12 +124,15 @@ class StepHooks(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """With pipeline parallelism: one schedule step over the batch's microbatches, forward and backward (see
-        `lightning_dpar.pipeline.runtime`); returns the loss on every rank."""
+        """The output as the parallelisation's steps hand it on (`AppliedPlan.step_output`: with loss parallel, the
+        loss as a plain tensor). With pipeline parallelism: one schedule step over the batch's microbatches, forward
+        and backward (see `lightning_dpar.pipeline.runtime`); returns the loss on every rank."""
         self._release_last_gradients()
         with self._step_forward(training=True, args=args):
             if self._pipeline is None:
-                return super().training_step(*args, **kwargs)
+                output = super().training_step(*args, **kwargs)
+                steps = self.applied
+                return steps.step_output(output) if steps is not None and steps.output_steps else output
             trainer = attached_trainer(self.lightning_module)
             accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
             return self._pipeline.training_step(self.precision_plugin, args, accumulate)
@@ -175,12 +178,16 @@ class StepHooks(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """With pipeline parallelism the schedule already ran every microbatch's backward inside `training_step`;
-        its gradients are added here, between the hooks around backward."""
+        """What the parallelisation's steps do around backward (`AppliedPlan.around_backward`: with loss parallel,
+        torch's `loss_parallel()`, which the backward of a vocabulary-parallel loss needs). With pipeline parallelism
+        the schedule already ran every microbatch's backward inside `training_step`; its gradients are added here,
+        between the hooks around backward."""
         if self.nonfinite is not None:
             self.nonfinite.note_loss(closure_loss)
         if self._pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            steps = self.applied if self.applied is not None and self.applied.backward_contexts else None
+            with steps.around_backward() if steps is not None else nullcontext():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         return self._pipeline.backward(self, closure_loss)
 
     @override

@@ -180,6 +180,7 @@ LAYERS = [
     "conformance",
     "context_parallel",
     "activation_checkpointing",
+    "loss_parallel",
     "plan",
     "experts",
     "parallel",

@@ -89,6 +89,19 @@ def test_selective_activation_checkpointing_from_yaml(tmp_path, strategy_class):
     assert strategy.plan_options.activation_checkpointing == "selective"
 
 
+@pytest.mark.parametrize("strategy_class", ["FullyShardStrategy", "FSDPTensorParallelStrategy", "ReplicateStrategy"])
+def test_loss_parallel_from_yaml(tmp_path, strategy_class):
+    """`loss_parallel: true` reaches the plan options of every strategy that takes `tensor_parallel_size`."""
+    init_args = {"tensor_parallel_size": 1, "loss_parallel": True}
+    strategy = build_strategy(tmp_path, {"class_path": f"lightning_dpar.{strategy_class}", "init_args": init_args})
+    assert strategy.plan_options.loss_parallel is True
+
+
+def test_loss_parallel_must_be_a_bool():
+    with pytest.raises(TypeError, match="`loss_parallel='yes'` must be True or False"):
+        lightning_dpar.FSDPTensorParallelStrategy(loss_parallel="yes")
+
+
 @pytest.mark.parametrize("hook", ["bf16_compress", "fp16_compress"])
 def test_replicate_ddp_knobs_from_yaml(tmp_path, hook):
     strategy = build_strategy(

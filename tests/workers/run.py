@@ -62,6 +62,7 @@ MODULES = [
         "nonfinite",
         "fabric",
         "activation_checkpointing",
+        "loss_parallel",
     )
 ]
 

@@ -138,6 +138,43 @@ def test_a_gathered_colwise_output_counts_whole():
     assert _retained(trace, 2) == B * T * H * 4 + 4
 
 
+class _Head(nn.Module):
+    """An output layer and its cross-entropy as the training step (`loss`) the trace runs."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(C, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+    @staticmethod
+    def loss(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        logits = module(batch)
+        labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_loss_parallel_keeps_a_shard_of_the_log_probabilities_and_one_gradient_shard():
+    """Gathered logits: the loss keeps the whole log-probabilities, and its backward holds the gradients of the
+    log-probabilities and of the logits at once. Vocabulary-sharded (loss parallel): a shard of each retained, and
+    torch's vocabulary-parallel backward hands the loss's gradient through the log-softmax's (one shard)."""
+    from lightning_dpar.loss_parallel.step import sharded_output_styles
+
+    vocab, whole = 64, B * T * 64 * 4
+    gathered = {"head": ColwiseParallel(output_layouts=Replicate())}
+    without = trace_step(_Head(vocab), _float_batch(), tensor_parallel=gathered, loss=_Head.loss)
+    sharded = sharded_output_styles(gathered, "head")
+    with_ = trace_step(_Head(vocab), _float_batch(), tensor_parallel=sharded, loss=_Head.loss, loss_parallel=True)
+    before, after = footprint(without, None, 2), footprint(with_, None, 2)
+    assert before.retained - after.retained == whole // 2
+    # Gathered: the log-probabilities and the two gradients at once (and the losses' scalars); sharded: two shards
+    # at once (logits and log-probabilities in forward, log-probabilities and the one gradient in backward) and the
+    # head's input gradient.
+    assert before.peak == 3 * whole + 8
+    assert whole <= after.peak < whole + B * T * C * 4
+
+
 class _SequenceParallelBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()

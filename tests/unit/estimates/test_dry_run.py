@@ -382,3 +382,27 @@ def test_ddp_refuses_a_parameter_shared_by_two_top_level_modules():
 
 
 # ---------------------------------------------------------------------------------------------------- activations
+
+
+def test_the_dry_run_estimates_loss_parallels_sharded_logits():
+    """The `plan` dry run under TP 2 with the example GPT's head gathered, then with `loss_parallel=True`: the
+    activations it reports fall by at least half the logits' log-probabilities the loss keeps, and it says which
+    layer's logits stay sharded."""
+    from lightning_dpar.examples.gpt import TP_PLAN
+
+    tp_plan = {**TP_PLAN, "model.head": "colwise_gather_output"}
+    batch = (4, 129)  # 128 positions with their next tokens, the example GPT's `_loss`
+    reports = [
+        plan(
+            lightning_dpar.FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=tp_plan, loss_parallel=enabled),
+            _gpt(2),
+            world_size=2,
+            batch=batch,
+        )
+        for enabled in (False, True)
+    ]
+    kept = [report.activations.rank(0).per_microbatch(False).retained for report in reports]
+    logits = 4 * 128 * 256 * 4  # fp32
+    assert kept[0] - kept[1] == logits // 2
+    assert "loss parallel: the logits of model.head kept sharded over the vocabulary" in reports[1].render()
+    assert "loss parallel" not in reports[0].render()

@@ -16,6 +16,7 @@ def test_the_steps_are_in_torchtitans_order_and_context_parallel_comes_before_ch
     assert [step.name for step in parallelize.STEPS] == [
         "pipeline split",
         "tensor parallel",
+        "loss parallel",
         "expert parallel",
         "context parallel",
         "activation checkpointing",
@@ -23,7 +24,12 @@ def test_the_steps_are_in_torchtitans_order_and_context_parallel_comes_before_ch
         "data parallel",
         "materialise",
     ]
-    assert [step.name for step in parallelize.STEPS if step.around_step is not None] == ["context parallel"]
+    assert [step.name for step in parallelize.STEPS if step.around_step is not None] == [
+        "loss parallel",
+        "context parallel",
+    ]
+    assert [step.name for step in parallelize.STEPS if step.around_backward is not None] == ["loss parallel"]
+    assert [step.name for step in parallelize.STEPS if step.step_output is not None] == ["loss parallel"]
 
 
 def test_apply_plan_walks_every_step_and_the_data_parallel_step_reads_its_settings_from_the_plan(gloo_world):
@@ -44,6 +50,7 @@ def test_apply_plan_walks_every_step_and_the_data_parallel_step_reads_its_settin
     module.model(torch.randn(3, 4)).sum()
     assert not isinstance(module.model.blocks[0].weight, DTensor)  # `reshard_after_forward=False`, from the plan
     assert applied.step_contexts == ()  # no step of this plan does anything around a step
+    assert applied.backward_contexts == () and applied.output_steps == ()
 
 
 def test_around_a_step_the_steps_contexts_are_entered_in_order_and_left_in_reverse():
@@ -68,6 +75,34 @@ def test_around_a_step_the_steps_contexts_are_entered_in_order_and_left_in_rever
     with single.around_step(False):
         pass
     assert events[-2:] == ["enter c False ()", "exit c"]
+
+
+def test_around_backward_and_on_the_output_the_steps_parts_run_in_order():
+    from contextlib import contextmanager
+
+    events = []
+
+    def context(name):
+        @contextmanager
+        def around():
+            events.append(f"enter {name}")
+            yield
+            events.append(f"exit {name}")
+
+        return around
+
+    applied = parallelize.AppliedPlan(
+        None,
+        nn.Linear(1, 1),
+        [],
+        [],
+        backward_contexts=(context("a"), context("b")),
+        output_steps=(lambda out: out + 1, lambda out: out * 10),
+    )
+    with applied.around_backward():
+        events.append("backward")
+    assert events == ["enter a", "enter b", "backward", "exit b", "exit a"]
+    assert applied.step_output(1) == 20
 
 
 def test_apply_plan_replicates_when_the_plan_says_replicate(gloo_world):
