@@ -94,6 +94,16 @@ class DparPrecision(Precision):
             data, torch.Tensor, lambda t: t.to(self.true_dtype) if torch.is_floating_point(t) else t
         )
 
+    def convert_output(self, data: Any) -> Any:
+        """Floating-point outputs of a forward run under autocast (bf16-mixed on a DDP-style replicate) in the
+        default dtype, as Lightning's own mixed precision returns them: a loss computed outside the forward (in a
+        Fabric loop) is then fp32, as under FSDP2, whose root unit returns fp32 (torch 2.11's `mse_loss` cannot
+        even backpropagate a bf16 output against fp32 targets). Outputs of other precisions are left as they are."""
+        if self.precision != "bf16-mixed" or self._autocast_device_type is None:
+            return data
+        dtype = torch.get_default_dtype()
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t)
+
     def autocast_on(self, device_type: str) -> None:
         """Run `bf16-mixed` forwards under `torch.autocast` on `device_type`: for a data-parallel wrapper that does
         not apply mixed precision itself (DDP-style replicate)."""

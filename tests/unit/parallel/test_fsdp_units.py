@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from lightning_dpar.parallel.fsdp_units import fully_shard_unit
 
@@ -53,7 +54,10 @@ def test_views_of_untracked_tensors_become_aliases_and_the_rest_is_untouched(glo
     assert pair.view._base is None  # an alias now
     assert pair.tracked_view._base is not None  # a view autograd tracks keeps FSDP's warning
     view_warnings = [str(w.message) for w in caught if "view" in str(w.message)]
-    assert len(view_warnings) == 1, view_warnings  # the tracked view's only
+    # The tracked view's only. torch 2.11's FSDP2 warns about no view output at all (2.13 and 2.15 do; 2.12 not
+    # checked): there the alias is still checked by `_base` above.
+    expected = 1 if TorchVersion(torch.__version__) >= (2, 13) else 0
+    assert len(view_warnings) == expected, view_warnings
     # The alias shares memory, holds the same values and passes the gradient on unchanged.
     (pair.view.sum() * 3).backward()
     weight, bias = unit.linear.weight.full_tensor(), unit.linear.bias.full_tensor()
