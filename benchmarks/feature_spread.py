@@ -1,10 +1,11 @@
 """How far each feature reaches outside its folder: `python -m benchmarks.feature_spread [--root DIR]`.
 
-For each feature (context parallelism, experts, pipeline parallelism, fault tolerance, activation checkpointing) it
-counts the code lines of the package outside the feature's own folder that name the feature, and the files they are
-in. A code line is a line of Python with its comments and docstrings removed (an error message's string is code: it
-names the feature to the user). A feature that lives in its folder shows up elsewhere only as its step in the list
-of steps, its mesh dim in `ParallelDims` and its options; the table says how close the package is to that (issue 42).
+For each feature (context parallelism, experts, pipeline parallelism, fault tolerance, activation checkpointing, loss
+parallelism) it counts the code lines of the package outside the feature's own folder that name the feature, and the
+files they are in. A code line is a line of Python with its comments and docstrings removed (an error message's
+string is code: it names the feature to the user). A feature that lives in its folder shows up elsewhere only as
+its step in the list of steps, its mesh dim in `ParallelDims` and its options; the table says how close the package
+is to that (issue 42).
 
 `--root` points at another checkout's `lightning_dpar/` (to measure `main` before a change).
 """
@@ -32,6 +33,7 @@ FEATURES: dict[str, tuple[str, str]] = {
         "activation_checkpointing",
         r"activation_checkpoint|checkpoint_activations|checkpointing_policy|\bselective\b|recompute",
     ),
+    "loss parallel": ("loss_parallel", r"loss_parallel|lossparallel"),
 }
 
 
