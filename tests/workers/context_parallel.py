@@ -273,7 +273,9 @@ def group_context_parallel_errors() -> Iterator[Case]:
     yield case("router_loss", cp(), lambda: HFModule("Qwen3MoeConfig", **router_loss), lambda: Tokens(SEQ))
 
 
-def measure_and_estimate(strategy: Any, make: Callable[[], Any], data: Tokens) -> tuple[list, Any] | None:
+def measure_and_estimate(
+    strategy: Any, make: Callable[[], Any], data: Tokens, batch: Any = None
+) -> tuple[list, Any] | None:
     """One step's activation memory on each rank (`StorageMeter`: gloo's threads free the all-gathers' tensors),
     training `make()` on `data` in batches of 2 under `strategy`, and on rank 0 the activation estimate (the `plan`
     dry run's) of the same layout and batch: `(each rank's (retained, peak), estimate)`; `None` on other ranks."""
@@ -291,7 +293,8 @@ def measure_and_estimate(strategy: Any, make: Callable[[], Any], data: Tokens) -
     with torch.device("meta"):
         meta = make()
     dims = trainer.strategy.dims
-    estimate = estimate_activations(meta, trainer.strategy.module_plan(meta, dims, 0), dims, (2, len(data.ids[0])))
+    shape = (2, len(data.ids[0])) if batch is None else batch  # `batch`: the estimate's own batch, if not token ids
+    estimate = estimate_activations(meta, trainer.strategy.module_plan(meta, dims, 0), dims, shape)
     return measured, estimate
 
 

@@ -19,7 +19,7 @@ from lightning_dpar.examples.gpt import GPT, TP_PLAN
 from tests.support.hf_configs import decoder_config
 from tests.workers.cases import Case
 from tests.workers.common import world_size
-from tests.workers.context_parallel import SEQ, Tokens, expect_error, parity
+from tests.workers.context_parallel import SEQ, Tokens, expect_error, measure_and_estimate, parity
 
 #: Not divisible by the tensor-parallel size: the head's shards are 33 and 32 rows.
 UNEVEN_VOCAB = 65
@@ -146,30 +146,16 @@ def logits_memory(loss_parallel: bool) -> dict | None:
     """One step's activation memory on each rank (`StorageMeter`, which follows storages as the estimate does) for
     the GPT with a vocabulary of 4,096 on 2 x 256 tokens under TP 2, with or without loss parallel, and
     the activation estimate (the `plan` dry run's) of the same layout and batch."""
-    from torch.utils.data import DataLoader
-
-    from lightning_dpar.estimates.activations import estimate_activations
-    from tests.support.activation_meter import StorageMeter
-    from tests.workers.common import trainer_for
 
     def make() -> LabelledGPT:
         return LabelledGPT(vocab_size=4096, block_size=256, n_embd=64)
 
-    data = Tokens(257, n=16, ignored=True)
-    meter = StorageMeter()
     strategy = FSDPTensorParallelStrategy(tensor_parallel_size=2, loss_parallel=loss_parallel, tp_plan=HEAD_PLAN)
-    trainer = trainer_for(strategy, callbacks=[meter])
-    trainer.fit(make(), DataLoader(data, batch_size=2))
-    assert meter.measured is not None
-    measured: list[Any] = [None] * world_size()
-    torch.distributed.all_gather_object(measured, (meter.measured.retained, meter.measured.peak))
-    if trainer.global_rank != 0:
-        return None
-    with torch.device("meta"):
-        meta = make()
-    dims = trainer.strategy.dims
     batch = {"input_ids": torch.zeros(2, 257, dtype=torch.long), "labels": torch.zeros(2, 257, dtype=torch.long)}
-    estimate = estimate_activations(meta, trainer.strategy.module_plan(meta, dims, 0), dims, batch)
+    result = measure_and_estimate(strategy, make, Tokens(257, n=16, ignored=True), batch)
+    if result is None:
+        return None
+    measured, estimate = result
     footprint = estimate.rank(0).per_microbatch(False)
     return {
         "retained": [r for r, _ in measured],
