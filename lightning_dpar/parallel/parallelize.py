@@ -19,7 +19,7 @@ and one more `Step` at its place in `STEPS` (docs/architecture.md).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -202,7 +202,9 @@ class AppliedPlan:
 
     def around_backward(self) -> AbstractContextManager[None]:
         """What the steps of this run that have one (`backward_contexts`, in the order of `STEPS`) do around each
-        training step's backward."""
+        training step's backward (nothing to enter, and no cost per step, where none has one)."""
+        if not self.backward_contexts:
+            return nullcontext()
         if len(self.backward_contexts) == 1:
             return self.backward_contexts[0]()
         return _each_entered(self.backward_contexts)
