@@ -32,6 +32,7 @@ __all__ = [
     "TorchDispatchMode",
     "compiled_autograd",
     "grouped_mm",
+    "log_softmax_backward_op",
     "muon_adjusted_lr",
     "muon_init_group",
     "muon_newton_schulz",
@@ -77,6 +78,13 @@ def selective_checkpoint_private_ops() -> frozenset[Any]:
         if packet is not None:
             found.add(packet.default)
     return frozenset(found)
+
+
+def log_softmax_backward_op() -> Any:
+    """`aten._log_softmax_backward_data.default`, the log-softmax's backward operator. The activation estimate's trace
+    (`lightning_dpar.estimates.activation_trace`) runs it as torch's `loss_parallel()` does, which hands the
+    cross-entropy's gradient through it unchanged; an operator has no public name. Present on torch 2.11, 2.13, 2.15."""
+    return torch.ops.aten._log_softmax_backward_data.default
 
 
 @contextmanager

@@ -50,6 +50,7 @@ from torch.distributed.tensor.parallel import (
 from lightning_dpar._private_api import (
     FakeTensorMode,
     TorchDispatchMode,
+    log_softmax_backward_op,
     storage_key,
     trainer_and_mesh,
     tree_leaves,
@@ -150,7 +151,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.loss_parallel and func is torch.ops.aten._log_softmax_backward_data.default:
+        if self.loss_parallel and func is log_softmax_backward_op():
             life = self.life(args[0])
             if life is not None and life.split:
                 # torch's `loss_parallel()` computes the whole cross-entropy gradient in the loss's backward and
