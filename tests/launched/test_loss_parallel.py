@@ -43,7 +43,7 @@ def test_loss_parallel_matches_one_process(world, case, request):
 def test_validation_under_loss_parallel_logs_one_processs_loss(lp2):
     """`validate` after `fit`: the validation forward runs inside `loss_parallel()` too, and its loss (a DTensor,
     logged with `sync_dist=True`: the strategy reduces its whole value) equals one process's on the trained model."""
-    result = lp2["validation_after_fit"]
+    result = lp2["loss_parallel_validation_after_fit"]
     assert abs(result["val_loss"] - result["want"]) < ATOL
 
 

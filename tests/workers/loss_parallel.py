@@ -97,7 +97,7 @@ def group_loss_parallel() -> Iterator[Case]:
         yield Case("error_pipeline", lambda: expect_error(tp(pipeline_parallel_size=2), LabelledGPT, gpt_data()))
     if world != 2:
         return
-    yield Case("validation_after_fit", validation_after_fit)
+    yield Case("loss_parallel_validation_after_fit", validation_after_fit)
     # Refused before training, alike on every rank.
     yield Case(
         "error_without_tp",
