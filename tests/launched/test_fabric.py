@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import run_workers
-from tests.workers.fabric import CHECKPOINT_ENV
 
 ATOL = 1e-5
 
@@ -25,11 +24,12 @@ REFUSALS = {
 }
 
 
+SHARED_LAUNCH = {2: "fabric,fabric_refusals,fabric_moe", 4: "fabric,fabric_refusals,fabric_moe"}
+
+
 @pytest.fixture(scope="module", params=[2, 4])
-def fabric_world(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"fabric{request.param}")
-    env = {CHECKPOINT_ENV: str(tmp / "checkpoints")}
-    return request.param, run_workers(request.param, "fabric,fabric_refusals,fabric_moe", tmp, extra_env=env)
+def fabric_world(request, shared_launch):
+    return request.param, shared_launch(request.param)
 
 
 @pytest.mark.slow
@@ -88,10 +88,9 @@ def test_a_root_transformers_moe_with_router_logits_is_refused_on_every_rank(fab
 
 @pytest.mark.slow
 def test_save_on_4_ranks_loads_on_2_and_continues_exactly(tmp_path):
-    env = {CHECKPOINT_ENV: str(tmp_path / "checkpoint")}
-    saved = run_workers(4, "fabric_save_4", tmp_path, extra_env=env)["fabric_save_4"]
+    saved = run_workers(4, "fabric_save_4", tmp_path)["fabric_save_4"]  # the two launches share `tmp_path`
     assert ".metadata" in saved["files"]  # a sharded (DCP) directory
-    loaded = run_workers(2, "fabric_load_2", tmp_path, extra_env=env)["fabric_load_2"]
+    loaded = run_workers(2, "fabric_load_2", tmp_path)["fabric_load_2"]
     assert loaded["built_on_meta"]
     assert loaded["step"] == 2
     assert loaded["max_abs_diff"] < ATOL

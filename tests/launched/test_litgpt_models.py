@@ -14,16 +14,19 @@ pytest.importorskip("litgpt")
 
 import lightning_dpar
 from lightning_dpar.estimates import plan
-from tests.conftest import run_workers
 from tests.workers.litgpt_models import MLP_TP_PLAN, LitGPTModule
 
 CASES = ["litgpt_replicate", "litgpt_meta_init_fsdp", "litgpt_meta_init_2d_mlp_tp"]
 
 
+SHARED_LAUNCH = {2: "litgpt,litgpt_fabric", 4: "litgpt,litgpt_fabric"}
+
+
 @pytest.fixture(scope="module", params=[2, 4])
-def results(request, tmp_path_factory):
-    """The Trainer and Fabric cases in one launch per world size (a launch's start costs more than its cases)."""
-    return run_workers(request.param, "litgpt,litgpt_fabric", tmp_path_factory.mktemp(f"litgpt{request.param}"))
+def results(request, shared_launch):
+    """The Trainer and Fabric cases in the suite's shared launch of each world size (a launch's start costs more than
+    its cases)."""
+    return shared_launch(request.param)
 
 
 @pytest.mark.slow

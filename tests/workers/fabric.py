@@ -7,7 +7,7 @@ returns the largest difference of the gathered parameters to one process trained
 
 from __future__ import annotations
 
-import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,6 @@ from tests.workers.cases import Case
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
 
 #: Where the 4-rank save of `save_4` is written and the 2-rank `load_2` reads it (set by the test).
-CHECKPOINT_ENV = "DPAR_FABRIC_CHECKPOINT"
 #: Items of one global batch in the explicit-batch cases (both 4 and 2 data-parallel ranks divide it).
 GLOBAL_BATCH = 8
 
@@ -131,8 +130,8 @@ def train_explicit(fabric: Fabric, model: nn.Module, opt: Any, start: int, steps
 
 
 def save_4() -> dict | None:
-    """2D (TP 2 x FSDP 2) trains 2 steps with Adam and saves, as a sharded checkpoint, to `CHECKPOINT_ENV`."""
-    path = Path(os.environ[CHECKPOINT_ENV])
+    """2D (TP 2 x FSDP 2) trains 2 steps with Adam and saves, as a sharded checkpoint, for `fabric_load_2`."""
+    path = _shared_tmp("save_4_load_2")
     fabric = fabric_for(dpar_fabric.FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN))
     model = fabric.setup(FabricNet())
     opt = fabric.setup_optimizers(make_optimizer("adam", model.parameters()))
@@ -144,7 +143,7 @@ def save_4() -> dict | None:
 def load_2() -> dict | None:
     """The 4-rank save loaded on 2 ranks as FSDP 2 into a model built on the meta device, then 2 more steps: equal
     to one process's 4 steps."""
-    path = Path(os.environ[CHECKPOINT_ENV])
+    path = _shared_tmp("save_4_load_2")
     fabric = fabric_for("dpar_fsdp")
     with fabric.init_module(empty_init=True):
         model = FabricNet()
@@ -217,8 +216,9 @@ def fabric_to_trainer(tmp: Path) -> dict | None:
 
 
 def _shared_tmp(name: str) -> Path:
-    """A directory every rank names alike (under the launch's checkpoint directory)."""
-    path = Path(os.environ[CHECKPOINT_ENV]) / name
+    """A directory every rank names alike: in the launch's work directory (the parent of its results directory, which
+    `fabric_save_4` and `fabric_load_2` share as launches of one test)."""
+    path = Path(sys.argv[2]).resolve().parent / "fabric" / name
     path.mkdir(parents=True, exist_ok=True)
     return path
 
