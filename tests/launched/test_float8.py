@@ -51,6 +51,13 @@ def test_float8_matches_one_process_with_the_same_conversion(world, case, reques
 
 
 @pytest.mark.slow
+def test_a_float8_runs_checkpoint_loads_into_a_run_without_float8(f2):
+    """Same keys and values: a run can switch float8 on and off across a resume."""
+    result = f2["float8_checkpoint_into_high_precision"]
+    assert result["keys_equal"] and result["max_abs_diff"] == 0.0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "case", "expected"),
     [

@@ -168,6 +168,27 @@ def expect_error(make_strategy: Callable[[], Any]) -> list[Any]:
     return messages
 
 
+def checkpoint_into_high_precision() -> dict | None:
+    """A float8 run (FSDP 2, rowwise) saves a sharded checkpoint; a run without float8 (same layout) resumes from it:
+    the same keys, the same values (float8 changes the matmuls, not the parameters' precision)."""
+    from tests.workers.checkpoint_common import case_dir
+
+    root = case_dir("float8_checkpoint")
+    trainer = trainer_for(fsdp("rowwise")())
+    trainer.fit(MLP(), DataLoader(Vectors(), batch_size=BATCH))
+    trainer.save_checkpoint(root / "float8.ckpt")
+    saved = full_params(trainer)
+    plain = trainer_for(FullyShardStrategy())
+    plain.fit(MLP(), DataLoader(Vectors(), batch_size=BATCH), ckpt_path=str(root / "float8.ckpt"))  # at max_steps
+    loaded = full_params(plain)
+    if plain.global_rank != 0:
+        return None
+    return {
+        "keys_equal": sorted(saved) == sorted(loaded) == sorted(MLP().state_dict()),
+        "max_abs_diff": max_diff(saved, loaded),
+    }
+
+
 def group_float8() -> Iterator[Case]:
     world = world_size()
     if world == 2:
@@ -175,6 +196,7 @@ def group_float8() -> Iterator[Case]:
             yield Case(f"float8_fsdp2_{recipe}", lambda r=recipe: parity(fsdp(r), r, 2))
         for recipe in ("rowwise", "rowwise_with_gw_hp"):
             yield Case(f"float8_tp2_{recipe}", lambda r=recipe: parity(tp(r), r, 1))
+        yield Case("float8_checkpoint_into_high_precision", checkpoint_into_high_precision)
         yield Case("float8_error_tensorwise_tp", lambda: expect_error(tp("tensorwise")))
         yield Case(
             "float8_error_cpu_without_emulate", lambda: expect_error(lambda: FullyShardStrategy(float8="rowwise"))
