@@ -96,9 +96,9 @@ def resolve_float8(setting: Float8Setting | None, skip: Sequence[str] | None, st
         )
     float8 = torchao_float8(call)
     if isinstance(setting, str):
-        config, shown = float8.Float8LinearConfig.from_recipe_name(setting), repr(setting)
+        config = float8.Float8LinearConfig.from_recipe_name(setting)
     elif isinstance(setting, float8.Float8LinearConfig):
-        config, shown = setting, "Float8LinearConfig(...)"
+        config = setting
     else:
         raise TypeError(
             f"`{strategy}(float8=...)` got a {type(setting).__name__}: give a recipe name ({list(RECIPES)}) or a"
@@ -112,7 +112,13 @@ def resolve_float8(setting: Float8Setting | None, skip: Sequence[str] | None, st
                 " ['model.head', '*.router'])."
             )
         skip = tuple(skip)
-    return Float8Options(config, recipe_of(config), shown, skip)
+    recipe = recipe_of(config)
+    if isinstance(setting, str):
+        shown = repr(setting)
+    else:  # the recipe it is, and whether it emulates: what a refusal's reader needs to recognise it
+        named = f"{recipe} recipe" if recipe != "custom" else recipe
+        shown = f"Float8LinearConfig(<{named}>{', emulate=True' * config.emulate})"
+    return Float8Options(config, recipe, shown, skip)
 
 
 def check_float8_device(options: Float8Options | None, device: torch.device, strategy: str) -> None:

@@ -206,7 +206,7 @@ def group_float8() -> Iterator[Case]:
             yield Case(f"float8_tp2_fsdp2_{recipe}", lambda r=recipe: parity(tp(r), r, 2))
         yield Case(
             "float8_error_pipeline",
-            lambda: expect_error(tp("rowwise", pipeline_parallel_size=2, pipeline_split=["fc3"])),
+            lambda: expect_error(tp("rowwise", pipeline_parallel_size=2, shard_modules=["fc*"])),
         )
 
 

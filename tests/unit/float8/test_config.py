@@ -38,6 +38,7 @@ def test_a_recipe_name_becomes_torchaos_config_for_it(recipe, ao):
 def test_a_config_is_taken_as_it_is_and_its_recipe_recognised(recipe, ao):
     options = resolve_float8(emulated(recipe), ["model.head"], "FullyShardStrategy")
     assert options.config.emulate and options.recipe == recipe and options.skip == ("model.head",)
+    assert options.setting == f"Float8LinearConfig(<{recipe} recipe>, emulate=True)"
     assert recipe_of(dataclasses.replace(emulated(recipe), pad_inner_dim=True)) == recipe
 
 

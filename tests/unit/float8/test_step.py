@@ -104,7 +104,10 @@ def _refusal(model: nn.Module, dims: ParallelDims, options, **facts) -> str:
 
 def test_the_tensorwise_recipe_under_tensor_parallelism_is_refused_by_name():
     message = _refusal(Tiny(), TP2, resolve_float8("tensorwise", None, "S"))
-    assert "float8='tensorwise'" in message and "`tensor_parallel_size=2`" in message
+    assert "float8='tensorwise')` with" in message
+    shown = "float8=Float8LinearConfig(<tensorwise recipe>, emulate=True))` with"
+    assert shown in _refusal(Tiny(), TP2, emulated("tensorwise"))
+    assert "`tensor_parallel_size=2`" in message
     assert "not exact against one process" in message and "float8='rowwise'" in message
     assert step.plan_float8(Tiny(), FSDP2, resolve_float8("tensorwise", None, "S"), "S").modules == BLOCK_LINEARS
     assert step.plan_float8(Tiny(), TP2, emulated("rowwise_with_gw_hp"), "S").modules == BLOCK_LINEARS
