@@ -34,6 +34,7 @@ def f4(shared_launch):
         ("f2", "float8_fsdp2_tensorwise"),
         ("f2", "float8_fsdp2_rowwise"),
         ("f2", "float8_fsdp2_rowwise_with_gw_hp"),
+        ("f2", "float8_fsdp2_rowwise_compiled"),
         ("f2", "float8_tp2_rowwise"),
         ("f2", "float8_tp2_rowwise_with_gw_hp"),
         ("f4", "float8_tp2_fsdp2_rowwise"),
@@ -48,6 +49,14 @@ def test_float8_matches_one_process_with_the_same_conversion(world, case, reques
     assert all(modules == CONVERTED for modules in result["converted"]), result["converted"]
     assert result["float8_effect"] > 10 * max(result["noise_floor"], FP32_ATOL), result
     assert result["max_abs_diff"] <= max(FLOOR_MULTIPLE * result["noise_floor"], FP32_ATOL), result
+
+
+@pytest.mark.slow
+def test_tensorwise_under_tp_by_hand_is_not_exact_which_is_why_it_is_refused(f2):
+    """torchao's float8 styles with the tensorwise recipe, written by hand (as torchtitan applies them): further from
+    one process than the floor allows (docs/efficiency.md quotes the figure)."""
+    result = f2["float8_tensorwise_tp_by_hand"]
+    assert result["max_abs_diff"] > FLOOR_MULTIPLE * max(result["noise_floor"], FP32_ATOL), result
 
 
 @pytest.mark.slow
