@@ -138,7 +138,8 @@ class FullyShardStrategy(DparStrategy):
     @override
     def _check_before_collectives(self, dims: ParallelDims) -> None:
         super()._check_before_collectives(dims)
-        check_float8_device(self._float8, self.root_device, type(self).__name__)
+        if self._float8 is not None:
+            check_float8_device(self._float8, self.root_device, type(self).__name__)
         if dims.context > 1:
             check_settings(type(self).__name__, dims.context, self._compile_options)
 
