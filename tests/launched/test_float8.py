@@ -35,6 +35,7 @@ def f4(shared_launch):
         ("f2", "float8_fsdp2_rowwise"),
         ("f2", "float8_fsdp2_rowwise_with_gw_hp"),
         ("f2", "float8_fsdp2_rowwise_compiled"),
+        ("f2", "float8_fsdp2_rowwise_meta_init"),
         ("f2", "float8_tp2_rowwise"),
         ("f2", "float8_tp2_rowwise_with_gw_hp"),
         ("f4", "float8_tp2_fsdp2_rowwise"),

@@ -119,13 +119,16 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def parity(make_strategy: Callable[[], Any], recipe: str, dp: int) -> dict | None:
-    """Train under the strategy; on rank 0 the largest parameter difference to one process with the same
+def parity(make_strategy: Callable[[], Any], recipe: str, dp: int, empty_init: bool = False) -> dict | None:
+    """Train under the strategy (the model built on the meta device with `empty_init`: converted there, then each
+    rank's shards initialised); on rank 0 the largest parameter difference to one process with the same
     conversion, the noise floor of that one process (the same run started one float32 step away, each way), and
     how far float8 moves the run from high precision (so a run that silently trained in high precision fails)."""
     trainer = trainer_for(make_strategy())
     data = Vectors()
-    trainer.fit(MLP(), DataLoader(data, batch_size=BATCH))
+    with trainer.init_module(empty_init=empty_init):
+        module = MLP()
+    trainer.fit(module, DataLoader(data, batch_size=BATCH))
     got = full_params(trainer)
     from lightning_dpar.float8 import converted_modules
 
@@ -226,6 +229,7 @@ def group_float8() -> Iterator[Case]:
     if world == 2:
         for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
             yield Case(f"float8_fsdp2_{recipe}", lambda r=recipe: parity(fsdp(r), r, 2))
+        yield Case("float8_fsdp2_rowwise_meta_init", lambda: parity(fsdp("rowwise"), "rowwise", 2, empty_init=True))
         compiled = fsdp("rowwise", shard_modules=["fc*"], compile={"backend": "aot_eager"})  # each Linear compiled
         yield Case("float8_fsdp2_rowwise_compiled", lambda: parity(compiled, "rowwise", 2))
         for recipe in ("rowwise", "rowwise_with_gw_hp"):
