@@ -1,5 +1,5 @@
 """Every private API the package relies on, one module per library it reaches into: `torch_distributed`,
-`torch_core` (the rest of torch), `lightning`, `transformers` and `torchmetrics`.
+`torch_core` (the rest of torch), `lightning`, `transformers`, `torchmetrics` and `torchao`.
 
 Each name has no public equivalent in the versions we support (torch>=2.11, lightning>=2.6, transformers>=5.17) and
 says why it is needed and which versions were checked. Keeping them here means an upgrade that moves one of them
@@ -65,6 +65,7 @@ from lightning_dpar._private_api.torch_distributed import (
     unflatten_mesh,
     waited,
 )
+from lightning_dpar._private_api.torchao import float8_linear_class
 from lightning_dpar._private_api.torchmetrics import (
     adopt_metric_state,
     metric_step_value,
@@ -101,6 +102,7 @@ __all__ = [
     "ddp_replicate",
     "detect_anomaly_requested",
     "flatten_mesh",
+    "float8_linear_class",
     "forget_inherited_process_groups",
     "functional_all_reduce",
     "grouped_mm",

@@ -3,7 +3,8 @@
 strategy's frozen `PlanOptions`), and `apply_plan`, which applies each slice. Training, the `plan` dry run and the
 layout search all go through both.
 
-The order is torchtitan's: pipeline split -> tensor parallel -> loss parallel (the output layer's logits kept
+The order is torchtitan's: pipeline split -> float8 (torchao's `Float8Linear` swapped in before any module is
+sharded) -> tensor parallel -> loss parallel (the output layer's logits kept
 sharded; torchtitan folds it into its output layer's style) -> expert parallel -> context parallel -> activation
 checkpointing -> compile -> data parallel (`fully_shard` or `replicate`) -> materialise. The context-parallel hooks
 come before activation checkpointing, which gets their `context_fn`: a recomputed block's attention must be
@@ -11,9 +12,9 @@ context-parallel again.
 
 A `Step` binds what its feature's folder exports: its slice of the plan (`plan`), how it is applied (`apply`), and,
 if it has them, what it does around each step's forward (`around_step`) and backward (`around_backward`) and to its
-output (`step_output`). A feature's own code stays in its folder (`pipeline/step.py`, `experts/`,
-`context_parallel/step.py`, `loss_parallel/step.py`, `parallel/data_parallel.py`); a new feature is one more folder
-and one more `Step` at its place in `STEPS` (docs/architecture.md).
+output (`step_output`). A feature's own code stays in its folder (`pipeline/step.py`, `float8/step.py`,
+`experts/`, `context_parallel/step.py`, `loss_parallel/step.py`, `parallel/data_parallel.py`); a new feature is one
+more folder and one more `Step` at its place in `STEPS` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from lightning_dpar.context_parallel.runtime import ContextParallel
 from lightning_dpar.context_parallel.step import ContextParallelPlan
 from lightning_dpar.experts.parallel import apply_expert_parallel
 from lightning_dpar.experts.plan import plan_experts
+from lightning_dpar.float8 import step as float8_step
 from lightning_dpar.loss_parallel import step as loss_parallel_step
 from lightning_dpar.parallel.data_parallel import MixedPrecision, apply_data_parallel, outermost_fsdp_modules
 from lightning_dpar.parallel.materialize import materialize_meta_tensors
@@ -251,6 +253,25 @@ def _pipeline_split(root: nn.Module, plan: ModulePlan, applying: Applying) -> No
     applying.pipeline = pipeline_step.apply_pipeline_split(root, plan.pipeline, plan.pipeline_rank, device)
 
 
+def _plan_float8(planning: Planning) -> Mapping[str, Any]:
+    """The Linear modules converted to float8 (none without `float8=`), every refusal before any collective."""
+    facts = planning.facts
+    part = float8_step.plan_float8(
+        planning.module,
+        planning.dims,
+        planning.options.float8,
+        planning.options.strategy,
+        adopted=facts.adopted,
+        experts=facts.experts,
+    )
+    return {"float8": part.modules, "float8_config": part.config}
+
+
+def _float8(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
+    """torchao's `Float8Linear` swapped in for the planned modules, before tensor parallelism shards them."""
+    float8_step.apply_float8(root, float8_step.Float8Plan(plan.float8, plan.float8_config), applying.meshes.device)
+
+
 def _plan_tensor_parallel(planning: Planning) -> Mapping[str, Any]:
     module, facts = planning.module, planning.facts
     if facts.adopted:  # `check_adoptable` refused a `tp_plan`: the model's own layout stays
@@ -405,11 +426,13 @@ def _materialize(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
         materialize_meta_tensors(root, applying.meshes.device, plan.tied)
 
 
-#: The steps, in the order they apply (torchtitan's: a model is split into stages first, each stage's modules are
-#: tensor- and expert-parallelised, then wrapped for recomputation and compiled, and the data-parallel wrapper goes
-#: around all of it; shards are allocated last, once every layout is known). A new step goes at its place here.
+#: The steps, in the order they apply (torchtitan's: a model is split into stages first, its Linear layers are
+#: converted to float8, each stage's modules are tensor- and expert-parallelised, then wrapped for recomputation and
+#: compiled, and the data-parallel wrapper goes around all of it; shards are allocated last, once every layout is
+#: known). A new step goes at its place here.
 STEPS: tuple[Step, ...] = (
     Step("pipeline split", _plan_pipeline_split, _pipeline_split),
+    Step("float8", _plan_float8, _float8),
     Step("tensor parallel", _plan_tensor_parallel, _tensor_parallel),
     Step(
         "loss parallel",

@@ -75,6 +75,10 @@ class ModulePlan:
     `loss_parallel` names the output layer whose logits stay sharded over the vocabulary under tensor parallelism
     (`loss_parallel=True`, `lightning_dpar.loss_parallel`): the tensor-parallel step gives it a vocabulary-sharded
     style in place of its planned gathered one; `None`: the logits are gathered whole.
+
+    `float8` names the `nn.Linear` modules converted to torchao's `Float8Linear` (`float8=`,
+    `lightning_dpar.float8`), in module order, and `float8_config` is torchao's `Float8LinearConfig` for them; empty
+    and `None` without float8.
     """
 
     tensor_parallel: dict[str, ParallelStyle]
@@ -94,6 +98,8 @@ class ModulePlan:
     data_parallel: DataParallelSettings = field(default_factory=DataParallelSettings)
     activation_checkpointing_policy: CheckpointPolicyName = "full"
     loss_parallel: str | None = None
+    float8: list[str] = field(default_factory=list)
+    float8_config: Any = None
 
 
 def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> ModulePlan:
@@ -110,6 +116,7 @@ def local_plan(plan: ModulePlan, split: PipelineSplit, pipeline_rank: int) -> Mo
         pipeline_rank=pipeline_rank,
         tied=[group for group in plan.tied if all(is_under(name, units) for name in group)],
         experts=[fqn for fqn in plan.experts if is_under(fqn, units)],
+        float8=[fqn for fqn in plan.float8 if is_under(fqn, units)],
         data_parallel_roots=[],  # each stage's root is its FSDP root
         ignored=[],
     )

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar.activation_checkpointing.step import ActivationCheckpointingSetting
+from lightning_dpar.float8.config import Float8Options
 from lightning_dpar.helpers import class_name, show_names
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
@@ -63,6 +64,8 @@ class PlanOptions:
         loss_parallel: keep the output layer's logits sharded over the vocabulary under tensor parallelism and
             compute the cross-entropy vocabulary-parallel (`lightning_dpar.loss_parallel`); the output layer's
             vocabulary then need not divide by the tensor-parallel size.
+        float8: the float8 setting, resolved (`lightning_dpar.float8.config.Float8Options`: torchao's config and
+            the modules kept in high precision), or `None`.
         data_parallel: how the data-parallel step wraps the model (`ModulePlan.data_parallel`); the planner adapts
             it to the mesh (FSDP replicas for `replicate` with tensor parallelism; no resharding after forward under
             a pipeline schedule that defers weight gradients).
@@ -82,6 +85,7 @@ class PlanOptions:
     expert_modules: Sequence[ModuleSelector] | None = None
     context_parallel_loss: str = "whole"
     loss_parallel: bool = False
+    float8: Float8Options | None = None
     data_parallel: DataParallelSettings = field(default_factory=DataParallelSettings)
 
 

@@ -13,6 +13,7 @@ from lightning_dpar._private_api import StrategyRegistryType
 from lightning_dpar.activation_checkpointing.step import ActivationCheckpointingSetting
 from lightning_dpar.context_parallel import check_settings
 from lightning_dpar.context_parallel.loss import check_loss_mode
+from lightning_dpar.float8.config import Float8Setting, check_float8_device, resolve_float8
 from lightning_dpar.parallel_dims import ParallelDims, SizeArg
 from lightning_dpar.pipeline.config import PipelineConfig
 from lightning_dpar.pipeline.split import SplitSpec
@@ -56,6 +57,12 @@ class FullyShardStrategy(DparStrategy):
             `"whole"` (default: the last block's output gathered, then any loss on the whole sequence, exact) or
             `"per_rank"` (each rank's own tokens through the head and a transformers causal LM's own loss, summed
             over the ranks: no whole-sequence logits; the model must be called with `labels=`).
+        float8: float8 training with torchao (the `float8` extra): a recipe name (`"tensorwise"`, `"rowwise"`,
+            `"rowwise_with_gw_hp"`) or a `torchao.float8.Float8LinearConfig` (`emulate=True` runs it on a CPU). Each
+            `nn.Linear` but those of `float8_skip` becomes torchao's `Float8Linear` before tensor parallelism and
+            FSDP; parameters stay in their precision (fp32 master weights). See docs/efficiency.md.
+        float8_skip: module-name patterns (fnmatch) kept in high precision; default: the output layer. Linears
+            whose dimensions (or tensor-parallel shards) are not multiples of 16 are always kept.
         **kwargs: see `DparStrategy`.
     """
 
@@ -76,6 +83,8 @@ class FullyShardStrategy(DparStrategy):
         pipeline_call_order: Sequence[str] | None = None,
         context_parallel_size: SizeArg = 1,
         context_parallel_loss: Literal["whole", "per_rank"] = "whole",
+        float8: Float8Setting | None = None,
+        float8_skip: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("tensor_parallel_size", 1)
@@ -101,6 +110,7 @@ class FullyShardStrategy(DparStrategy):
         self._cpu_offload = cpu_offload
         self._context_parallel_size = context_parallel_size
         self._context_parallel_loss = check_loss_mode(context_parallel_loss)  # before the process group
+        self._float8 = resolve_float8(float8, float8_skip, type(self).__name__)  # torchao imported, values checked
 
     @property
     def cpu_offload(self) -> bool:
@@ -120,13 +130,16 @@ class FullyShardStrategy(DparStrategy):
             shards=True,
             shard_modules=self._shard_modules,
             context_parallel_loss=self._context_parallel_loss,
+            float8=self._float8,
             data_parallel=DataParallelSettings("fully_shard", self._reshard_after_forward, self._cpu_offload),
         )
 
-    # ------------------------------------------------------------------ context parallelism
+    # ------------------------------------------------------------------ context parallelism, float8's device
     @override
     def _check_before_collectives(self, dims: ParallelDims) -> None:
         super()._check_before_collectives(dims)
+        if self._float8 is not None:
+            check_float8_device(self._float8, self.root_device, type(self).__name__)
         if dims.context > 1:
             check_settings(type(self).__name__, dims.context, self._compile_options)
 

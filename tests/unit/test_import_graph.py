@@ -181,6 +181,7 @@ LAYERS = [
     "context_parallel",
     "activation_checkpointing",
     "loss_parallel",
+    "float8",
     "plan",
     "experts",
     "parallel",

@@ -102,6 +102,22 @@ def test_loss_parallel_must_be_a_bool():
         lightning_dpar.FSDPTensorParallelStrategy(loss_parallel="yes")
 
 
+@pytest.mark.parametrize("strategy_class", ["FullyShardStrategy", "FSDPTensorParallelStrategy"])
+def test_float8_from_yaml(tmp_path, strategy_class):
+    """`float8: rowwise` and `float8_skip` reach the plan options as torchao's config for the recipe."""
+    ao = pytest.importorskip("torchao.float8")
+    init_args = {"float8": "rowwise", "float8_skip": ["model.head", "*.router"]}
+    strategy = build_strategy(tmp_path, {"class_path": f"lightning_dpar.{strategy_class}", "init_args": init_args})
+    options = strategy.plan_options.float8
+    assert options.config == ao.Float8LinearConfig.from_recipe_name("rowwise")
+    assert options.recipe == "rowwise" and options.skip == ("model.head", "*.router")
+
+
+def test_float8_refuses_an_unknown_recipe_at_construction():
+    with pytest.raises(ValueError, match="'fp8' is not a float8 recipe"):
+        lightning_dpar.FullyShardStrategy(float8="fp8")
+
+
 @pytest.mark.parametrize("hook", ["bf16_compress", "fp16_compress"])
 def test_replicate_ddp_knobs_from_yaml(tmp_path, hook):
     strategy = build_strategy(

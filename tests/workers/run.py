@@ -63,6 +63,7 @@ MODULES = [
         "fabric",
         "activation_checkpointing",
         "loss_parallel",
+        "float8",
     )
 ]
 

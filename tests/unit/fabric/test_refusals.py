@@ -33,6 +33,7 @@ def test_off_values_and_other_arguments_pass():
         (lambda: dpar_fabric.FullyShardStrategy(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
         (lambda: dpar_fabric.FullyShardStrategy(context_parallel_size="auto"), "context_parallel_size='auto'"),
         (lambda: dpar_fabric.FSDPTensorParallelStrategy(loss_parallel=True), "loss_parallel=True"),
+        (lambda: dpar_fabric.FullyShardStrategy(float8="rowwise"), "float8='rowwise'"),  # before torchao is needed
     ],
 )
 def test_the_strategies_refuse_when_constructed(make, fragment):

@@ -15,6 +15,7 @@ from tests.unit.parallel.test_data_parallel import LightningShaped
 def test_the_steps_are_in_torchtitans_order_and_context_parallel_comes_before_checkpointing():
     assert [step.name for step in parallelize.STEPS] == [
         "pipeline split",
+        "float8",
         "tensor parallel",
         "loss parallel",
         "expert parallel",
@@ -145,6 +146,7 @@ def test_each_field_of_the_plan_is_one_steps_slice_or_a_fact_of_the_model():
     made = set(owners) | {"tied", "adopted", "pipeline_rank"}
     assert made == {field.name for field in fields(ModulePlan)}
     assert owners["context_parallel"] == ["context parallel"] and owners["data_parallel"] == ["data parallel"]
+    assert owners["float8"] == owners["float8_config"] == ["float8"]
 
 
 def test_plan_modules_is_the_walk_of_the_steps_slices():

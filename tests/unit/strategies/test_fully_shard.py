@@ -37,6 +37,15 @@ def test_context_parallelism_refuses_compile_before_any_collective():
         strategy._check_before_collectives(ParallelDims.resolve(4, 4, context_parallel_size=2))
 
 
+def test_float8_on_a_cpu_without_emulation_is_refused_before_any_collective():
+    pytest.importorskip("torchao.float8")
+    strategy = FSDPTensorParallelStrategy(tensor_parallel_size=1, float8="rowwise")
+    strategy.parallel_devices = [torch.device("cpu")]
+    with pytest.raises(RuntimeError, match=r"`FSDPTensorParallelStrategy\(float8='rowwise'\)` needs float8 matmuls"):
+        strategy._check_before_collectives(ParallelDims.resolve(1, 1))
+    assert strategy.plan_options.float8.recipe == "rowwise"
+
+
 def test_the_2d_strategy_defaults_to_one_nodes_devices_for_tensor_parallelism():
     strategy = FSDPTensorParallelStrategy()
     dims = strategy.resolve_dims(16, 4, 4)
