@@ -5,8 +5,10 @@ The choice happens in `resolve_dims`, which `setup_environment` calls before the
 runs the same deterministic search (`lightning_dpar.layout_search`, in a child process: `layout.isolated`) on a meta
 copy of
 the same model, so all ranks choose the
-same layout without a collective. The chosen sizes, pipeline schedule, microbatches and activation checkpointing are
-then set on this strategy, and everything after (plan, wrappers, steps, checkpoints) is `FSDPTensorParallelStrategy`'s.
+same layout without a collective. The chosen sizes, pipeline schedule, microbatches, activation checkpointing and loss
+parallel are then set on this strategy, and everything after (plan, wrappers, steps, checkpoints) is
+`FSDPTensorParallelStrategy`'s. Loss parallel is the user's to allow (`loss_parallel=True`: the search cannot see a
+loss that reads the logits whole), float8 the user's to ask for (`float8=`, passed on to the base class as given).
 
 The batch each layout is priced at is read where Lightning reads the training data (`strategies.auto_batch`): a
 module's `train_dataloader()` is called once per data-parallel size considered, with `distributed_sampler_kwargs`
@@ -154,9 +156,8 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
             raise ValueError(f"`device_memory={device_memory!r}` is invalid: give the GiB one rank may use (> 0).")
         if not isinstance(loss_parallel, bool):
             raise TypeError(f"`loss_parallel={loss_parallel!r}` must be True or False.")
-        check_float8(
-            float8, self._with_memory(get_profile(profile), device_memory)
-        )  # every rank, before any collective
+        resolved = self._with_memory(get_profile(profile), device_memory)  # an unknown profile fails here
+        check_float8(float8, resolved)  # on every rank alike, before any collective
         if float8 is not None:
             kwargs["float8"] = float8  # the strategy trains with float8 (`FullyShardStrategy(float8=...)`)
         super().__init__(
@@ -166,7 +167,7 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
             tensor_parallel_size=1,
             **kwargs,
         )
-        self._profile: HardwareProfile = self._with_memory(get_profile(profile), device_memory)
+        self._profile: HardwareProfile = resolved
         self._batch_size = batch_size
         self._global_batch_size = global_batch_size
         #: The per-rank batch of each data-parallel size the layout was chosen with (set in `resolve_dims`).
