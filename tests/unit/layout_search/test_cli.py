@@ -73,11 +73,12 @@ def test_plan_auto_prices_float8_and_allows_loss_parallel(capsys):
     """`--float8` prices every layout with the recipe (the converted matmuls at the profile's float8 rate);
     `--loss-parallel` gives it to the TP layouts, which the example GPT's plan (its head not column-parallel and
     gathered) cannot run: they are rejected with the planner's fix."""
-    world2 = ["--trainer.devices", "2", *SMALL_GPT[2:]]
-    args = ["plan", "--auto", "--profile", "h100-node", "--float8", "tensorwise", "--loss-parallel", *world2]
+    small = ["--trainer.devices", "2", "--model.n_layer", "2", "--seq-len", "16", "--batch-size", "2", *SMALL_GPT[4:]]
+    args = ["plan", "--auto", "--profile", "h100-node", "--float8", "tensorwise", "--loss-parallel", *small]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "float8 (tensorwise): 196,608 weights' matmuls" in out and "at 790 TFLOP/s, the rest at 400" in out
+    # 2 blocks of q, k, v, proj (64 x 64) and fc, proj (64 x 256): 98,304 weights; not the head (64 x 256)
+    assert "float8 (tensorwise): 98,304 weights' matmuls" in out and "at 790 TFLOP/s, the rest at 400" in out
     assert "Loss parallel: on every layout with tensor parallelism" in out
     assert "float8 tensorwise" in out[out.index("Chosen layout") :].splitlines()[0]
     rejected = out[out.index("Rejected") :]

@@ -12,10 +12,11 @@ from lightning_dpar.estimates.activation_formula import activation_bytes
 from lightning_dpar.examples.gpt import GPT, TP_PLAN
 from lightning_dpar.layout_search.candidates import Layout, enumerate_layouts
 from lightning_dpar.layout_search.cost import MeshMemory, RankMemory, estimate
-from lightning_dpar.layout_search.model_facts import ModelFacts
+from lightning_dpar.layout_search.model_facts import ModelFacts, facts_of
 from lightning_dpar.layout_search.probe import dry_run_probe, search_model, token_batch
 from lightning_dpar.layout_search.profiles import PRESETS
 from lightning_dpar.layout_search.report import render_search
+from lightning_dpar.layout_search.search import search
 from lightning_dpar.parallel_dims import ParallelDims
 
 MIB = 2**20
@@ -136,12 +137,17 @@ def test_the_table_shows_which_layouts_run_loss_parallel(searches):
 
 def test_an_output_layer_loss_parallel_cannot_shard_rejects_the_tensor_parallel_layouts_saying_why():
     """The user allowed loss parallel, but the `tp_plan` leaves the head out: the TP layouts are rejected with the
-    planner's message and its fix, not silently trained without it."""
-    model = big_vocab_gpt()
-    model.tp_plan = dict(TP_PLAN)
-    result = search_model(
-        model, 2, 1, PRESETS["cpu-gloo"], BATCH, SEQ, activation_checkpointing=False, loss_parallel=True
-    )
+    planner's message and its fix, not silently trained without it (the dry run's plans alone, no trace)."""
+
+    def head_not_in_plan() -> GPT:
+        model = big_vocab_gpt()
+        model.tp_plan = dict(TP_PLAN)
+        return model
+
+    facts = facts_of(head_not_in_plan(), SEQ, BATCH)
+    probe = dry_run_probe(head_not_in_plan, 2, 1)
+    result = search(facts, 2, 1, PRESETS["cpu-gloo"], probe, activation_checkpointing=False, loss_parallel=True)
     reasons = [r.reason for r in result.rejected if r.what == "fsdp1 tp2"]
     assert reasons and "colwise_gather_output" in reasons[0] and "'model.head'" in reasons[0]
     assert not any(e.layout.dims.tensor_parallel > 1 for e in result.ranked + result.too_big)
+    assert result.ranked  # the layouts without TP run, without loss parallel
