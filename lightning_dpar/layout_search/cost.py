@@ -20,7 +20,11 @@ Step time (seconds, one optimizer step of every data-parallel rank's batch) is s
     (parameter dtype) once per step; HSDP adds an all-reduce of the shard over the replicas. The profile's
     `fsdp_overlap` of it hides behind compute (never more than the compute time);
   - TP: 4 all-reduces of one microbatch's activations per layer (2 forward, 2 backward; 6 with checkpointing, full or
-    selective: the selective policy keeps reduce-scatters' outputs, not all-reduces'), on the critical path;
+    selective: the selective policy keeps reduce-scatters' outputs, not all-reduces'), on the critical path; and
+    the output layer's: its logits all-gathered whole on every TP rank once per microbatch when the plan gathers its
+    column-wise output (`MeshMemory.gathered_output`, its output features; the backward only slices), or, under loss
+    parallel, torch's three all-reduces of one float per token instead (the row maximum, the sum of exponentials,
+    the target's logit);
   - PP: one activation forward and one gradient backward per microbatch and stage boundary (under CP this rank's
     part of the sequence);
   - EP: 4 all-to-alls per MoE layer and microbatch (dispatch and combine, forward and backward; 6 with
@@ -88,6 +92,9 @@ class MeshMemory:
     #: The share of full checkpointing's recomputed FLOPs that selective checkpointing recomputes, measured on the
     #: dry run's traced step (`StepFlops`); `None`: not traced.
     selective_share: float | None = None
+    #: The output features of the column-wise layers whose output the plan gathers whole on every tensor-parallel
+    #: rank (the output layer's vocabulary, in a language model; 0 when none, or without tensor parallelism).
+    gathered_output: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,8 +176,11 @@ def _fsdp_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfile) -
     return seconds
 
 
-def _critical_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfile) -> tuple[float, float, float]:
-    """TP all-reduces, PP sends and EP all-to-alls per step: none of them overlaps compute here."""
+def _critical_seconds(
+    layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: HardwareProfile
+) -> tuple[float, float, float]:
+    """TP all-reduces (and the output layer's gather or loss parallel's all-reduces), PP sends and EP all-to-alls per
+    step: none of them overlaps compute here."""
     d = layout.dims
     microbatch = facts.batch_size // layout.microbatches
     activation = microbatch * facts.seq_len * facts.hidden * facts.activation_bytes
@@ -178,6 +188,16 @@ def _critical_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfil
     passes = 6 if layout.activation_checkpointing else 4
     tp = stage_layers * layout.microbatches * passes
     tp *= _ring(profile, "all_reduce", d.tensor_parallel, activation, d.tensor_parallel, True)
+    tokens = microbatch * facts.seq_len
+    if layout.loss_parallel:
+        tp += (
+            layout.microbatches
+            * 3
+            * _ring(profile, "all_reduce", d.tensor_parallel, tokens * 4, d.tensor_parallel, True)
+        )
+    elif mesh.gathered_output:
+        logits = tokens * mesh.gathered_output * facts.activation_bytes
+        tp += layout.microbatches * _ring(profile, "all_gather", d.tensor_parallel, logits, d.tensor_parallel)
     pp = 0.0
     if d.pipeline > 1:
         link = profile.collective_link("send_recv", 2, _crosses(d.world_size, profile))
@@ -268,7 +288,7 @@ def estimate(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: Hardw
         assert fraction is not None, f"{layout.schedule} has no closed-form bubble; candidates exclude it"
         bubble = compute * fraction / (1 - fraction)
     fsdp = _fsdp_seconds(layout, facts, profile)
-    tp, pp, ep = _critical_seconds(layout, facts, profile)
+    tp, pp, ep = _critical_seconds(layout, facts, mesh, profile)
     cp = _context_seconds(layout, facts, profile)
     exposed = fsdp - min(fsdp * profile.fsdp_overlap, compute) + tp + pp + ep + cp
     rank, traced = _peak_rank(layout, facts, mesh)

@@ -30,6 +30,7 @@ from lightning_dpar.layout_search.cost import MeshMemory, RankMemory
 from lightning_dpar.layout_search.model_facts import facts_of
 from lightning_dpar.layout_search.profiles import HardwareProfile
 from lightning_dpar.layout_search.search import MeshProbe, SearchResult, search, what_would_fit
+from lightning_dpar.loss_parallel.step import gathers_columns
 from lightning_dpar.optim.precision import DparPrecision
 from lightning_dpar.strategies.fully_shard import FSDPTensorParallelStrategy
 
@@ -73,7 +74,7 @@ def dry_run_probe(
     (`strategy_activations`) on the same plans, reusing the traces in `traces`."""
     base = dict(strategy_kwargs or {})
     traces = {} if traces is None else traces
-    meshes: dict[tuple[Any, ...], tuple[list[tuple[int, int, int]], int]] = {}
+    meshes: dict[tuple[Any, ...], tuple[list[tuple[int, int, int]], int, int]] = {}
 
     def probe(layout: Layout) -> MeshMemory:
         kwargs = {**base, **layout.strategy_kwargs()}
@@ -84,8 +85,9 @@ def dry_run_probe(
         if key not in meshes:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                meshes[key] = _rank_memory(plan(strategy, make_module(), world_size, num_nodes))
-        stored, unit = meshes[key]
+                stored, unit = _rank_memory(plan(strategy, make_module(), world_size, num_nodes))
+                meshes[key] = (stored, unit, _gathered_output(strategy, make_module(), layout, world_size))
+        stored, unit, gathered = meshes[key]
         peaks: list[tuple[int | None, ...]] = [(None, None, None)] * len(stored)
         share = None
         if batch is not None:
@@ -97,9 +99,22 @@ def dry_run_probe(
                 if flops is not None and flops.recomputed(True) > 0:
                     share = flops.recomputed("selective") / flops.recomputed(True)
         ranks = tuple(RankMemory(*memory, *peak) for memory, peak in zip(stored, peaks))  # type: ignore[misc]
-        return MeshMemory(ranks, unit, share)
+        return MeshMemory(ranks, unit, share, gathered)
 
     return probe
+
+
+def _gathered_output(strategy: FSDPTensorParallelStrategy, module: nn.Module, layout: Layout, world_size: int) -> int:
+    """The output features of the `nn.Linear` layers whose column-wise output `strategy`'s plan gathers whole on
+    every tensor-parallel rank (the output layer, in a language model), on the last pipeline rank, which holds it."""
+    if layout.dims.tensor_parallel == 1:
+        return 0
+    local = strategy.module_plan(module, layout.dims, world_size - 1)
+    return sum(
+        module.get_submodule(fqn).out_features
+        for fqn, style in local.tensor_parallel.items()
+        if gathers_columns(style) and isinstance(module.get_submodule(fqn), nn.Linear)
+    )
 
 
 def _rank_memory(report: PlanReport) -> tuple[list[tuple[int, int, int]], int]:

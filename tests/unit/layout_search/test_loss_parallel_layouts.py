@@ -14,7 +14,7 @@ from lightning_dpar.layout_search.candidates import Layout, enumerate_layouts
 from lightning_dpar.layout_search.cost import MeshMemory, RankMemory, estimate
 from lightning_dpar.layout_search.model_facts import ModelFacts, facts_of
 from lightning_dpar.layout_search.probe import dry_run_probe, search_model, token_batch
-from lightning_dpar.layout_search.profiles import PRESETS
+from lightning_dpar.layout_search.profiles import PRESETS, HardwareProfile, Link
 from lightning_dpar.layout_search.report import render_search
 from lightning_dpar.layout_search.search import search
 from lightning_dpar.parallel_dims import ParallelDims
@@ -60,7 +60,22 @@ def test_the_formula_counts_each_ranks_vocabulary_shard_of_the_logits():
     without = estimate(Layout(tp), facts, mesh, PRESETS["cpu-gloo"])
     with_ = estimate(Layout(tp, loss_parallel=True), facts, mesh, PRESETS["cpu-gloo"])
     assert without.memory.activations - with_.memory.activations == logits - logits // 4
-    assert with_.time == without.time
+
+
+def test_the_gathered_logits_all_gather_and_loss_parallels_three_all_reduces():
+    """TP's communication adds the output layer's: without loss parallel its logits (2 x 5 tokens x 1,000 classes,
+    fp32) all-gathered once per microbatch, each rank receiving 3/4 of them over TP 4; with it, three all-reduces
+    of one fp32 per token (2 x 3/4 of 40 bytes each)."""
+    facts = ModelFacts(params=10**6, layers=4, hidden=8, vocab=1000, seq_len=5, batch_size=2, heads=2)
+    plain = MeshMemory((RankMemory(1000, 1000, 2000),), gathered_unit=0)
+    gathered = MeshMemory((RankMemory(1000, 1000, 2000),), gathered_unit=0, gathered_output=1000)
+    flat = HardwareProfile("flat", 4, 10**12, 1e12, Link(0.0, 1e9), Link(0.0, 1e9))
+    tp = ParallelDims.resolve(4, 4, 4)
+    base = estimate(Layout(tp), facts, plain, flat).time.communication
+    whole = estimate(Layout(tp), facts, gathered, flat).time.communication
+    sharded = estimate(Layout(tp, loss_parallel=True), facts, gathered, flat).time.communication
+    assert whole - base == pytest.approx(2 * 5 * 1000 * 4 * 0.75 / 1e9)
+    assert sharded - base == pytest.approx(3 * 2 * 2 * 5 * 4 * 0.75 / 1e9)
 
 
 def test_a_loss_parallel_layouts_activations_are_the_dry_runs_estimate_with_sharded_logits():
@@ -87,6 +102,7 @@ def test_a_loss_parallel_layouts_activations_are_the_dry_runs_estimate_with_shar
     assert sharded.ranks[0].activations == reported.peak(0, checkpointing=False)
     assert sharded.ranks[0].activations_selective == reported.peak(0, checkpointing="selective")
     assert gathered.ranks[0].activations - sharded.ranks[0].activations >= BATCH * seq * vocab * 4
+    assert gathered.gathered_output == sharded.gathered_output == vocab  # the head's output, whole in its plan
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +133,7 @@ def test_the_search_picks_tensor_parallelism_that_fits_only_with_loss_parallel_w
     }
     assert best.seconds_per_sample < without.best.seconds_per_sample
     gathered = next(e for e in tp2 if e.layout.activation_checkpointing == best.layout.activation_checkpointing)
+    assert gathered.time.communication > best.time.communication  # the whole logits' all-gather, which it saves
     # backward holds the whole log-probabilities and two whole gradients at once, against one shard of each
     saved = gathered.memory.activations - best.memory.activations
     assert saved == pytest.approx(2 * BATCH * SEQ * VOCAB * 4, rel=1e-3)
