@@ -46,7 +46,8 @@ class SearchResult:
     suggestion: Suggestion | None = None
     #: The per-rank batch of each data-parallel size, when it is not `facts.batch_size` at every size.
     batch: BatchRule | None = None
-    #: Whether loss parallel was allowed (the layouts with tensor parallelism and without pipelining have it).
+    #: Whether loss parallel was allowed (the layouts with tensor parallelism, without pipeline or context
+    #: parallelism, have it).
     loss_parallel: bool = False
     #: The float8 recipe every layout was priced with, or None.
     float8: str | None = None
