@@ -14,7 +14,8 @@ and one layer is recomputed whole during its backward. On top, once per rank:
 
 - the embeddings' output, `s*b*h*e`;
 - the logits of the last stage: `3 * s*b*V*4` (fp32 logits, their log-softmax in the loss, and their gradient),
-  for every microbatch under GPipe (all forwards run before the first backward).
+  for every microbatch under GPipe (all forwards run before the first backward); over `t` under loss parallel
+  (`loss_parallel`: each rank keeps its vocabulary shard of all three).
 
 The first pipeline rank holds the activations of the microbatches its schedule keeps in flight on each of its stages
 (`ScheduleSpec.microbatches_in_flight`; every microbatch for a schedule it does not model), each for the stage's
@@ -45,6 +46,7 @@ def activation_bytes(
     stages_per_rank: int = 1,
     checkpointing: bool = False,
     flash_attention: bool = True,
+    loss_parallel: bool = False,
 ) -> int:
     """Peak activation bytes of one rank (see the module docstring for the formula and what it assumes)."""
     s, b, h, e, t = seq_len, microbatch_size, hidden, element_size, tensor_parallel
@@ -64,4 +66,6 @@ def activation_bytes(
         recompute = 0
     embeddings = s * b * h * e
     logits = 3 * s * b * vocab * 4 * (microbatches if schedule == "GPipe" else 1)
+    if loss_parallel:
+        logits = -(-logits // t)
     return int(sum(in_flight) * per_microbatch + in_flight[0] * embeddings + recompute + logits)

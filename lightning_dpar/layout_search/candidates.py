@@ -18,7 +18,12 @@ or full).
 - with pipelining: `1F1B` and `GPipe` with 1 and 2 microbatches per stage, `Interleaved1F1B` with 2 stages per rank
   when the layers allow; the batch must divide by the microbatches and each schedule must accept them
   (`ScheduleSpec.check`); schedules without a closed-form bubble (LoopedBFS, zero-bubble) are not modelled;
-- activation checkpointing off, selective and full (`CHECKPOINTING_SETTINGS`).
+- activation checkpointing off, selective and full (`CHECKPOINTING_SETTINGS`);
+- with `loss_parallel=True` (the user's opt-in: a loss with label smoothing, or a step that reads the logits whole,
+  fails under it, which no search can see), loss parallel on every layout with tensor parallelism and without
+  pipeline or context parallelism (which refuse it); the others run without it. It is not a choice: with tensor
+  parallelism it only saves memory and communication;
+- with `float8=<recipe>`, every layout trains with float8 (its matmuls priced at the profile's float8 rate).
 
 What `ParallelDims.resolve` or a schedule refuses becomes a `Rejected` with its message; what only the planner can
 say (heads not divisible by the TP size, too few layers for the stages) is found later, by the dry run.
@@ -56,6 +61,10 @@ class Layout:
     schedule: str | None = None  # None without pipelining
     microbatches: int = 1
     stages_per_rank: int = 1
+    #: Whether the output layer's logits stay sharded over the vocabulary (`loss_parallel=True`).
+    loss_parallel: bool = False
+    #: torchao's float8 recipe the layout trains with, or None.
+    float8: str | None = None
 
     @property
     def mesh_key(self) -> tuple[int, int, int, int, int, int, int]:
@@ -66,8 +75,9 @@ class Layout:
     @property
     def probe_key(self) -> tuple[Any, ...]:
         """What the dry run's numbers depend on, activations included: the mesh, the schedule and microbatches (the
-        dry run traces with and without activation checkpointing at once)."""
-        return (*self.mesh_key, self.schedule, self.microbatches)
+        dry run traces with and without activation checkpointing at once), and loss parallel (the plan and the trace
+        of the logits)."""
+        return (*self.mesh_key, self.schedule, self.microbatches, self.loss_parallel)
 
     @property
     def sort_key(self) -> tuple[Any, ...]:
@@ -93,7 +103,9 @@ class Layout:
     def describe(self) -> str:
         ac = f"AC {checkpointing_name(self.activation_checkpointing)}"
         pipeline = f", {self.pipeline()}" if self.schedule else ""
-        return f"{self.mesh()}{pipeline}, {ac}"
+        loss = ", loss parallel" if self.loss_parallel else ""
+        float8 = f", float8 {self.float8}" if self.float8 else ""
+        return f"{self.mesh()}{pipeline}, {ac}{loss}{float8}"
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """The `FSDPTensorParallelStrategy` arguments that train this layout by hand."""
@@ -103,6 +115,10 @@ class Layout:
             "replicate_size": d.replicate,
             "activation_checkpointing": self.activation_checkpointing,
         }
+        if self.loss_parallel:
+            kwargs["loss_parallel"] = True
+        if self.float8 is not None:
+            kwargs["float8"] = self.float8
         if d.expert > 1:
             kwargs["expert_parallel_size"] = d.expert
         if d.context > 1:
@@ -173,10 +189,14 @@ def enumerate_layouts(
     batch_size: int | BatchRule,
     moe: bool = False,
     seq_len: int | None = None,
+    loss_parallel: bool = False,
+    float8: str | None = None,
 ) -> tuple[list[Layout], list[Rejected]]:
     """Every layout considered on `world_size` ranks (see the module docstring), and those refused up front.
     `batch_size`: samples per data-parallel rank, or the rule giving them for each data-parallel size; `seq_len`:
-    the tokens per sequence, without which no context-parallel layout is considered."""
+    the tokens per sequence, without which no context-parallel layout is considered; `loss_parallel`: loss parallel
+    where it can run (tensor parallelism, no pipeline or context parallelism); `float8`: the recipe every layout
+    trains with."""
     rule = batch_size if isinstance(batch_size, BatchRule) else BatchRule(per_rank=batch_size)
     layouts: list[Layout] = []
     rejected: list[Rejected] = []
@@ -222,7 +242,10 @@ def enumerate_layouts(
                             what = f"pp{pp} rep{replicate} tp{tp} ep{ep}" + (f" cp{cp}" if cp > 1 else "")
                             refuse(Rejected(what, str(err)))
                             continue
+                        sharded_logits = loss_parallel and tp > 1 and pp == 1 and cp == 1
                         for schedule, microbatches, stages_per_rank in pipelines:  # type: ignore[misc]
                             for ac in CHECKPOINTING_SETTINGS:
-                                layouts.append(Layout(dims, ac, schedule, microbatches, stages_per_rank))
+                                layouts.append(
+                                    Layout(dims, ac, schedule, microbatches, stages_per_rank, sharded_logits, float8)
+                                )
     return sorted(layouts, key=lambda layout: layout.sort_key), rejected

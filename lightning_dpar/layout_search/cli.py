@@ -1,13 +1,14 @@
 """`python -m lightning_dpar plan --auto [--profile P] [--device-memory GIB] [--batch-size B | --global-batch-size G]
-[--seq-len S] [--top N] [--world-size N] [--num-nodes M] [CLI args]`: the layout search's ranked table, without
-launching anything.
+[--seq-len S] [--loss-parallel] [--float8 RECIPE] [--top N] [--world-size N] [--num-nodes M] [CLI args]`: the layout
+search's ranked table, without launching anything.
 
 The other arguments (`--config FILE`, `--trainer.*`, `--model.*`, `--data.*`) build the Trainer, the model (on the
 meta device) and the data as `python -m lightning_dpar fit` would; the world is the Trainer's devices x nodes, the
 precision the Trainer's, the batch per data-parallel rank the data module's `batch_size` (with
 `--global-batch-size`, the global batch over each layout's data-parallel ranks). With
 `--trainer.strategy=dpar_auto` (or `AutoParallelStrategy` and its arguments) the strategy's own profile, memory and
-batch settings are used, so the table shows the choice training will make.
+batch settings are used (its `loss_parallel` and `float8` too), so the table shows the choice training will make;
+a configured strategy with `loss_parallel=True` allows loss parallel as `--loss-parallel` does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from lightning_dpar.estimates.cli import configured_run
 from lightning_dpar.layout_search.batch import BatchRule
 from lightning_dpar.layout_search.probe import search_model
-from lightning_dpar.layout_search.profiles import GIB, get_profile
+from lightning_dpar.layout_search.profiles import FLOAT8_RECIPES, GIB, PRESETS, get_profile
 from lightning_dpar.layout_search.report import render_search
 
 __all__ = ["main"]
@@ -36,13 +37,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--auto", action="store_true", help="(selects this command)")
     parser.add_argument("--world-size", type=int, help="ranks (default: trainer devices x num_nodes)")
     parser.add_argument("--num-nodes", type=int, help="nodes (default: trainer num_nodes)")
-    parser.add_argument("--profile", help="hardware preset (cpu-gloo, h100-node) or a calibrated JSON profile")
+    parser.add_argument("--profile", help=f"hardware preset ({', '.join(PRESETS)}) or a calibrated JSON profile")
     parser.add_argument("--device-memory", type=float, help="GiB one rank may use (default: the profile's)")
     parser.add_argument("--batch-size", type=int, help="sequences per data-parallel rank (default: the data's)")
     parser.add_argument(
         "--global-batch-size", type=int, help="sequences per step over all data-parallel ranks (not with --batch-size)"
     )
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's context length)")
+    parser.add_argument(
+        "--loss-parallel",
+        action="store_true",
+        default=None,
+        help="allow loss parallel: the layouts with tensor parallelism (and no pipeline or context parallelism) keep"
+        " the logits sharded over the vocabulary (only for a cross-entropy loss without label smoothing)",
+    )
+    parser.add_argument(
+        "--float8",
+        choices=FLOAT8_RECIPES,
+        help="price every layout training with this torchao float8 recipe (a profile with float8 matmuls)",
+    )
     parser.add_argument("--top", type=int, default=20, help="rows of the ranked table to show (default 20)")
     return parser
 
@@ -58,6 +71,12 @@ def _settings(strategy: Any, data: Any, args: argparse.Namespace) -> dict[str, A
     loss = getattr(strategy, "_context_parallel_loss", "whole")
     if own is None and loss != "whole":  # the CP candidates' head and loss as the configured strategy runs them
         settings["strategy_kwargs"] = {**settings.get("strategy_kwargs", {}), "context_parallel_loss": loss}
+    if own is None:  # a configured strategy's loss parallel: its TP candidates run it
+        settings["loss_parallel"] = getattr(strategy, "_loss_parallel", False) is True
+    if args.loss_parallel:
+        settings["loss_parallel"] = True
+    if args.float8:
+        settings["float8"] = args.float8
     data_batch = getattr(data, "batch_size", None)
     settings["profile"] = args.profile or settings.get("profile") or "cpu-gloo"
     if args.device_memory is not None:
@@ -85,7 +104,18 @@ def main(argv: list[str] | None = None) -> int:
             profile = profile.with_memory(s["device_memory"])
         kwargs = s.get("strategy_kwargs")
         result = search_model(
-            cli.model, world_size, num_nodes, profile, s["batch_size"], s["seq_len"], precision, kwargs, suggest=True
+            cli.model,
+            world_size,
+            num_nodes,
+            profile,
+            s["batch_size"],
+            s["seq_len"],
+            precision,
+            kwargs,
+            suggest=True,
+            loss_parallel=bool(s.get("loss_parallel")),
+            float8=s.get("float8"),
+            float8_skip=s.get("float8_skip") or (),
         )
     except (ValueError, TypeError) as err:
         print(f"plan --auto failed: {err}", file=sys.stderr)

@@ -6,7 +6,12 @@ Step time (seconds, one optimizer step of every data-parallel rank's batch) is s
 - compute: `flops_per_token x tokens per data-parallel rank / (tp x pp x cp) / matmul_flops` (6 x active parameters
   per token, 8 x with full activation checkpointing, and with selective checkpointing 6 + 2 x the share of full's
   recomputation the dry run's trace measured it recomputing, `MeshMemory.selective_share`;
-  `ModelFacts.flops_per_token`; the head's work that every CP rank repeats on the whole sequence is not counted);
+  `ModelFacts.flops_per_token`; the head's work that every CP rank repeats on the whole sequence is not counted).
+  Under float8 (`Layout.float8`), the FLOPs of the `nn.Linear` layers float8 converts (`ModelFacts.float8_params`,
+  `ModelFacts.float8_flops_per_token`) run at the profile's `float8_matmul_flops` and the rest (attention, the
+  output layer, unconverted layers) at `matmul_flops`: a model of the matmuls alone, which leaves out the casts and
+  scales float8 adds (torchao measures +25% tensorwise, +10% rowwise end-to-end on H100, against the up to 2x the
+  matmul rates give here);
 - pipeline bubble: `compute x bubble / (1 - bubble)`, the bubble fraction from `ScheduleSpec.bubble`;
 - exposed communication: each collective's bytes per rank over the link its group crosses (`Link.seconds`, the
   latency paid per ring step; `HardwareProfile.collective_link` uses measured numbers when the profile has them):
@@ -15,7 +20,11 @@ Step time (seconds, one optimizer step of every data-parallel rank's batch) is s
     (parameter dtype) once per step; HSDP adds an all-reduce of the shard over the replicas. The profile's
     `fsdp_overlap` of it hides behind compute (never more than the compute time);
   - TP: 4 all-reduces of one microbatch's activations per layer (2 forward, 2 backward; 6 with checkpointing, full or
-    selective: the selective policy keeps reduce-scatters' outputs, not all-reduces'), on the critical path;
+    selective: the selective policy keeps reduce-scatters' outputs, not all-reduces'), on the critical path; and
+    the output layer's: its logits all-gathered whole on every TP rank once per microbatch when the plan gathers its
+    column-wise output (`MeshMemory.gathered_output`, its output features; the backward only slices), or, under loss
+    parallel, torch's three all-reduces of one float per token instead (the row maximum, the sum of exponentials,
+    the target's logit);
   - PP: one activation forward and one gradient backward per microbatch and stage boundary (under CP this rank's
     part of the sequence);
   - EP: 4 all-to-alls per MoE layer and microbatch (dispatch and combine, forward and backward; 6 with
@@ -33,7 +42,11 @@ state (the dry run's), activations (the dry run's traced estimate, `lightning_dp
 step run on fake tensors with the layout's tensor-parallel styles, pipeline stages, schedule and checkpointing; the
 formula of `layout.activations` only when the step cannot be traced) and communication buffers: the FSDP unit being
 computed and the one prefetched, all-gathered (2 x the dry run's largest unit), plus a reduce-scatter buffer of one
-unit's gradients; and the profile's `runtime_memory`. The step time adds the profile's `step_overhead`."""
+unit's gradients; and the profile's `runtime_memory`. The step time adds the profile's `step_overhead`. Under loss
+parallel (`Layout.loss_parallel`) the logits, the log-probabilities the loss keeps and their gradients are this
+rank's vocabulary shard: the dry run's trace runs the output layer sharded (the `plan` dry run's estimate), and the
+formula divides its logits term by the tensor-parallel size. float8 is priced with the memory of the unconverted
+model (the dry run plans without it): torchao's `Float8Linear` keeps the weights in their precision."""
 
 from __future__ import annotations
 
@@ -43,7 +56,7 @@ from lightning_dpar.activation_checkpointing.step import Checkpointing
 from lightning_dpar.estimates.activation_formula import activation_bytes
 from lightning_dpar.layout_search.candidates import Layout
 from lightning_dpar.layout_search.model_facts import ModelFacts
-from lightning_dpar.layout_search.profiles import HardwareProfile
+from lightning_dpar.layout_search.profiles import HardwareProfile, check_float8
 from lightning_dpar.pipeline.schedule import schedule_spec
 
 __all__ = ["Estimate", "MemorySplit", "MeshMemory", "RankMemory", "TimeSplit", "estimate"]
@@ -79,6 +92,9 @@ class MeshMemory:
     #: The share of full checkpointing's recomputed FLOPs that selective checkpointing recomputes, measured on the
     #: dry run's traced step (`StepFlops`); `None`: not traced.
     selective_share: float | None = None
+    #: The output features of the column-wise layers whose output the plan gathers whole on every tensor-parallel
+    #: rank (the output layer's vocabulary, in a language model; 0 when none, or without tensor parallelism).
+    gathered_output: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,8 +176,11 @@ def _fsdp_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfile) -
     return seconds
 
 
-def _critical_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfile) -> tuple[float, float, float]:
-    """TP all-reduces, PP sends and EP all-to-alls per step: none of them overlaps compute here."""
+def _critical_seconds(
+    layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: HardwareProfile
+) -> tuple[float, float, float]:
+    """TP all-reduces (and the output layer's gather or loss parallel's all-reduces), PP sends and EP all-to-alls per
+    step: none of them overlaps compute here."""
     d = layout.dims
     microbatch = facts.batch_size // layout.microbatches
     activation = microbatch * facts.seq_len * facts.hidden * facts.activation_bytes
@@ -169,6 +188,16 @@ def _critical_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfil
     passes = 6 if layout.activation_checkpointing else 4
     tp = stage_layers * layout.microbatches * passes
     tp *= _ring(profile, "all_reduce", d.tensor_parallel, activation, d.tensor_parallel, True)
+    tokens = microbatch * facts.seq_len
+    if layout.loss_parallel:
+        tp += (
+            layout.microbatches
+            * 3
+            * _ring(profile, "all_reduce", d.tensor_parallel, tokens * 4, d.tensor_parallel, True)
+        )
+    elif mesh.gathered_output:
+        logits = tokens * mesh.gathered_output * facts.activation_bytes
+        tp += layout.microbatches * _ring(profile, "all_gather", d.tensor_parallel, logits, d.tensor_parallel)
     pp = 0.0
     if d.pipeline > 1:
         link = profile.collective_link("send_recv", 2, _crosses(d.world_size, profile))
@@ -215,6 +244,7 @@ def _formula_activations(layout: Layout, facts: ModelFacts) -> int:
         stages_per_rank=layout.stages_per_rank,
         # not traced: selective checkpointing's activations counted as without checkpointing (an upper bound)
         checkpointing=layout.activation_checkpointing is True,
+        loss_parallel=layout.loss_parallel,
     )
 
 
@@ -233,18 +263,32 @@ def _peak_rank(layout: Layout, facts: ModelFacts, mesh: MeshMemory) -> tuple[Ran
     return max(mesh.ranks, key=lambda r: r.parameters + r.gradients + r.optimizer), None
 
 
+def _compute_seconds(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: HardwareProfile) -> float:
+    """One step's compute on one rank: its share of the FLOPs at the profile's rates (float8 ones at its float8 rate
+    under float8; see the module docstring)."""
+    d = layout.dims
+    share = d.tensor_parallel * d.pipeline * d.context
+    flops = facts.flops_per_token(layout.activation_checkpointing, mesh.selective_share) * facts.tokens_per_rank / share
+    if layout.float8 is None:
+        return flops / profile.matmul_flops
+    check_float8(layout.float8, profile)
+    assert profile.float8_matmul_flops is not None, "check_float8 refuses a profile without float8 matmuls"
+    float8 = facts.float8_flops_per_token(layout.activation_checkpointing, mesh.selective_share)
+    float8 *= facts.tokens_per_rank / share
+    return (flops - float8) / profile.matmul_flops + float8 / profile.float8_matmul_flops
+
+
 def estimate(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: HardwareProfile) -> Estimate:
     """The predicted per-rank peak memory and step time of `layout` (see the module docstring)."""
     d = layout.dims
-    compute = facts.flops_per_token(layout.activation_checkpointing, mesh.selective_share) * facts.tokens_per_rank
-    compute /= d.tensor_parallel * d.pipeline * d.context * profile.matmul_flops
+    compute = _compute_seconds(layout, facts, mesh, profile)
     bubble = 0.0
     if layout.schedule is not None:
         fraction = schedule_spec(layout.schedule).bubble(d.pipeline, layout.microbatches, layout.stages_per_rank)
         assert fraction is not None, f"{layout.schedule} has no closed-form bubble; candidates exclude it"
         bubble = compute * fraction / (1 - fraction)
     fsdp = _fsdp_seconds(layout, facts, profile)
-    tp, pp, ep = _critical_seconds(layout, facts, profile)
+    tp, pp, ep = _critical_seconds(layout, facts, mesh, profile)
     cp = _context_seconds(layout, facts, profile)
     exposed = fsdp - min(fsdp * profile.fsdp_overlap, compute) + tp + pp + ep + cp
     rank, traced = _peak_rank(layout, facts, mesh)

@@ -9,20 +9,30 @@ the transformer's shape (layers, width, heads, vocabulary), experts, and the bat
 - heads: the first of `num_attention_heads` / `n_head` / `num_heads` found on a `config`, on `hparams`, or on a
   submodule (0 when none is found: then the activation formula drops its attention-score term);
 - experts: the modules that follow the experts contract of `lightning_dpar.experts.plan` (`find_experts`), and the
-  experts each token chooses from `top_k` / `num_experts_per_tok` / `experts_per_token` on a submodule or config.
+  experts each token chooses from `top_k` / `num_experts_per_tok` / `experts_per_token` on a submodule or config;
+- the parameters float8 training would convert (`float8_linears`): the `nn.Linear` layers whose input and output
+  features are multiples of 16 (what float8 matmuls take), except the output layer (the logits' precision matters
+  most; `lightning_dpar.loss_parallel.step.output_layer_candidate` finds it), experts' and those matching a
+  `float8_skip` pattern. The cost model runs their matmuls at the profile's float8 rate.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from typing import Any
 
 from torch import nn
 
 from lightning_dpar.activation_checkpointing.step import Checkpointing
 from lightning_dpar.experts.plan import find_experts
+from lightning_dpar.loss_parallel.step import output_layer_candidate
 
-__all__ = ["ModelFacts", "facts_of"]
+__all__ = ["FLOAT8_MULTIPLE", "ModelFacts", "facts_of", "float8_linears"]
+
+#: float8 matmuls (`torch._scaled_mm`) need both dims of the weight to be multiples of 16.
+FLOAT8_MULTIPLE = 16
 
 _HEAD_NAMES = ("num_attention_heads", "n_head", "num_heads")
 _TOP_K_NAMES = ("num_experts_per_tok", "experts_per_token", "top_k")
@@ -48,6 +58,7 @@ class ModelFacts:
     moe_layers: int = 0
     param_bytes: int = 4
     activation_bytes: int = 4
+    float8_params: int = 0  # the weights of the `nn.Linear` layers float8 training converts (`float8_linears`)
 
     @property
     def active_params(self) -> int:
@@ -62,14 +73,43 @@ class ModelFacts:
         forward once more (8 instead of 6), selective checkpointing `selective_share` of what full recomputes (the
         traced step's share, `StepFlops`; `None`: not traced, priced as full, an upper bound)."""
         matmul = 6.0 * (self.active_params - self.embedding_params) + 12.0 * self.layers * self.hidden * self.seq_len
-        if recompute == "selective":
-            return matmul * (1.0 + (2.0 / 6.0) * (1.0 if selective_share is None else selective_share))
-        return matmul * (8.0 / 6.0 if recompute else 1.0)
+        return matmul * _recompute_factor(recompute, selective_share)
+
+    def float8_flops_per_token(self, recompute: Checkpointing = False, selective_share: float | None = None) -> float:
+        """The part of `flops_per_token` that float8 training runs in float8: 6 x the converted weights
+        (`float8_params`: each of their forward and backward matmuls is converted), recomputed alike. A model: the
+        recomputed share is taken as spread evenly over the matmuls."""
+        return 6.0 * self.float8_params * _recompute_factor(recompute, selective_share)
 
     @property
     def tokens_per_rank(self) -> int:
         """Tokens one data-parallel rank trains on per step."""
         return self.batch_size * self.seq_len
+
+
+def _recompute_factor(recompute: Checkpointing, selective_share: float | None) -> float:
+    """Training FLOPs with activation checkpointing over those without: 8 / 6 full, `1 + 2 / 6 x share` selective."""
+    if recompute == "selective":
+        return 1.0 + (2.0 / 6.0) * (1.0 if selective_share is None else selective_share)
+    return 8.0 / 6.0 if recompute else 1.0
+
+
+def float8_linears(module: nn.Module, skip: Sequence[str] = ()) -> list[str]:
+    """The `nn.Linear` modules of `module` float8 training converts by default: both dims of the weight multiples of
+    16, not the output layer (`output_layer_candidate`), not inside an experts module, and not matching any of the
+    fnmatch patterns `skip` (`float8_skip=`, module names relative to `module`)."""
+    output = output_layer_candidate(module)
+    experts = tuple(f"{fqn}." for fqn in find_experts(module))
+    return [
+        fqn
+        for fqn, child in module.named_modules()
+        if isinstance(child, nn.Linear)
+        and child.in_features % FLOAT8_MULTIPLE == 0
+        and child.out_features % FLOAT8_MULTIPLE == 0
+        and fqn != output
+        and not any(fqn.startswith(prefix) for prefix in experts)
+        and not any(fnmatch(fqn, pattern) for pattern in skip)
+    ]
 
 
 def _first_int(objects: list[Any], names: tuple[str, ...]) -> int:
@@ -81,9 +121,12 @@ def _first_int(objects: list[Any], names: tuple[str, ...]) -> int:
     return 0
 
 
-def facts_of(module: nn.Module, seq_len: int, batch_size: int, precision: str = "32-true") -> ModelFacts:
+def facts_of(
+    module: nn.Module, seq_len: int, batch_size: int, precision: str = "32-true", float8_skip: Sequence[str] = ()
+) -> ModelFacts:
     """`ModelFacts` of `module` (any device, meta included) training `batch_size` sequences of `seq_len` tokens per
-    data-parallel rank at `precision`."""
+    data-parallel rank at `precision`; `float8_skip`: the strategy's patterns of `nn.Linear` modules float8 training
+    leaves alone."""
     if seq_len < 1 or batch_size < 1:
         raise ValueError(
             f"`seq_len={seq_len}`, `batch_size={batch_size}`: both must be positive (tokens per sequence and"
@@ -122,4 +165,5 @@ def facts_of(module: nn.Module, seq_len: int, batch_size: int, precision: str = 
         moe_layers=len(experts_modules),
         param_bytes=2 if precision == "bf16-true" else 4,
         activation_bytes=2 if bf16 else 4,
+        float8_params=sum(module.get_submodule(fqn).weight.numel() for fqn in float8_linears(module, float8_skip)),
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -30,6 +30,7 @@ from lightning_dpar.layout_search.cost import MeshMemory, RankMemory
 from lightning_dpar.layout_search.model_facts import facts_of
 from lightning_dpar.layout_search.profiles import HardwareProfile
 from lightning_dpar.layout_search.search import MeshProbe, SearchResult, search, what_would_fit
+from lightning_dpar.loss_parallel.step import gathers_columns
 from lightning_dpar.optim.precision import DparPrecision
 from lightning_dpar.strategies.fully_shard import FSDPTensorParallelStrategy
 
@@ -64,6 +65,8 @@ def dry_run_probe(
     """A probe that plans `make_module()` (a fresh meta-device model per call) with `FSDPTensorParallelStrategy` on
     the layout's sizes and `strategy_kwargs` (e.g. `tp_plan`), and returns each pipeline rank's memory (the largest
     rank's of the mesh without pipelining: ranks hold equal shards but for rounding, and rank 0 the larger part).
+    A layout's loss parallel is planned and traced as training runs it (the output layer's logits sharded); its
+    float8 is not (the cost model prices float8's matmuls; `lightning_dpar.layout_search.cost`).
 
     One dry run per mesh (`Layout.mesh_key`) gives the memory; with `batch`, the token-id shape one data-parallel
     rank's `training_step` receives (or a function of the layout giving it), each layout's schedule and
@@ -71,16 +74,20 @@ def dry_run_probe(
     (`strategy_activations`) on the same plans, reusing the traces in `traces`."""
     base = dict(strategy_kwargs or {})
     traces = {} if traces is None else traces
-    meshes: dict[tuple[int, ...], tuple[list[tuple[int, int, int]], int]] = {}
+    meshes: dict[tuple[Any, ...], tuple[list[tuple[int, int, int]], int, int]] = {}
 
     def probe(layout: Layout) -> MeshMemory:
-        strategy = FSDPTensorParallelStrategy(**{**base, **layout.strategy_kwargs()})
+        kwargs = {**base, **layout.strategy_kwargs()}
+        kwargs.pop("float8", None)  # priced by the cost model, not planned: the meta model stays unconverted
+        strategy = FSDPTensorParallelStrategy(**kwargs)
         strategy.precision_plugin = DparPrecision(precision)
-        if layout.mesh_key not in meshes:
+        key = (*layout.mesh_key, layout.loss_parallel)  # loss parallel's plan refuses what the plain one accepts
+        if key not in meshes:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                meshes[layout.mesh_key] = _rank_memory(plan(strategy, make_module(), world_size, num_nodes))
-        stored, unit = meshes[layout.mesh_key]
+                stored, unit = _rank_memory(plan(strategy, make_module(), world_size, num_nodes))
+                meshes[key] = (stored, unit, _gathered_output(strategy, make_module(), layout, world_size))
+        stored, unit, gathered = meshes[key]
         peaks: list[tuple[int | None, ...]] = [(None, None, None)] * len(stored)
         share = None
         if batch is not None:
@@ -92,9 +99,22 @@ def dry_run_probe(
                 if flops is not None and flops.recomputed(True) > 0:
                     share = flops.recomputed("selective") / flops.recomputed(True)
         ranks = tuple(RankMemory(*memory, *peak) for memory, peak in zip(stored, peaks))  # type: ignore[misc]
-        return MeshMemory(ranks, unit, share)
+        return MeshMemory(ranks, unit, share, gathered)
 
     return probe
+
+
+def _gathered_output(strategy: FSDPTensorParallelStrategy, module: nn.Module, layout: Layout, world_size: int) -> int:
+    """The output features of the `nn.Linear` layers whose column-wise output `strategy`'s plan gathers whole on
+    every tensor-parallel rank (the output layer, in a language model), on the last pipeline rank, which holds it."""
+    if layout.dims.tensor_parallel == 1:
+        return 0
+    local = strategy.module_plan(module, layout.dims, world_size - 1)
+    return sum(
+        module.get_submodule(fqn).out_features
+        for fqn, style in local.tensor_parallel.items()
+        if gathers_columns(style) and isinstance(module.get_submodule(fqn), nn.Linear)
+    )
 
 
 def _rank_memory(report: PlanReport) -> tuple[list[tuple[int, int, int]], int]:
@@ -168,12 +188,17 @@ def search_model(
     strategy_kwargs: dict[str, Any] | None = None,
     activation_checkpointing: Checkpointing | None = None,
     suggest: bool = False,
+    loss_parallel: bool = False,
+    float8: str | None = None,
+    float8_skip: Sequence[str] = (),
 ) -> SearchResult:
     """The layout search for `module` (any device; planned on meta copies) on `world_size` ranks: what `plan --auto`
     prints and `AutoParallelStrategy` chooses from. `batch_size`: samples per data-parallel rank, or the rule giving
     them for each data-parallel size (a global batch); `seq_len` defaults to the model's context length; with
     `suggest`, a search where nothing fits also says what would (`what_would_fit`, more dry runs on larger
-    worlds)."""
+    worlds). `loss_parallel`: the layouts that can run it run it (`enumerate_layouts`); `float8`: every layout priced
+    with that recipe, its converted matmuls being the `nn.Linear` layers `float8_linears` finds, with `float8_skip`'s
+    patterns left alone."""
     rule = batch_size if isinstance(batch_size, BatchRule) else BatchRule(per_rank=batch_size)
     sizes = rule.sizes(world_size)
     batches = [b for b in sizes.values() if isinstance(b, int)]
@@ -189,7 +214,8 @@ def search_model(
             "The sequence length is unknown: the model has no `block_size` nor `config.max_position_embeddings`. Pass"
             " `seq_len` (`--seq-len` to `plan --auto`, `seq_len=` to `AutoParallelStrategy`)."
         )
-    facts = facts_of(template, seq_len, batches[-1], precision)  # the batch of the largest data-parallel size
+    # the batch of the largest data-parallel size
+    facts = facts_of(template, seq_len, batches[-1], precision, float8_skip if float8 is not None else ())
     length = seq_len
 
     def batch(layout: Layout) -> tuple[int, int]:
@@ -200,7 +226,9 @@ def search_model(
     traces: TraceCache = {}  # the same traces serve every world, the larger ones `what_would_fit` tries included
     probe = dry_run_probe(lambda: meta_copy(template), world_size, num_nodes, precision, strategy_kwargs, batch, traces)
     varying = None if rule.per_rank is not None else rule
-    result = search(facts, world_size, num_nodes, profile, probe, activation_checkpointing, varying)
+    result = search(
+        facts, world_size, num_nodes, profile, probe, activation_checkpointing, varying, loss_parallel, float8
+    )
     if suggest and result.best is None:
         return replace(
             result,

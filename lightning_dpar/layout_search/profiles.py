@@ -4,7 +4,9 @@ A profile is a frozen dataclass that round-trips through JSON (`save_profile` / 
 profile (`python -m lightning_dpar calibrate --out profile.json`) and the presets are used the same way. It holds:
 
 - `devices_per_node` and `device_memory` (bytes one rank may use);
-- `matmul_flops`: the sustained (not peak) matmul throughput of one device, FLOP/s;
+- `matmul_flops`: the sustained (not peak) matmul throughput of one device, FLOP/s (bf16 on a GPU);
+- `float8_matmul_flops`: the same for float8 matmuls (torchao's `Float8Linear`), `None` on a device without them
+  (an A100, a CPU): the search then refuses `float8=`;
 - two links, `intra_node` and `inter_node`, each a latency (seconds per message step) and a bandwidth (bytes/s one
   rank sends and receives at, over that link);
 - `collectives`: measured `(latency, bandwidth)` by collective and group size, which override the links for groups
@@ -17,6 +19,19 @@ profile (`python -m lightning_dpar calibrate --out profile.json`) and the preset
 The presets are estimates, not measurements: `cpu-gloo` is a small shared CPU machine through gloo, and `h100-node`
 is 8 x H100 SXM per node (NVLink 4 within, 400 Gb/s InfiniBand per GPU across, ~400 TFLOP/s sustained bf16 matmul,
 i.e. ~40% of the dense peak). The H100 preset is not yet checked against a measured step (see docs/auto-layout.md).
+`h200-node`, `b200-node` and `a100-node` are the same estimate for those GPUs, from NVIDIA's datasheets: each
+sustained rate is 40% of the datasheet's dense (not sparse) peak, bf16 and float8 alike:
+
+| preset | dense bf16 peak | dense float8 peak | memory | NVLink per direction (achieved) |
+| --- | ---: | ---: | ---: | ---: |
+| `a100-node` (A100 SXM 80 GB) | 312 TFLOP/s | none | 80 GB | 300 GB/s (130) |
+| `h100-node` (H100 SXM) | 989 TFLOP/s | 1,979 TFLOP/s | 80 GB | 450 GB/s (200) |
+| `h200-node` (H200 SXM) | 989 TFLOP/s | 1,979 TFLOP/s | 141 GB | 450 GB/s (200) |
+| `b200-node` (HGX B200) | 2,250 TFLOP/s | 4,500 TFLOP/s | 180 GB | 900 GB/s (400) |
+
+So float8 matmuls run at twice the bf16 rate in the model. That is the matmul alone: torchao measures +25%
+(tensorwise) and +10% (rowwise) end-to-end on H100 for Llama 3 8B, the casts, scales and unconverted work included
+(see docs/auto-layout.md, "float8").
 """
 
 from __future__ import annotations
@@ -25,9 +40,21 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["PRESETS", "HardwareProfile", "Link", "get_profile", "load_profile", "save_profile"]
+__all__ = [
+    "FLOAT8_RECIPES",
+    "PRESETS",
+    "HardwareProfile",
+    "Link",
+    "check_float8",
+    "get_profile",
+    "load_profile",
+    "save_profile",
+]
 
 GIB = 1024**3
+
+#: torchao's float8 recipes, by the names the strategies' `float8=` takes.
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclass(frozen=True)
@@ -58,6 +85,7 @@ class HardwareProfile:
     #: `{collective: {group size (as a string, JSON keys): Link}}`, measured; used within a node.
     collectives: dict[str, dict[str, Link]] = field(default_factory=dict)
     description: str = ""
+    float8_matmul_flops: float | None = None  # sustained float8 FLOP/s per device; None: no float8 matmuls
 
     def link(self, crosses_nodes: bool) -> Link:
         return self.inter_node if crosses_nodes else self.intra_node
@@ -105,6 +133,19 @@ PRESETS: dict[str, HardwareProfile] = {
         step_overhead=0.01,
         description="estimate for a small CPU machine running gloo; calibrate for numbers of this machine",
     ),
+    "a100-node": HardwareProfile(
+        name="a100-node",
+        devices_per_node=8,
+        device_memory=80 * GIB,
+        matmul_flops=1.25e14,  # ~40% of the 312 TFLOP/s bf16 dense peak, sustained
+        intra_node=Link(latency=5e-6, bandwidth=1.3e11),  # NVLink 3: 300 GB/s per direction, ~130 achieved
+        inter_node=Link(latency=1e-5, bandwidth=2.25e10),  # 200 Gb/s InfiniBand per GPU, ~90% achieved
+        fsdp_overlap=0.8,
+        runtime_memory=2 * GIB,
+        step_overhead=0.005,
+        description="8 x A100 SXM 80 GB per node (no float8 matmuls), NVLink within, 200 Gb/s per GPU across;"
+        " estimate, not yet checked",
+    ),
     "h100-node": HardwareProfile(
         name="h100-node",
         devices_per_node=8,
@@ -115,9 +156,53 @@ PRESETS: dict[str, HardwareProfile] = {
         fsdp_overlap=0.8,
         runtime_memory=2 * GIB,  # CUDA context, NCCL buffers, allocator fragmentation
         step_overhead=0.005,
+        float8_matmul_flops=7.9e14,  # ~40% of the 1,979 TFLOP/s float8 dense peak, as for bf16
         description="8 x H100 SXM per node, NVLink within, 400 Gb/s per GPU across; estimate, not yet checked",
     ),
+    "h200-node": HardwareProfile(
+        name="h200-node",
+        devices_per_node=8,
+        device_memory=141 * 10**9,  # 141 GB of HBM3e
+        matmul_flops=4.0e14,  # the H100's compute: ~40% of the 989 TFLOP/s bf16 dense peak
+        intra_node=Link(latency=5e-6, bandwidth=2.0e11),
+        inter_node=Link(latency=1e-5, bandwidth=4.5e10),
+        fsdp_overlap=0.8,
+        runtime_memory=2 * GIB,
+        step_overhead=0.005,
+        float8_matmul_flops=7.9e14,  # ~40% of the 1,979 TFLOP/s float8 dense peak
+        description="8 x H200 SXM (141 GB) per node, NVLink within, 400 Gb/s per GPU across; estimate, not yet checked",
+    ),
+    "b200-node": HardwareProfile(
+        name="b200-node",
+        devices_per_node=8,
+        device_memory=180 * 10**9,  # 180 GB of HBM3e per GPU (HGX B200)
+        matmul_flops=9.0e14,  # ~40% of the 2,250 TFLOP/s bf16 dense peak
+        intra_node=Link(latency=5e-6, bandwidth=4.0e11),  # NVLink 5: 900 GB/s per direction, ~400 achieved
+        inter_node=Link(latency=1e-5, bandwidth=4.5e10),  # 400 Gb/s per GPU, ~90% achieved
+        fsdp_overlap=0.8,
+        runtime_memory=2 * GIB,
+        step_overhead=0.005,
+        float8_matmul_flops=1.8e15,  # ~40% of the 4,500 TFLOP/s float8 dense peak
+        description="8 x B200 (HGX B200) per node, NVLink 5 within, 400 Gb/s per GPU across; estimate, not yet checked",
+    ),
 }
+
+
+def check_float8(float8: str | None, profile: HardwareProfile) -> None:
+    """Refuse, naming the fix, a `float8=` that is not one of torchao's recipes, or one on a profile whose device has
+    no float8 matmuls (`float8_matmul_flops` is `None`: an A100, a CPU, a calibrated profile)."""
+    if float8 is None:
+        return
+    if float8 not in FLOAT8_RECIPES:
+        raise ValueError(f"`float8={float8!r}` is not a float8 recipe: give one of {list(FLOAT8_RECIPES)}, or None.")
+    if profile.float8_matmul_flops is None:
+        with_float8 = sorted(name for name, preset in PRESETS.items() if preset.float8_matmul_flops)
+        raise ValueError(
+            f"`float8={float8!r}` on profile {profile.name!r}, whose device has no float8 matmuls"
+            f" (`float8_matmul_flops` is unset): float8 training needs an H100 or newer. Drop `float8=`, use a"
+            f" profile of such a device ({with_float8}), or, for a calibrated profile of one, add its sustained"
+            " `float8_matmul_flops` (FLOP/s) to the JSON file."
+        )
 
 
 def load_profile(path: str | Path) -> HardwareProfile:

@@ -21,7 +21,7 @@ from lightning_dpar.layout_search.batch import BatchRule
 from lightning_dpar.layout_search.candidates import Layout, Rejected, enumerate_layouts
 from lightning_dpar.layout_search.cost import Estimate, MeshMemory, estimate
 from lightning_dpar.layout_search.model_facts import ModelFacts
-from lightning_dpar.layout_search.profiles import GIB, HardwareProfile
+from lightning_dpar.layout_search.profiles import GIB, HardwareProfile, check_float8
 
 __all__ = ["MeshProbe", "SearchResult", "Suggestion", "search", "what_would_fit"]
 
@@ -46,6 +46,11 @@ class SearchResult:
     suggestion: Suggestion | None = None
     #: The per-rank batch of each data-parallel size, when it is not `facts.batch_size` at every size.
     batch: BatchRule | None = None
+    #: Whether loss parallel was allowed (the layouts with tensor parallelism, without pipeline or context
+    #: parallelism, have it).
+    loss_parallel: bool = False
+    #: The float8 recipe every layout was priced with, or None.
+    float8: str | None = None
 
     @property
     def best(self) -> Estimate | None:
@@ -64,13 +69,18 @@ def search(
     probe: MeshProbe,
     activation_checkpointing: Checkpointing | None = None,
     batch: BatchRule | None = None,
+    loss_parallel: bool = False,
+    float8: str | None = None,
 ) -> SearchResult:
     """Price every layout of `world_size` ranks on `num_nodes` nodes (see the module docstring).
 
     `activation_checkpointing`: `None` considers every setting; `False`, `"selective"` or `True` (full) only that
     one. `batch`: the per-rank
     batch of each data-parallel size (default: `facts.batch_size` at every size); each layout is priced at its own.
+    `loss_parallel`: give loss parallel to the layouts that can run it (`enumerate_layouts`); `float8`: price every
+    layout with that float8 recipe, refused on a profile without float8 matmuls.
     """
+    check_float8(float8, profile)
     if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
         raise ValueError(
             f"`world_size={world_size}` on `num_nodes={num_nodes}`: the world size must be a positive multiple of the"
@@ -80,7 +90,15 @@ def search(
     profile = replace(profile, devices_per_node=devices_per_node)
     rule = batch if batch is not None else BatchRule(per_rank=facts.batch_size)
     layouts, rejected = enumerate_layouts(
-        world_size, devices_per_node, num_nodes, facts.layers, rule, moe=bool(facts.experts), seq_len=facts.seq_len
+        world_size,
+        devices_per_node,
+        num_nodes,
+        facts.layers,
+        rule,
+        moe=bool(facts.experts),
+        seq_len=facts.seq_len,
+        loss_parallel=loss_parallel,
+        float8=float8,
     )
     if activation_checkpointing is not None:
         layouts = [layout for layout in layouts if layout.activation_checkpointing == activation_checkpointing]
@@ -103,7 +121,18 @@ def search(
     too_big = [e for e in estimates if e.memory.total > profile.device_memory]
     fits.sort(key=lambda e: (e.seconds_per_sample, e.layout.sort_key))
     too_big.sort(key=lambda e: (e.memory.total, e.layout.sort_key))
-    return SearchResult(world_size, num_nodes, profile, facts, fits, too_big, rejected, batch=batch)
+    return SearchResult(
+        world_size,
+        num_nodes,
+        profile,
+        facts,
+        fits,
+        too_big,
+        rejected,
+        batch=batch,
+        loss_parallel=loss_parallel,
+        float8=float8,
+    )
 
 
 @dataclass(frozen=True)
@@ -157,7 +186,16 @@ def what_would_fit(
         world, nodes = result.world_size * factor, result.num_nodes * factor if result.num_nodes > 1 else 1
         if nodes == 1 and world > result.profile.devices_per_node:
             nodes = world // result.profile.devices_per_node if world % result.profile.devices_per_node == 0 else 1
-        bigger = search(result.facts, world, nodes, result.profile, probe_for_world(world, nodes), batch=result.batch)
+        bigger = search(
+            result.facts,
+            world,
+            nodes,
+            result.profile,
+            probe_for_world(world, nodes),
+            batch=result.batch,
+            loss_parallel=result.loss_parallel,
+            float8=result.float8,
+        )
         if bigger.best is not None:
             devices, devices_layout = world, bigger.best
             break

@@ -5,8 +5,10 @@ The choice happens in `resolve_dims`, which `setup_environment` calls before the
 runs the same deterministic search (`lightning_dpar.layout_search`, in a child process: `layout.isolated`) on a meta
 copy of
 the same model, so all ranks choose the
-same layout without a collective. The chosen sizes, pipeline schedule, microbatches and activation checkpointing are
-then set on this strategy, and everything after (plan, wrappers, steps, checkpoints) is `FSDPTensorParallelStrategy`'s.
+same layout without a collective. The chosen sizes, pipeline schedule, microbatches, activation checkpointing and loss
+parallel are then set on this strategy, and everything after (plan, wrappers, steps, checkpoints) is
+`FSDPTensorParallelStrategy`'s. Loss parallel is the user's to allow (`loss_parallel=True`: the search cannot see a
+loss that reads the logits whole), float8 the user's to ask for (`float8=`, passed on to the base class as given).
 
 The batch each layout is priced at is read where Lightning reads the training data (`strategies.auto_batch`): a
 module's `train_dataloader()` is called once per data-parallel size considered, with `distributed_sampler_kwargs`
@@ -40,7 +42,7 @@ from lightning_dpar.layout_search.data_batch import (
     resolve_batch_rule,
 )
 from lightning_dpar.layout_search.isolated import search_anywhere
-from lightning_dpar.layout_search.profiles import GIB, HardwareProfile, get_profile
+from lightning_dpar.layout_search.profiles import GIB, HardwareProfile, check_float8, get_profile
 from lightning_dpar.layout_search.report import render_choice
 from lightning_dpar.layout_search.search import SearchResult
 from lightning_dpar.parallel_dims import ParallelDims
@@ -97,6 +99,17 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
             one of the two.
         seq_len: tokens per sequence (default: the model's `block_size` or `config.max_position_embeddings`).
         activation_checkpointing: `None` lets the search decide; `False`, `"selective"` or `True` (full) fixes it.
+        loss_parallel: allow loss parallel (the output layer's logits kept sharded over the vocabulary, the
+            cross-entropy computed vocabulary-parallel): every candidate with tensor parallelism and without pipeline
+            or context parallelism then runs with it, and is priced with its logits sharded; the others run without.
+            Off by default because a loss with `label_smoothing`, or a step that reads the logits whole (`argmax`, a
+            metric), fails under it at its first use, which the search cannot see. The `tp_plan` must give the
+            output layer `"colwise_gather_output"` (else those candidates are rejected, saying so).
+        float8: a torchao float8 recipe (`"tensorwise"`, `"rowwise"`, `"rowwise_with_gw_hp"`) to train with: every
+            candidate is priced with its converted matmuls at the profile's float8 rate, and the chosen layout
+            trains with `float8=` set. Refused when built on a profile without float8 matmuls (`"cpu-gloo"`, an
+            A100's). `float8_skip=` (patterns of `nn.Linear` modules to leave alone) goes on to the strategy and
+            is read by the cost model.
         tp_plan: as for `FSDPTensorParallelStrategy`; the search plans with it.
         shard_modules: as for `FullyShardStrategy`.
         expert_modules: as for `FullyShardStrategy`.
@@ -117,6 +130,8 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
         tp_plan: TPPlanSpec | None = None,
         shard_modules: Sequence[ModuleSelector] | None = None,
         expert_modules: Sequence[ModuleSelector] | None = None,
+        loss_parallel: bool = False,
+        float8: str | None = None,
         **kwargs: Any,
     ) -> None:
         # LightningCLI (jsonargparse) fills the base classes' arguments it finds behind `**kwargs` with their defaults:
@@ -139,6 +154,12 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
         check_count("global_batch_size", global_batch_size)
         if device_memory is not None and not device_memory > 0:
             raise ValueError(f"`device_memory={device_memory!r}` is invalid: give the GiB one rank may use (> 0).")
+        if not isinstance(loss_parallel, bool):
+            raise TypeError(f"`loss_parallel={loss_parallel!r}` must be True or False.")
+        resolved = self._with_memory(get_profile(profile), device_memory)  # an unknown profile fails here
+        check_float8(float8, resolved)  # on every rank alike, before any collective
+        if float8 is not None:
+            kwargs["float8"] = float8  # the strategy trains with float8 (`FullyShardStrategy(float8=...)`)
         super().__init__(
             tp_plan=tp_plan,
             shard_modules=shard_modules,
@@ -146,9 +167,7 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
             tensor_parallel_size=1,
             **kwargs,
         )
-        self._profile: HardwareProfile = get_profile(profile)  # an unknown profile fails here, on every rank
-        if device_memory is not None:
-            self._profile = self._profile.with_memory(int(device_memory * GIB))
+        self._profile: HardwareProfile = resolved
         self._batch_size = batch_size
         self._global_batch_size = global_batch_size
         #: The per-rank batch of each data-parallel size the layout was chosen with (set in `resolve_dims`).
@@ -157,6 +176,9 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
         self._reading_sampler: dict[str, int] | None = None
         self._seq_len = seq_len
         self._fixed_checkpointing = activation_checkpointing
+        self._allow_loss_parallel = loss_parallel
+        self._search_float8 = float8
+        self._search_float8_skip = tuple(kwargs.get("float8_skip") or ())
         self._planning_kwargs = {
             name: value
             for name, value in (
@@ -171,6 +193,11 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
         #: The search this strategy chose from (set in `resolve_dims`).
         self.search_result: SearchResult | None = None
 
+    @staticmethod
+    def _with_memory(profile: HardwareProfile, device_memory: float | None) -> HardwareProfile:
+        """`profile` with `device_memory` GiB per rank, when given."""
+        return profile if device_memory is None else profile.with_memory(int(device_memory * GIB))
+
     @property
     def search_settings(self) -> dict[str, Any]:
         """What `plan --auto` reads off this strategy so its table shows the choice training will make."""
@@ -181,6 +208,9 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
             "global_batch_size": self._global_batch_size,
             "seq_len": self._seq_len,
             "strategy_kwargs": dict(self._planning_kwargs),
+            "loss_parallel": self._allow_loss_parallel,
+            "float8": self._search_float8,
+            "float8_skip": self._search_float8_skip,
         }
 
     @property
@@ -253,6 +283,9 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
             self._planning_kwargs,
             self._fixed_checkpointing,
             suggest=True,
+            loss_parallel=self._allow_loss_parallel,
+            float8=self._search_float8,
+            float8_skip=self._search_float8_skip,
             in_child=True,  # the dry run's fake worlds must not precede this process's real one (layout.isolated)
         )
         if result.best is None:
@@ -277,6 +310,7 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
         self._expert_parallel_size = d.expert
         self._context_parallel_size = d.context
         self._activation_checkpointing = layout.activation_checkpointing
+        self._loss_parallel = layout.loss_parallel  # the option `FSDPTensorParallelStrategy(loss_parallel=)` sets
         if layout.schedule is not None:
             self._pipeline_config = PipelineConfig.of(
                 layout.schedule, layout.microbatches, layout.stages_per_rank, "auto"

@@ -48,6 +48,19 @@ def test_validation_under_loss_parallel_logs_one_processs_loss(lp2):
 
 
 @pytest.mark.slow
+def test_dpar_auto_chooses_and_trains_tensor_parallelism_with_loss_parallel(lp2):
+    """`dpar_auto(loss_parallel=True)` on a GPT whose logits decide the memory (vocabulary 16,384), at 60 MiB per
+    rank: the search gives TP 2 loss parallel, which then fits and beats the pipeline that fits without it; the
+    strategy is built with it (its plan keeps the head's logits sharded) and trains at parity with one process."""
+    result = lp2["loss_parallel_auto_layout"]
+    assert result["chosen"].startswith("fsdp1 tp2") and "loss parallel" in result["chosen"], result["chosen"]
+    assert result["loss_parallel"] == "model.head"
+    assert result["max_abs_diff"] < ATOL
+    assert result["loss_diff"] < ATOL
+    assert result["steps"] == [3, 3]
+
+
+@pytest.mark.slow
 def test_loss_parallel_halves_the_logits_bytes_per_rank_as_estimated(lp2):
     """One real step under TP 2 (a vocabulary of 4,096 on 2 x 256 tokens: 8 MiB of fp32 logits): what the forward
     keeps for backward falls by exactly half the logits (the log-probabilities the loss keeps are this rank's

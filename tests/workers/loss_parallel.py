@@ -82,6 +82,34 @@ class UnevenLlama(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
+class BigVocabGPT(GPT):
+    """The example GPT as shipped (its own `F.cross_entropy` on token ids, AdamW with warm-up) with a vocabulary of
+    16,384 and its head gathered in the plan: on 4 x 16 tokens per rank, 4 MiB of fp32 logits against 2 MiB of
+    head weights, so the logits decide which layouts fit."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(vocab_size=16384, block_size=SEQ, n_layer=2, n_head=4, n_embd=32)
+        self.tp_plan = dict(HEAD_PLAN)
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        return self._loss(batch)
+
+
+def auto_loss_parallel() -> dict | None:
+    """`dpar_auto` with loss parallel allowed, at 60 MiB per rank: only TP 2 with loss parallel (57.4 MiB by the
+    cost model) and pipelines fit, and TP 2 is faster; the search chooses it, the strategy trains it with loss
+    parallel (its plan's output layer) and equals one process."""
+    from lightning_dpar import AutoParallelStrategy
+
+    strategy = AutoParallelStrategy(loss_parallel=True, device_memory=60 / 1024)
+    result = parity(strategy, BigVocabGPT, 1, Tokens(SEQ + 1))
+    if result is None:
+        return None
+    assert strategy.chosen is not None and strategy.plan is not None
+    return {**result, "chosen": strategy.chosen.describe(), "loss_parallel": strategy.plan.loss_parallel}
+
+
 def tp(size: int = 2, **options: Any) -> Callable[[], Any]:
     return lambda: FSDPTensorParallelStrategy(tensor_parallel_size=size, loss_parallel=True, **options)
 
@@ -98,6 +126,7 @@ def group_loss_parallel() -> Iterator[Case]:
     if world != 2:
         return
     yield Case("loss_parallel_validation_after_fit", validation_after_fit)
+    yield Case("loss_parallel_auto_layout", auto_loss_parallel)
     # Refused before training, alike on every rank.
     yield Case(
         "error_without_tp",

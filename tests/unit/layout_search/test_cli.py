@@ -60,3 +60,27 @@ def test_plan_auto_refuses_both_batch_sizes(capsys):
     """`layout_search.cli.main` itself, which `plan --auto` hands the rest of its arguments to."""
     assert search_main(["--batch-size", "2", "--global-batch-size", "8", *SMALL_GPT]) == 1
     assert "`--batch-size` and `--global-batch-size` both fix the batch" in capsys.readouterr().err
+
+
+def test_plan_auto_refuses_float8_on_a_profile_without_float8_matmuls(capsys):
+    assert main(["plan", "--auto", "--float8", "tensorwise", *SMALL_GPT]) == 1
+    err = capsys.readouterr().err
+    assert "`float8='tensorwise'` on profile 'cpu-gloo', whose device has no float8 matmuls" in err
+    assert "Drop `float8=`" in err
+
+
+def test_plan_auto_prices_float8_and_allows_loss_parallel(capsys):
+    """`--float8` prices every layout with the recipe (the converted matmuls at the profile's float8 rate);
+    `--loss-parallel` gives it to the TP layouts, which the example GPT's plan (its head not column-parallel and
+    gathered) cannot run: they are rejected with the planner's fix."""
+    small = ["--trainer.devices", "2", "--model.n_layer", "2", "--seq-len", "16", "--batch-size", "2", *SMALL_GPT[4:]]
+    args = ["plan", "--auto", "--profile", "h100-node", "--float8", "tensorwise", "--loss-parallel", *small]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    # 2 blocks of q, k, v, proj (64 x 64) and fc, proj (64 x 256): 98,304 weights; not the head (64 x 256)
+    assert "float8 (tensorwise): 98,304 weights' matmuls" in out and "at 790 TFLOP/s, the rest at 400" in out
+    assert "Loss parallel: on every layout with tensor parallelism" in out
+    assert "float8 tensorwise" in out[out.index("Chosen layout") :].splitlines()[0]
+    rejected = out[out.index("Rejected") :]
+    assert "fsdp1 tp2: `FSDPTensorParallelStrategy(loss_parallel=True)` needs the output layer" in rejected
+    assert "colwise_gather_output" in rejected

@@ -194,3 +194,59 @@ def test_the_profiles_runtime_memory_and_step_overhead_are_added_once():
     assert busy.memory.total == plain.memory.total + 123 and busy.memory.runtime == 123
     assert busy.time.total == pytest.approx(plain.time.total + 0.5)
     assert busy.time.compute == plain.time.compute
+
+
+def test_float8_matmul_rates_where_the_device_has_them():
+    """NVIDIA's dense peaks at the presets' 40% sustained: float8 twice bf16 on H100, H200 and B200; none on an
+    A100 or a CPU, where float8 is refused naming the fix."""
+    from lightning_dpar.layout_search.profiles import check_float8
+
+    for name in ("h100-node", "h200-node", "b200-node"):
+        profile = PRESETS[name]
+        assert profile.float8_matmul_flops == pytest.approx(2 * profile.matmul_flops, rel=0.02), name
+        check_float8("tensorwise", profile)
+    assert PRESETS["h100-node"].float8_matmul_flops == pytest.approx(0.4 * 1979e12, rel=0.01)
+    assert PRESETS["b200-node"].float8_matmul_flops == pytest.approx(0.4 * 4500e12, rel=0.01)
+    for name in ("a100-node", "cpu-gloo"):
+        assert PRESETS[name].float8_matmul_flops is None
+        with pytest.raises(ValueError, match=rf"profile '{name}', whose device has no float8 matmuls.*Drop `float8=`"):
+            check_float8("rowwise", PRESETS[name])
+    check_float8(None, PRESETS["cpu-gloo"])
+
+
+def test_a_profile_written_before_float8_loads_without_float8_matmuls(tmp_path):
+    path = tmp_path / "old.json"
+    data = PRESETS["h100-node"].to_json()
+    del data["float8_matmul_flops"]
+    path.write_text(json.dumps(data))
+    assert load_profile(path).float8_matmul_flops is None
+    save_profile(PRESETS["h100-node"], path)
+    assert load_profile(path) == PRESETS["h100-node"]
+
+
+def test_float8_runs_the_converted_matmuls_at_the_float8_rate_and_the_rest_at_the_bf16_rate():
+    """Of 6 x 1,000,000 + attention FLOPs per token, the 6 x 600,000 of the converted `nn.Linear` weights run at
+    2 TFLOP/s, the rest at 1 (full checkpointing recomputes both alike); nothing else changes."""
+    fast = replace(FLAT, float8_matmul_flops=2e12)
+    facts = replace(FACTS, float8_params=600_000)
+    flops = 6 * 1_000_000 + 12 * 4 * 64 * 10
+    converted = 6 * 600_000
+    for ac, factor in ((False, 1.0), (True, 8 / 6)):
+        bf16 = estimate(Layout(dims(tp=2), activation_checkpointing=ac), facts, MESH, fast)
+        float8 = estimate(Layout(dims(tp=2), activation_checkpointing=ac, float8="tensorwise"), facts, MESH, fast)
+        tokens = 80 / 2  # per tensor-parallel rank
+        assert bf16.time.compute == pytest.approx(flops * factor * tokens / 1e12)
+        want = (flops - converted) * factor * tokens / 1e12 + converted * factor * tokens / 2e12
+        assert float8.time.compute == pytest.approx(want)
+        assert float8.memory == bf16.memory
+        assert float8.time.communication == bf16.time.communication
+    assert facts.float8_flops_per_token("selective", 0.5) == converted * (1 + 2 / 6 * 0.5)
+    with pytest.raises(ValueError, match="no float8 matmuls"):
+        estimate(Layout(dims(), float8="tensorwise"), facts, MESH, FLAT)
+
+
+def test_float8_layouts_say_so_and_pass_the_recipe_to_the_strategy():
+    layout = Layout(dims(tp=2), float8="rowwise")
+    assert layout.strategy_kwargs()["float8"] == "rowwise"
+    assert layout.describe().endswith("float8 rowwise")
+    assert "float8" not in Layout(dims(tp=2)).strategy_kwargs()

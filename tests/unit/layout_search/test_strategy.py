@@ -128,7 +128,11 @@ def test_a_global_batch_size_the_module_loader_disagrees_with_is_refused_before_
 
 @pytest.mark.parametrize(
     ("arg", "setting", "value"),
-    [("global_batch_size=16", "global_batch_size", 16), ("device_memory=2", "device_memory", 2 * GIB)],
+    [
+        ("global_batch_size=16", "global_batch_size", 16),
+        ("device_memory=2", "device_memory", 2 * GIB),
+        ("loss_parallel=true", "loss_parallel", True),
+    ],
 )
 @pytest.mark.usefixtures("no_pytest_argv")
 def test_init_args_through_lightning_cli(arg, setting, value):
@@ -144,3 +148,52 @@ def test_init_args_through_lightning_cli(arg, setting, value):
     )
     strategy = cli.trainer.strategy
     assert isinstance(strategy, AutoParallelStrategy) and strategy.search_settings[setting] == value
+
+
+def test_loss_parallel_is_off_unless_allowed_and_the_chosen_layouts_setting_is_trained():
+    """`loss_parallel=True` allows it (the search gives it to the layouts that can run it); the chosen layout's
+    setting is what the strategy plans with: on with TP, off without, whatever was allowed."""
+    from lightning_dpar.layout_search.candidates import Layout
+    from lightning_dpar.parallel_dims import ParallelDims
+
+    assert AutoParallelStrategy().search_settings["loss_parallel"] is False
+    strategy = AutoParallelStrategy(loss_parallel=True)
+    assert strategy.search_settings["loss_parallel"] is True
+    assert strategy.plan_options.loss_parallel is False  # nothing chosen yet
+    strategy._apply(Layout(ParallelDims.resolve(2, 2, 2), loss_parallel=True))
+    assert strategy.plan_options.loss_parallel is True
+    strategy._apply(Layout(ParallelDims.resolve(2, 2, 1)))
+    assert strategy.plan_options.loss_parallel is False
+    with pytest.raises(TypeError, match=r"`loss_parallel='yes'` must be True or False"):
+        AutoParallelStrategy(loss_parallel="yes")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"float8": "tensorwise"}, r"`float8='tensorwise'` on profile 'cpu-gloo', whose device has no float8 matmuls"),
+        ({"float8": "rowwise", "profile": "a100-node"}, r"profile 'a100-node'.*'h100-node'.*float8_matmul_flops"),
+        ({"float8": "fp8", "profile": "h100-node"}, r"`float8='fp8'` is not a float8 recipe.*'tensorwise'"),
+    ],
+)
+def test_float8_on_a_profile_without_float8_matmuls_is_refused_when_built(kwargs, match):
+    """Refused in `__init__`, on every rank alike, before any collective, naming the fix."""
+    with pytest.raises(ValueError, match=match):
+        AutoParallelStrategy(**kwargs)
+
+
+@pytest.mark.slow  # several seconds (a search in a child process, or a large model traced): full suite only
+def test_loss_parallel_lets_tensor_parallelism_fit_a_large_vocabulary():
+    """The big-vocabulary GPT of `test_loss_parallel_layouts` at 80 MiB per rank on 2 ranks: allowed, the strategy
+    chooses TP 2 with loss parallel and plans with it; not allowed, a pipeline."""
+    from tests.unit.layout_search.test_loss_parallel_layouts import BATCH, SEQ, big_vocab_gpt
+
+    budget = 80 / 1024  # GiB
+    allowed = connected(
+        AutoParallelStrategy(batch_size=BATCH, seq_len=SEQ, device_memory=budget, loss_parallel=True), big_vocab_gpt()
+    )
+    dims = allowed.resolve_dims(2, 2, 1)
+    assert dims.tensor_parallel == 2 and allowed.chosen is not None and allowed.chosen.loss_parallel
+    assert allowed.plan_options.loss_parallel is True
+    plain = connected(AutoParallelStrategy(batch_size=BATCH, seq_len=SEQ, device_memory=budget), big_vocab_gpt())
+    assert plain.resolve_dims(2, 2, 1).pipeline == 2 and plain.plan_options.loss_parallel is False
