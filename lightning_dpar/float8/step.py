@@ -27,7 +27,16 @@ from lightning_dpar.helpers import is_under, show_names
 from lightning_dpar.loss_parallel.step import output_layer_candidate
 from lightning_dpar.parallel_dims import ParallelDims
 
-__all__ = ["ADAPTER_NAMES", "FLOAT8_MULTIPLE", "Float8Plan", "apply_float8", "converted_modules", "plan_float8"]
+__all__ = [
+    "ADAPTER_NAMES",
+    "FLOAT8_MULTIPLE",
+    "Float8Plan",
+    "apply_float8",
+    "converted_modules",
+    "convertible_linears",
+    "layout_refusal",
+    "plan_float8",
+]
 
 #: float8 matmuls (`torch._scaled_mm`) need both of a Linear's dimensions to be multiples of 16.
 FLOAT8_MULTIPLE = 16
@@ -72,13 +81,7 @@ def plan_float8(
             " the strategy converts the model itself, at its place in the parallelisation. Remove your own"
             " `convert_to_float8_training` call, or drop `float8=` to train the model as you converted it."
         )
-    linears = [fqn for fqn, child in names.items() if type(child) is nn.Linear]
-    skipped = set(_skipped(call, module, names, options.skip))
-    converted = [
-        fqn
-        for fqn in linears
-        if fqn not in skipped and _fits(names[fqn], dims.tensor_parallel) and not _is_adapter(fqn)
-    ]
+    converted = convertible_linears(module, options.skip, dims.tensor_parallel, call)
     inside = [fqn for fqn in converted if is_under(fqn, experts)]
     if inside:
         raise ValueError(
@@ -89,10 +92,12 @@ def plan_float8(
     return Float8Plan(converted, options.config)
 
 
-def _check_layout(call: str, options: Float8Options, dims: ParallelDims, adopted: bool) -> None:
-    if dims.tensor_parallel > 1 and options.config.cast_config_input.scaling_granularity.name == "TENSORWISE":
-        raise ValueError(
-            f"{call} with `tensor_parallel_size={dims.tensor_parallel}`: the tensorwise recipe's scales under"
+def layout_refusal(tensorwise: bool, dims: ParallelDims) -> str | None:
+    """Why float8 cannot train on the layout `dims` (`tensorwise`: the recipe scales tensor by tensor), with the fix,
+    or None if it can: what `plan_float8` refuses, and the layouts the layout search leaves out under `float8=`."""
+    if dims.tensor_parallel > 1 and tensorwise:
+        return (
+            f"with `tensor_parallel_size={dims.tensor_parallel}`: the tensorwise recipe's scales under"
             " tensor parallelism (torchao's float8 styles, as torchtitan applies them) are not exact against one"
             " process (measured: 5.8e-4 after 3 steps of a small MLP, where float8's noise floor is 3e-8;"
             " docs/efficiency.md), so it is refused."
@@ -104,10 +109,18 @@ def _check_layout(call: str, options: Float8Options, dims: ParallelDims, adopted
         ("context_parallel_size", dims.context),
     ):
         if size > 1:
-            raise ValueError(
-                f"{call} with `{name}={size}` is not supported: float8 training is proven exact against one process"
+            return (
+                f"with `{name}={size}` is not supported: float8 training is proven exact against one process"
                 f" under FSDP and tensor parallelism only. Use `{name}=1` with float8, or drop `float8=`."
             )
+    return None
+
+
+def _check_layout(call: str, options: Float8Options, dims: ParallelDims, adopted: bool) -> None:
+    tensorwise = options.config.cast_config_input.scaling_granularity.name == "TENSORWISE"
+    refusal = layout_refusal(tensorwise, dims)
+    if refusal is not None:
+        raise ValueError(f"{call} {refusal}")
     if adopted:
         raise ValueError(
             f"{call}: the model was parallelised by its own `configure_model` (adopted as it is), and float8"
@@ -115,6 +128,22 @@ def _check_layout(call: str, options: Float8Options, dims: ParallelDims, adopted
             " `convert_to_float8_training` before `parallelize_module`) and drop `float8=`, or give a `tp_plan`"
             " and let the strategy parallelise it."
         )
+
+
+def convertible_linears(
+    module: nn.Module, skip: Sequence[str] | None, tensor_parallel: int = 1, call: str = "`float8_skip`"
+) -> list[str]:
+    """The `nn.Linear` modules of `module` float8 converts, in module order: all but those the skip patterns keep in
+    high precision (`float8_skip=`; None: the output layer), a LoRA layer's adapters, and those whose dimensions, or
+    their shards over `tensor_parallel` ranks, are not multiples of 16. No refusal but a skip pattern matching no
+    module (named after `call`); `plan_float8` adds the others. The layout search prices these modules' matmuls."""
+    names = {fqn: child for fqn, child in module.named_modules() if fqn}
+    skipped = set(_skipped(call, module, names, None if skip is None else tuple(skip)))
+    return [
+        fqn
+        for fqn, child in names.items()
+        if type(child) is nn.Linear and fqn not in skipped and _fits(child, tensor_parallel) and not _is_adapter(fqn)
+    ]
 
 
 def _skipped(call: str, root: nn.Module, names: dict[str, nn.Module], skip: tuple[str, ...] | None) -> list[str]:

@@ -23,7 +23,9 @@ or full).
   fails under it, which no search can see), loss parallel on every layout with tensor parallelism and without
   pipeline or context parallelism (which refuse it); the others run without it. It is not a choice: with tensor
   parallelism it only saves memory and communication;
-- with `float8=<recipe>`, every layout trains with float8 (its matmuls priced at the profile's float8 rate).
+- with `float8=<recipe>`, every layout trains with float8 (its matmuls priced at the profile's float8 rate); the
+  layouts the float8 step refuses (`lightning_dpar.float8.step.layout_refusal`: pipeline or context parallelism, the
+  tensorwise recipe under tensor parallelism) are rejected, with its reason.
 
 What `ParallelDims.resolve` or a schedule refuses becomes a `Rejected` with its message; what only the planner can
 say (heads not divisible by the TP size, too few layers for the stages) is found later, by the dry run.
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_dpar.activation_checkpointing.step import CHECKPOINTING_SETTINGS, Checkpointing
+from lightning_dpar.float8.step import layout_refusal
 from lightning_dpar.helpers import divisors
 from lightning_dpar.layout_search.batch import BatchRule
 from lightning_dpar.parallel_dims import ParallelDims
@@ -241,6 +244,11 @@ def enumerate_layouts(
                         except ValueError as err:
                             what = f"pp{pp} rep{replicate} tp{tp} ep{ep}" + (f" cp{cp}" if cp > 1 else "")
                             refuse(Rejected(what, str(err)))
+                            continue
+                        float8_refusal = None if float8 is None else layout_refusal(float8 == "tensorwise", dims)
+                        if float8_refusal is not None:
+                            what = f"pp{pp} tp{tp}" + (f" cp{cp}" if cp > 1 else "")
+                            refuse(Rejected(what, f"float8 {float8_refusal}"))
                             continue
                         sharded_logits = loss_parallel and tp > 1 and pp == 1 and cp == 1
                         for schedule, microbatches, stages_per_rank in pipelines:  # type: ignore[misc]

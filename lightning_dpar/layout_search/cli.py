@@ -18,9 +18,10 @@ import sys
 from typing import Any
 
 from lightning_dpar.estimates.cli import configured_run
+from lightning_dpar.float8.config import RECIPES
 from lightning_dpar.layout_search.batch import BatchRule
 from lightning_dpar.layout_search.probe import search_model
-from lightning_dpar.layout_search.profiles import FLOAT8_RECIPES, GIB, PRESETS, get_profile
+from lightning_dpar.layout_search.profiles import GIB, PRESETS, get_profile
 from lightning_dpar.layout_search.report import render_search
 
 __all__ = ["main"]
@@ -53,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--float8",
-        choices=FLOAT8_RECIPES,
+        choices=RECIPES,
         help="price every layout training with this torchao float8 recipe (a profile with float8 matmuls)",
     )
     parser.add_argument("--top", type=int, default=20, help="rows of the ranked table to show (default 20)")
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             suggest=True,
             loss_parallel=bool(s.get("loss_parallel")),
             float8=s.get("float8"),
-            float8_skip=s.get("float8_skip") or (),
+            float8_skip=s.get("float8_skip"),
         )
     except (ValueError, TypeError) as err:
         print(f"plan --auto failed: {err}", file=sys.stderr)

@@ -10,29 +10,26 @@ the transformer's shape (layers, width, heads, vocabulary), experts, and the bat
   submodule (0 when none is found: then the activation formula drops its attention-score term);
 - experts: the modules that follow the experts contract of `lightning_dpar.experts.plan` (`find_experts`), and the
   experts each token chooses from `top_k` / `num_experts_per_tok` / `experts_per_token` on a submodule or config;
-- the parameters float8 training would convert (`float8_linears`): the `nn.Linear` layers whose input and output
-  features are multiples of 16 (what float8 matmuls take), except the output layer (the logits' precision matters
-  most; `lightning_dpar.loss_parallel.step.output_layer_candidate` finds it), experts' and those matching a
-  `float8_skip` pattern. The cost model runs their matmuls at the profile's float8 rate.
+- the parameters float8 training would convert (`float8_linears`): the float8 step's own rule (the `nn.Linear`
+  layers whose features are multiples of 16, what float8 matmuls take, but the output layer or the `float8_skip`
+  patterns), less experts'. The cost model runs their matmuls at the profile's float8 rate.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from typing import Any
 
 from torch import nn
 
 from lightning_dpar.activation_checkpointing.step import Checkpointing
 from lightning_dpar.experts.plan import find_experts
-from lightning_dpar.loss_parallel.step import output_layer_candidate
+from lightning_dpar.float8.step import convertible_linears
+from lightning_dpar.helpers import is_under
 
-__all__ = ["FLOAT8_MULTIPLE", "ModelFacts", "facts_of", "float8_linears"]
+__all__ = ["ModelFacts", "facts_of", "float8_linears"]
 
-#: float8 matmuls (`torch._scaled_mm`) need both dims of the weight to be multiples of 16.
-FLOAT8_MULTIPLE = 16
 
 _HEAD_NAMES = ("num_attention_heads", "n_head", "num_heads")
 _TOP_K_NAMES = ("num_experts_per_tok", "experts_per_token", "top_k")
@@ -94,22 +91,12 @@ def _recompute_factor(recompute: Checkpointing, selective_share: float | None) -
     return 8.0 / 6.0 if recompute else 1.0
 
 
-def float8_linears(module: nn.Module, skip: Sequence[str] = ()) -> list[str]:
-    """The `nn.Linear` modules of `module` float8 training converts by default: both dims of the weight multiples of
-    16, not the output layer (`output_layer_candidate`), not inside an experts module, and not matching any of the
-    fnmatch patterns `skip` (`float8_skip=`, module names relative to `module`)."""
-    output = output_layer_candidate(module)
-    experts = tuple(f"{fqn}." for fqn in find_experts(module))
-    return [
-        fqn
-        for fqn, child in module.named_modules()
-        if isinstance(child, nn.Linear)
-        and child.in_features % FLOAT8_MULTIPLE == 0
-        and child.out_features % FLOAT8_MULTIPLE == 0
-        and fqn != output
-        and not any(fqn.startswith(prefix) for prefix in experts)
-        and not any(fnmatch(fqn, pattern) for pattern in skip)
-    ]
+def float8_linears(module: nn.Module, skip: Sequence[str] | None = None) -> list[str]:
+    """The `nn.Linear` modules of `module` float8 training converts (the float8 step's own rule,
+    `lightning_dpar.float8.step.convertible_linears`: `skip` are the `float8_skip=` patterns, None keeping the output
+    layer in high precision), but those inside an experts module, which the float8 step refuses."""
+    experts = find_experts(module)
+    return [fqn for fqn in convertible_linears(module, skip) if not is_under(fqn, experts)]
 
 
 def _first_int(objects: list[Any], names: tuple[str, ...]) -> int:
@@ -122,7 +109,11 @@ def _first_int(objects: list[Any], names: tuple[str, ...]) -> int:
 
 
 def facts_of(
-    module: nn.Module, seq_len: int, batch_size: int, precision: str = "32-true", float8_skip: Sequence[str] = ()
+    module: nn.Module,
+    seq_len: int,
+    batch_size: int,
+    precision: str = "32-true",
+    float8_skip: Sequence[str] | None = None,
 ) -> ModelFacts:
     """`ModelFacts` of `module` (any device, meta included) training `batch_size` sequences of `seq_len` tokens per
     data-parallel rank at `precision`; `float8_skip`: the strategy's patterns of `nn.Linear` modules float8 training

@@ -190,7 +190,7 @@ def search_model(
     suggest: bool = False,
     loss_parallel: bool = False,
     float8: str | None = None,
-    float8_skip: Sequence[str] = (),
+    float8_skip: Sequence[str] | None = None,
 ) -> SearchResult:
     """The layout search for `module` (any device; planned on meta copies) on `world_size` ranks: what `plan --auto`
     prints and `AutoParallelStrategy` chooses from. `batch_size`: samples per data-parallel rank, or the rule giving
@@ -215,7 +215,7 @@ def search_model(
             " `seq_len` (`--seq-len` to `plan --auto`, `seq_len=` to `AutoParallelStrategy`)."
         )
     # the batch of the largest data-parallel size
-    facts = facts_of(template, seq_len, batches[-1], precision, float8_skip if float8 is not None else ())
+    facts = facts_of(template, seq_len, batches[-1], precision, float8_skip)
     length = seq_len
 
     def batch(layout: Layout) -> tuple[int, int]:

@@ -40,8 +40,9 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from lightning_dpar.float8.config import RECIPES
+
 __all__ = [
-    "FLOAT8_RECIPES",
     "PRESETS",
     "HardwareProfile",
     "Link",
@@ -52,9 +53,6 @@ __all__ = [
 ]
 
 GIB = 1024**3
-
-#: torchao's float8 recipes, by the names the strategies' `float8=` takes.
-FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclass(frozen=True)
@@ -193,8 +191,8 @@ def check_float8(float8: str | None, profile: HardwareProfile) -> None:
     no float8 matmuls (`float8_matmul_flops` is `None`: an A100, a CPU, a calibrated profile)."""
     if float8 is None:
         return
-    if float8 not in FLOAT8_RECIPES:
-        raise ValueError(f"`float8={float8!r}` is not a float8 recipe: give one of {list(FLOAT8_RECIPES)}, or None.")
+    if float8 not in RECIPES:
+        raise ValueError(f"`float8={float8!r}` is not a float8 recipe: give one of {list(RECIPES)}, or None.")
     if profile.float8_matmul_flops is None:
         with_float8 = sorted(name for name, preset in PRESETS.items() if preset.float8_matmul_flops)
         raise ValueError(

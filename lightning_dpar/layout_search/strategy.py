@@ -178,7 +178,8 @@ class AutoParallelStrategy(FSDPTensorParallelStrategy):
         self._fixed_checkpointing = activation_checkpointing
         self._allow_loss_parallel = loss_parallel
         self._search_float8 = float8
-        self._search_float8_skip = tuple(kwargs.get("float8_skip") or ())
+        skip = kwargs.get("float8_skip")
+        self._search_float8_skip = None if skip is None else tuple(skip)
         self._planning_kwargs = {
             name: value
             for name, value in (

@@ -72,15 +72,22 @@ def test_plan_auto_refuses_float8_on_a_profile_without_float8_matmuls(capsys):
 def test_plan_auto_prices_float8_and_allows_loss_parallel(capsys):
     """`--float8` prices every layout with the recipe (the converted matmuls at the profile's float8 rate);
     `--loss-parallel` gives it to the TP layouts, which the example GPT's plan (its head not column-parallel and
-    gathered) cannot run: they are rejected with the planner's fix."""
+    gathered) cannot run: they are rejected with the planner's fix. The layouts the recipe cannot train on (the
+    tensorwise recipe under TP, context parallelism) are rejected with the float8 step's own reason."""
     small = ["--trainer.devices", "2", "--model.n_layer", "2", "--seq-len", "16", "--batch-size", "2", *SMALL_GPT[4:]]
-    args = ["plan", "--auto", "--profile", "h100-node", "--float8", "tensorwise", "--loss-parallel", *small]
+    args = ["plan", "--auto", "--profile", "h100-node", "--float8", "rowwise", "--loss-parallel", *small]
     assert main(args) == 0
     out = capsys.readouterr().out
     # 2 blocks of q, k, v, proj (64 x 64) and fc, proj (64 x 256): 98,304 weights; not the head (64 x 256)
-    assert "float8 (tensorwise): 98,304 weights' matmuls" in out and "at 790 TFLOP/s, the rest at 400" in out
+    assert "float8 (rowwise): 98,304 weights' matmuls" in out and "at 790 TFLOP/s, the rest at 400" in out
     assert "Loss parallel: on every layout with tensor parallelism" in out
-    assert "float8 tensorwise" in out[out.index("Chosen layout") :].splitlines()[0]
+    assert "float8 rowwise" in out[out.index("Chosen layout") :].splitlines()[0]
     rejected = out[out.index("Rejected") :]
     assert "fsdp1 tp2: `FSDPTensorParallelStrategy(loss_parallel=True)` needs the output layer" in rejected
     assert "colwise_gather_output" in rejected
+    # tensorwise under TP is refused by the float8 step: the TP layouts are out before the planner sees them
+    assert main([*args[:5], "tensorwise", *args[6:]]) == 0
+    out = capsys.readouterr().out
+    rejected = out[out.index("Rejected") :]
+    assert "pp1 tp2: float8 with `tensor_parallel_size=2`: the tensorwise recipe's scales" in rejected
+    assert "cp2: float8 with `context_parallel_size=2` is not supported" in rejected
