@@ -44,6 +44,13 @@ VARIANTS = (
     "plain_fsdp_selective_compiled",
     "dpar_fsdp_selective",
     "dpar_fsdp_selective_compiled",
+    # float8 (`float8=`, torchao) against the same conversion by hand; compiled only on a GPU (`_float8_devices`)
+    *(
+        f"{driver}_fsdp_float8_{recipe}{compiled}"
+        for recipe in ("tensorwise", "rowwise")
+        for compiled in ("", "_compiled")
+        for driver in ("plain", "dpar")
+    ),
 )
 GPU_TESTS = "tests/launched/test_gpu.py"
 

@@ -31,6 +31,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         out[name] = {
             **{k: variant[k] for k in ("family", "driver", "compiled")},
             "checkpointing": variant.get("checkpointing", ""),
+            "setting": variant.get("setting", variant.get("checkpointing", "")),
             "step_time_ms": step * 1e3,
             "rep_median_ms": [m * 1e3 for m in rep_medians],
             "cpu_time_ms": statistics.median(cpu_measured) * 1e3,
@@ -50,7 +51,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
             "checkpoint": {k: statistics.median(run["checkpoint"][k] for run in rank0_runs) for k in checkpoint_keys},
         }
     for name, s in out.items():
-        plain = _plain_name(s["family"], s["compiled"], s["checkpointing"])
+        plain = _plain_name(s["family"], s["compiled"], s["setting"])
         if plain in out and s["driver"] != "plain":
             s["throughput_vs_plain"] = out[plain]["step_time_ms"] / s["step_time_ms"]
             s["overhead_vs_plain"] = s["step_time_ms"] / out[plain]["step_time_ms"] - 1
@@ -104,10 +105,11 @@ def _eager_name(compiled_name: str) -> str:
     return compiled_name.removesuffix("_compiled")
 
 
-def _plain_name(family: str, compiled: bool, checkpointing: str = "") -> str:
-    """The hand loop a variant is compared with: the same family, compilation and activation checkpointing."""
+def _plain_name(family: str, compiled: bool, setting: str = "") -> str:
+    """The hand loop a variant is compared with: the same family, compilation and setting (activation
+    checkpointing, float8: `Variant.setting`)."""
     base = {"replicate": "plain_ddp", "fsdp": "plain_fsdp", "2d": "plain_2d"}[family]
-    return base + (f"_{checkpointing}" if checkpointing else "") + ("_compiled" if compiled else "")
+    return base + (f"_{setting}" if setting else "") + ("_compiled" if compiled else "")
 
 
 def _peer_name(family: str) -> str:

@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import lightning as L
@@ -158,14 +158,41 @@ def _checkpoint_by_hand(block: nn.Module) -> None:
     block.forward = checkpointed  # type: ignore[method-assign]
 
 
-def _plain_model(family: str, compiled: bool, ctx: Context, checkpointing: str = "") -> tuple[nn.Module, int, int]:
+def float8_config(recipe: str, device: torch.device) -> Any:
+    """torchao's config of `recipe`, emulated on a CPU (float8 matmuls need a GPU of compute capability 8.9 or
+    newer): what the package is given as `float8=` and the hand loop converts with."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(config, emulate=True) if device.type == "cpu" else config
+
+
+def _float8_by_hand(net: nn.Module, recipe: str, device: torch.device) -> None:
+    """float8 written by hand, as a user would: torchao's `convert_to_float8_training` on the Linears the package's
+    float8 step converts (`convertible_linears`: all but the output layer, of sizes float8 matmuls take)."""
+    from torchao.float8 import convert_to_float8_training
+
+    from lightning_dpar.float8.step import convertible_linears
+
+    wanted = set(convertible_linears(net, None))
+    convert_to_float8_training(net, module_filter_fn=lambda _, fqn: fqn in wanted, config=float8_config(recipe, device))
+
+
+def _plain_model(
+    family: str, compiled: bool, ctx: Context, checkpointing: str = "", float8: str = ""
+) -> tuple[nn.Module, int, int]:
     """The network parallelised by hand exactly as the package does it (each block selectively checkpointed
-    first with `checkpointing="selective"`); returns (model, dp size, dp rank)."""
+    first with `checkpointing="selective"`; its Linears converted by torchao first with `float8=<recipe>`); returns
+    (model, dp size, dp rank)."""
     with ctx.device:  # built where it trains (a 1 B model's CPU init would take longer than its steps)
         net = build_net(ctx.size)
     if checkpointing == "selective":
         for block in blocks(net):
             _checkpoint_by_hand(block)
+    if float8:
+        _float8_by_hand(net, float8, ctx.device)
     if family == "replicate":
         if compiled:
             _compile_blocks(net, ctx.compile_options)
@@ -192,9 +219,9 @@ def _clock(ctx: Context) -> StepClock:
     return StepClock(ctx.device, (ctx.warmup, ctx.total_steps) if ctx.profile else None)
 
 
-def run_plain(family: str, compiled: bool, ctx: Context, checkpointing: str = "") -> Measurement:
+def run_plain(family: str, compiled: bool, ctx: Context, checkpointing: str = "", float8: str = "") -> Measurement:
     clock = _clock(ctx)
-    model, dp, dp_rank = _plain_model(family, compiled, ctx, checkpointing)
+    model, dp, dp_rank = _plain_model(family, compiled, ctx, checkpointing, float8)
     optimizer = make_bench_optimizer(model.parameters())
     forward_context = _forward_context(family, ctx)
     sampler = DistributedSampler(ctx.data, num_replicas=dp, rank=dp_rank, shuffle=False)
@@ -311,7 +338,9 @@ def _time_checkpoints(trainer: L.Trainer, checkpoint_root: str, with_async: bool
     return times
 
 
-def _dpar(name: str, compiled: bool, on_nonfinite: str = "raise", checkpointing: str = "") -> Callable[[Context], Any]:
+def _dpar(
+    name: str, compiled: bool, on_nonfinite: str = "raise", checkpointing: str = "", float8: str = ""
+) -> Callable[[Context], Any]:
     def make(ctx: Context) -> Any:
         import lightning_dpar
 
@@ -321,6 +350,8 @@ def _dpar(name: str, compiled: bool, on_nonfinite: str = "raise", checkpointing:
         }
         if checkpointing:
             kwargs["activation_checkpointing"] = checkpointing
+        if float8:
+            kwargs["float8"] = float8_config(float8, ctx.device)
 
         if name == "2d":
             return lightning_dpar.FSDPTensorParallelStrategy(
@@ -358,6 +389,25 @@ class Variant:
     #: Activation checkpointing of the blocks (`"selective"`), in the package and the hand loop it is compared with;
     #: `""`: none.
     checkpointing: str = ""
+    #: torchao's float8 recipe (`"tensorwise"`, `"rowwise"`) of the Linears the float8 step converts, in the package
+    #: (`float8=`) and in the hand loop it is compared with (the same conversion by hand); `""`: none.
+    float8: str = ""
+
+    def named(self, base: str) -> Variant:
+        """This variant named `base` with its setting and compilation as suffixes (`dpar_fsdp_float8_rowwise`)."""
+        suffix = (f"_{self.setting}" if self.setting else "") + ("_compiled" if self.compiled else "")
+        return replace(self, name=base + suffix)
+
+    @property
+    def setting(self) -> str:
+        """What the variant adds to its family's loop, as its name's suffix: `selective`, `float8_rowwise`, ..."""
+        return "_".join(part for part in (self.checkpointing, self.float8 and f"float8_{self.float8}") if part)
+
+
+def _float8_devices(float8: str, compiled: bool) -> tuple[str, ...]:
+    """Where a variant runs: compiled float8 needs inductor's float8 kernels, which need a GPU; emulated float8
+    runs eagerly on a CPU too."""
+    return ("cuda",) if float8 and compiled else ("cpu", "cuda")
 
 
 def all_variants() -> list[Variant]:
@@ -367,20 +417,24 @@ def all_variants() -> list[Variant]:
         ("fsdp", "plain_fsdp", "lightning_fsdp"),
         ("2d", "plain_2d", "lightning_model_parallel"),
     ):
-        # FSDP also with selective activation checkpointing, against the same policy applied by hand
-        settings = ("", "selective") if family == "fsdp" else ("",)
-        for checkpointing in settings:
+        # FSDP also with selective activation checkpointing and with float8 (tensorwise, rowwise), each against the
+        # same policy or conversion applied by hand; (checkpointing, float8) per setting
+        settings = [("", "")]
+        if family == "fsdp":
+            settings += [("selective", ""), ("", "tensorwise"), ("", "rowwise")]
+        for checkpointing, float8 in settings:
             for compiled in (False, True):
-                suffix = (f"_{checkpointing}" if checkpointing else "") + ("_compiled" if compiled else "")
                 variants.append(
                     Variant(
-                        plain_name + suffix,
+                        "",
                         family,
                         "plain",
                         compiled,
-                        lambda ctx, f=family, c=compiled, a=checkpointing: run_plain(f, c, ctx, a),
+                        lambda ctx, f=family, c=compiled, a=checkpointing, e=float8: run_plain(f, c, ctx, a, e),
+                        devices=_float8_devices(float8, compiled),
                         checkpointing=checkpointing,
-                    )
+                        float8=float8,
+                    ).named(plain_name)
                 )
         module_cls = HandParallelModule if family == "2d" else BenchModule
         variants.append(
@@ -393,21 +447,22 @@ def all_variants() -> list[Variant]:
                 devices=("cuda",) if family == "fsdp" else ("cpu", "cuda"),
             )
         )
-        for checkpointing in settings:
+        for checkpointing, float8 in settings:
             for compiled in (False, True):
-                suffix = (f"_{checkpointing}" if checkpointing else "") + ("_compiled" if compiled else "")
-                timed_checkpoint = "" if compiled or checkpointing else "async"
+                timed_checkpoint = "" if compiled or checkpointing or float8 else "async"
                 variants.append(
                     Variant(
-                        f"dpar_{family}{suffix}",
+                        "",
                         family,
                         "dpar",
                         compiled,
-                        lambda ctx, f=family, c=compiled, a=checkpointing, t=timed_checkpoint: run_lightning(
-                            _dpar(f, c, checkpointing=a), BenchModule, ctx, t
+                        lambda ctx, f=family, c=compiled, a=checkpointing, e=float8, t=timed_checkpoint: run_lightning(
+                            _dpar(f, c, checkpointing=a, float8=e), BenchModule, ctx, t
                         ),
+                        devices=_float8_devices(float8, compiled),
                         checkpointing=checkpointing,
-                    )
+                        float8=float8,
+                    ).named(f"dpar_{family}")
                 )
         # The non-finite guard's cost (`on_nonfinite`), with and without gradient-norm clipping: `_unguarded` is
         # `on_nonfinite="off"`, `_clip` clips at norm 1.0.

@@ -159,6 +159,7 @@ def report(args, name, ctx, variants, raw, device, wall_s) -> dict:
                 "driver": v.driver,
                 "compiled": v.compiled,
                 "checkpointing": v.checkpointing,
+                "setting": v.setting,
                 "runs": raw[name, v.name],
             }
             for v in variants

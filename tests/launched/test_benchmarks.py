@@ -91,6 +91,10 @@ def test_gpu_check_smoke_end_to_end(tmp_path):
     in two processes, merged: every variant of both models has numbers in the table and the JSON. Slow: three
     launches (the GPU tests and two repetitions), ~1 min on an idle 2-core machine."""
     from benchmarks.gpu_check import VARIANTS
+    from benchmarks.variants import all_variants
+
+    on_cpu = {v.name for v in all_variants() if "cpu" in v.devices} & set(VARIANTS)  # compiled float8 needs a GPU
+    assert {"dpar_fsdp_float8_rowwise_compiled", "dpar_fsdp_float8_tensorwise_compiled"} & on_cpu == set()
 
     proc = run_script(["-m", "benchmarks.gpu_check", "--smoke", "--repeats", "2", "--out", str(tmp_path)], ROOT, 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -102,7 +106,7 @@ def test_gpu_check_smoke_end_to_end(tmp_path):
     assert "transformers" in table and ("25 skipped" in table or "25 passed" in table)
     for model in result["models"]:
         assert model["raw"]["repeats"] == 2 and not model["raw"]["errors"], model["raw"].get("errors")
-        assert set(model["summary"]) == set(VARIANTS)
+        assert set(model["summary"]) == on_cpu
         for name, s in model["summary"].items():
             assert len(s["rep_median_ms"]) == 2 and s["step_time_ms"] > 0 and s["tokens_per_s"] > 0, name
             row = next(line for line in table.splitlines() if line.startswith(f"| {name} | "))
@@ -114,3 +118,8 @@ def test_gpu_check_smoke_end_to_end(tmp_path):
             assert model["summary"][name]["checkpointing"] == "selective"
             assert "overhead_vs_plain" in model["summary"][name] and f"| {name} | " in table
         assert "speedup_vs_eager" in model["summary"]["dpar_fsdp_selective_compiled"]
+        # float8 (emulated on the CPU), compared with the same torchao conversion by hand
+        for recipe in ("tensorwise", "rowwise"):
+            name = f"dpar_fsdp_float8_{recipe}"
+            assert model["summary"][name]["setting"] == f"float8_{recipe}"
+            assert "overhead_vs_plain" in model["summary"][name] and f"| {name} | " in table
