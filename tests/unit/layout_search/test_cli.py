@@ -13,6 +13,7 @@ pytestmark = pytest.mark.usefixtures("no_pytest_argv")
 SMALL_GPT = ["--trainer.devices", "4", "--model.n_layer", "4", "--model.n_embd", "64", "--model.n_head", "4"]
 
 
+@pytest.mark.slow  # ~25 s: a dry run per layout; the full suite runs it, the fast lane stays under 2 min
 def test_plan_auto_prints_the_ranked_table_choice_and_rejections(capsys):
     assert main(["plan", "--auto", "--top", "100", *SMALL_GPT]) == 0
     out = capsys.readouterr().out
@@ -26,6 +27,7 @@ def test_plan_auto_prints_the_ranked_table_choice_and_rejections(capsys):
     assert "fsdp1 tp4" in out and "1F1B m4" in out
 
 
+@pytest.mark.slow  # ~25 s: a dry run per layout; the full suite runs it
 def test_heads_not_divisible_by_the_tp_size_are_rejected_with_the_planners_message(capsys):
     assert main(["plan", "--auto", "--top", "3", *SMALL_GPT[:-1], "2"]) == 0
     out = capsys.readouterr().out

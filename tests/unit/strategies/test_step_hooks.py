@@ -79,6 +79,7 @@ class _CausalLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+@pytest.mark.slow  # ~18 s: two trainings on two gloo ranks; the full suite runs it
 def test_peak_tensor_memory_is_a_hand_written_loops(gloo_world):
     """Issue 31: `dpar_fsdp` used 12% more memory than the hand loop on a 1.1 B Llama (bf16-mixed, H200). The same
     model family here, fp32: before the gradients were released early, 99.4 MiB against the hand loop's 88.5 MiB;
