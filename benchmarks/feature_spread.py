@@ -34,6 +34,7 @@ FEATURES: dict[str, tuple[str, str]] = {
         r"activation_checkpoint|checkpoint_activations|checkpointing_policy|\bselective\b|recompute",
     ),
     "loss parallel": ("loss_parallel", r"loss_parallel|lossparallel"),
+    "float8": ("float8", r"float8"),
 }
 
 
