@@ -32,11 +32,6 @@ TRAINER_ONLY: dict[str, tuple[Any, str]] = {
         "torch's `loss_parallel()` must be entered around the loss's computation and around its backward; a Fabric"
         " loop computes the loss in the user's code, outside the model's forward that the strategy wraps",
     ),
-    "float8": (
-        None,
-        "float8 training's parity with one process is proven through the Trainer only (tests/launched/test_float8.py);"
-        " under Fabric it is not tested yet",
-    ),
     "fault_tolerance": (
         None,
         "torchft's per-step protocol (quorum, cross-group gradient averaging, commit) runs in the Trainer's step"

@@ -2,7 +2,8 @@
 (cases in `tests/workers/float8.py`): parameters after 3 steps equal one process running the same torchao conversion
 of the same layers on each data-parallel rank's share of the batch, the gradients averaged, within a few times
 float8's noise floor (measured in that one process: the same run started one float32 step away); every recipe under
-FSDP 2, the rowwise ones under TP 2 and TP 2 x FSDP 2; and each refusal, raised alike on every rank."""
+FSDP 2, the rowwise ones under TP 2 and TP 2 x FSDP 2, also in a Fabric loop; and each refusal, raised alike on every
+rank."""
 
 from __future__ import annotations
 
@@ -47,6 +48,25 @@ def test_float8_matches_one_process_with_the_same_conversion(world, case, reques
     precision, and the parameters after 3 steps are within a few times the noise floor of one process."""
     result = request.getfixturevalue(world)[case]
     assert result["plan"] == CONVERTED
+    assert all(modules == CONVERTED for modules in result["converted"]), result["converted"]
+    assert result["float8_effect"] > 10 * max(result["noise_floor"], FP32_ATOL), result
+    assert result["max_abs_diff"] <= max(FLOOR_MULTIPLE * result["noise_floor"], FP32_ATOL), result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "case"),
+    [
+        ("f2", "float8_fabric_fsdp2_tensorwise"),
+        ("f2", "float8_fabric_fsdp2_rowwise"),
+        ("f2", "float8_fabric_tp2_rowwise"),
+        ("f4", "float8_fabric_tp2_fsdp2_rowwise"),
+    ],
+)
+def test_float8_in_a_fabric_loop_matches_one_process(world, case, request):
+    """The same, in a user's own Fabric loop (built on the meta device, accumulating 2 micro-batches, clipping)."""
+    result = request.getfixturevalue(world)[case]
+    assert result["clipped"]  # the clipping norm was reached: clipping took part
     assert all(modules == CONVERTED for modules in result["converted"]), result["converted"]
     assert result["float8_effect"] > 10 * max(result["noise_floor"], FP32_ATOL), result
     assert result["max_abs_diff"] <= max(FLOOR_MULTIPLE * result["noise_floor"], FP32_ATOL), result

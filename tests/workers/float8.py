@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
 
+import lightning_dpar.fabric as dpar_fabric
 from lightning_dpar import FSDPTensorParallelStrategy, FullyShardStrategy
 from tests.workers.cases import Case
 from tests.workers.common import BATCH, STEPS, full_params, trainer_for, world_size
@@ -105,11 +106,22 @@ def rank_batches(data: Dataset, dp: int) -> list[list[Any]]:
 def reference(make: Callable[[], MLP], data: Dataset, dp: int) -> dict[str, torch.Tensor]:
     """One process: each data-parallel rank's share through the model (its own activation scales), the losses
     averaged as the ranks' gradients are, one optimizer step per global batch."""
+    return reference_on(make, rank_batches(data, dp))
+
+
+def reference_on(
+    make: Callable[[], MLP], steps: list[list[Any]], clip_norm: float | None = None
+) -> dict[str, torch.Tensor]:
+    """One process on `steps`: per optimizer step, the batches the ranks (and their micro-batches) each put through
+    the model alone (each with its own activation scales), the losses averaged as the gradients are, the gradients
+    clipped to `clip_norm` (if given) before the step."""
     module = make()
     optimizer = module.configure_optimizers()
-    for batches in rank_batches(data, dp):
+    for batches in steps:
         optimizer.zero_grad()
-        (sum(module.loss(b) for b in batches) / dp).backward()
+        (sum(module.loss(b) for b in batches) / len(batches)).backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip_norm)
         optimizer.step()
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
@@ -159,6 +171,10 @@ def tp(recipe: str, **options: Any) -> Callable[[], Any]:
     )
 
 
+def fabric_tp(recipe: str) -> Any:
+    return dpar_fabric.FSDPTensorParallelStrategy(tensor_parallel_size=2, tp_plan=TP_PLAN, float8=emulated(recipe))
+
+
 def expect_error(make_strategy: Callable[[], Any]) -> list[Any]:
     """Every rank's error (type and message), gathered on every rank: each must raise alike, none may hang."""
     message = None
@@ -203,6 +219,57 @@ def tensorwise_tp_by_hand() -> dict | None:
     return {"max_abs_diff": max_diff(got, want), "noise_floor": max(max_diff(run, want) for run in nudged)}
 
 
+#: Micro-batches per optimizer step in the Fabric loop (all but the last inside `fabric.no_backward_sync`).
+FABRIC_ACCUMULATE = 2
+#: The Fabric loop's gradient-norm clipping (the test checks it clipped).
+CLIP_NORM = 0.5
+
+
+def fabric_parity(strategy: Any, recipe: str, dp: int) -> dict | None:
+    """float8 in a user's own loop: `fabric.init_module(empty_init=True)` (converted on the meta device, each rank's
+    shards initialised), `fabric.setup`, `FABRIC_ACCUMULATE` micro-batches per step with `fabric.no_backward_sync`,
+    `fabric.backward`, `fabric.clip_gradients`, against one process running the same torchao conversion on each
+    data-parallel rank's micro-batches alone; the noise floor and float8's effect as in `parity`."""
+    from lightning.fabric import Fabric
+
+    from lightning_dpar.float8 import converted_modules
+    from tests.workers.fabric import gathered
+
+    fabric = Fabric(accelerator="cpu", devices=world_size(), strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        module = MLP()
+    model = fabric.setup(module)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    rank = fabric.strategy.distributed_sampler_kwargs["rank"]
+    per_step = dp * FABRIC_ACCUMULATE * BATCH  # a global batch: every (micro-batch, rank) batch, in that order
+    data = Vectors(n=STEPS * per_step)
+    steps = [[data[i : i + BATCH] for i in range(s * per_step, (s + 1) * per_step, BATCH)] for s in range(STEPS)]
+    clipped = []
+    for batches in steps:
+        for micro in range(FABRIC_ACCUMULATE):
+            batch = batches[micro * dp + rank]
+            with fabric.no_backward_sync(model, enabled=micro < FABRIC_ACCUMULATE - 1):
+                fabric.backward(F.mse_loss(model(batch["x"]), batch["y"]) / FABRIC_ACCUMULATE)
+        clipped.append(fabric.clip_gradients(model, optimizer, max_norm=CLIP_NORM).item() > CLIP_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    got = gathered(model)
+    modules: list[Any] = [None] * world_size()
+    torch.distributed.all_gather_object(modules, converted_modules(module))
+    if fabric.global_rank != 0:
+        return None
+    want = reference_on(lambda: converted(recipe), steps, clip_norm=CLIP_NORM)
+    nudged = [reference_on(lambda n=n: converted(recipe, n), steps, CLIP_NORM) for n in (float("inf"), float("-inf"))]
+    return {
+        "max_abs_diff": max_diff(got, want),
+        "noise_floor": max(max_diff(run, want) for run in nudged),
+        "float8_effect": max_diff(reference_on(lambda: converted(None), steps, CLIP_NORM), want),
+        "converted": modules,
+        "clipped": any(clipped),
+    }
+
+
 def checkpoint_into_high_precision() -> dict | None:
     """A float8 run (FSDP 2, rowwise) saves a sharded checkpoint; a run without float8 (same layout) resumes from it:
     the same keys, the same values (float8 changes the matmuls, not the parameters' precision)."""
@@ -235,6 +302,12 @@ def group_float8() -> Iterator[Case]:
         for recipe in ("rowwise", "rowwise_with_gw_hp"):
             yield Case(f"float8_tp2_{recipe}", lambda r=recipe: parity(tp(r), r, 1))
         yield Case("float8_checkpoint_into_high_precision", checkpoint_into_high_precision)
+        for recipe in ("tensorwise", "rowwise"):
+            yield Case(
+                f"float8_fabric_fsdp2_{recipe}",
+                lambda r=recipe: fabric_parity(dpar_fabric.FullyShardStrategy(float8=emulated(r)), r, 2),
+            )
+        yield Case("float8_fabric_tp2_rowwise", lambda: fabric_parity(fabric_tp("rowwise"), "rowwise", 1))
         yield Case("float8_tensorwise_tp_by_hand", tensorwise_tp_by_hand)
         yield Case("float8_error_tensorwise_tp", lambda: expect_error(tp("tensorwise")))
         yield Case(
@@ -243,6 +316,7 @@ def group_float8() -> Iterator[Case]:
     if world == 4:
         for recipe in ("rowwise", "rowwise_with_gw_hp"):
             yield Case(f"float8_tp2_fsdp2_{recipe}", lambda r=recipe: parity(tp(r), r, 2))
+        yield Case("float8_fabric_tp2_fsdp2_rowwise", lambda: fabric_parity(fabric_tp("rowwise"), "rowwise", 2))
         yield Case(
             "float8_error_pipeline",
             lambda: expect_error(tp("rowwise", pipeline_parallel_size=2, shard_modules=["fc*"])),

@@ -33,7 +33,6 @@ def test_off_values_and_other_arguments_pass():
         (lambda: dpar_fabric.FullyShardStrategy(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
         (lambda: dpar_fabric.FullyShardStrategy(context_parallel_size="auto"), "context_parallel_size='auto'"),
         (lambda: dpar_fabric.FSDPTensorParallelStrategy(loss_parallel=True), "loss_parallel=True"),
-        (lambda: dpar_fabric.FullyShardStrategy(float8="rowwise"), "float8='rowwise'"),  # before torchao is needed
     ],
 )
 def test_the_strategies_refuse_when_constructed(make, fragment):
@@ -44,6 +43,13 @@ def test_the_strategies_refuse_when_constructed(make, fragment):
 
 def test_expert_parallelism_is_allowed_under_fabric():
     assert dpar_fabric.FullyShardStrategy(expert_parallel_size=2).engine._expert_parallel_size == 2
+
+
+def test_float8_is_allowed_under_fabric():
+    """Trained in a Fabric loop within float8's noise floor of one process (tests/launched/test_float8.py)."""
+    assert "float8" not in TRAINER_ONLY
+    pytest.importorskip("torchao.float8")
+    assert dpar_fabric.FSDPTensorParallelStrategy(float8="rowwise").engine.plan_options.float8 is not None
 
 
 def test_a_transformers_moe_returning_router_logits_is_refused_as_the_root_with_the_fix():
