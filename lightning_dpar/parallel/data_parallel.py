@@ -36,10 +36,10 @@ from lightning_dpar.pipeline.stage import PipelinedModel
 from lightning_dpar.plan import ModulePlan
 from lightning_dpar.plan.structure import direct_parameters
 from lightning_dpar.plan.ties import SharedOwners, TiedGroup
+from lightning_dpar.steps.contract import MixedPrecision
 
 __all__ = [
     "STEP_METHODS",
-    "MixedPrecision",
     "apply_data_parallel",
     "apply_ddp_replicate",
     "apply_fully_shard",
@@ -48,9 +48,6 @@ __all__ = [
     "reshard",
     "shard_direct_parameters",
 ]
-
-#: A unit's mixed-precision policy, given whether it is a top-level unit (the strategy's precision plugin's).
-MixedPrecision = Callable[[bool], MixedPrecisionPolicy]
 
 
 def apply_data_parallel(
