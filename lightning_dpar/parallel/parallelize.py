@@ -12,9 +12,10 @@ which gets their `context_fn`: a recomputed block's attention must be context-pa
 Every step keeps the contract of `lightning_dpar.steps.contract.Step`: its slice of the plan, how it is applied, and
 what it does around each step. A feature's step is exported by its own folder (`STEP` in `pipeline/step.py`,
 `float8/step.py`, `loss_parallel/step.py`, `experts/step.py`, `context_parallel/step.py`,
-`activation_checkpointing/step.py`), next to its plan and apply code; the four steps that belong to no feature
-(tensor parallel, compile, data parallel, materialise) are bound here, to the plan's and this folder's code. A new
-feature is one more folder and one more `Step` at its place in `STEPS` (docs/architecture.md).
+`activation_checkpointing/step.py`), next to its plan and apply code; of the steps that belong to no feature, the
+data-parallel step is `parallel/data_parallel.py`'s, next to its wrappers, and tensor parallel, compile and
+materialise are bound here, to the plan's and this folder's code. A new feature is one more folder and one more
+`Step` at its place in `STEPS` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from lightning_dpar.context_parallel.runtime import ContextParallel
 from lightning_dpar.experts import step as experts_step
 from lightning_dpar.float8 import step as float8_step
 from lightning_dpar.loss_parallel import step as loss_parallel_step
-from lightning_dpar.parallel.data_parallel import apply_data_parallel, outermost_fsdp_modules
+from lightning_dpar.parallel import data_parallel
 from lightning_dpar.parallel.facts import model_facts
 from lightning_dpar.parallel.materialize import materialize_meta_tensors
 from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes
@@ -46,9 +47,8 @@ from lightning_dpar.pipeline.stage import PipelinedModel
 from lightning_dpar.plan import ModulePlan, local_plan
 from lightning_dpar.plan.compile import compile_units
 from lightning_dpar.plan.initialisers import check_initialisable
-from lightning_dpar.plan.planner import PlanOptions, data_parallel_settings, plan_tensor_parallel
-from lightning_dpar.plan.selectors import select_modules
-from lightning_dpar.plan.ties import TiedGroup, check_each_in_one_unit, check_tied_layouts, retie
+from lightning_dpar.plan.planner import PlanOptions, plan_tensor_parallel
+from lightning_dpar.plan.ties import TiedGroup, check_tied_layouts, retie
 from lightning_dpar.steps.contract import (
     Applying,
     BackwardContext,
@@ -110,7 +110,7 @@ class AppliedPlan:
         training or evaluation step's forward (`args`: the step's arguments, the batch first)."""
         if len(self.step_contexts) == 1:
             return self.step_contexts[0](training, args)
-        return _each_entered([partial(context, training, args) for context in self.step_contexts])
+        return _each_entered([partial(around, training, args) for around in self.step_contexts])
 
     def around_backward(self) -> AbstractContextManager[None]:
         """What the steps of this run that have one (`backward_contexts`, in the order of `STEPS`) do around each
@@ -125,8 +125,8 @@ class AppliedPlan:
 @contextmanager
 def _each_entered(contexts: Sequence[Callable[[], AbstractContextManager[None]]]) -> Generator[None, None, None]:
     with ExitStack() as stack:
-        for context in contexts:
-            stack.enter_context(context())
+        for enter in contexts:
+            stack.enter_context(enter())
         yield
 
 
@@ -158,39 +158,6 @@ def _compile(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
             wait_before_compiled_units(root, plan.compile_units)
 
 
-def _plan_data_parallel(planning: Planning) -> Mapping[str, Any]:
-    """The wrapper's units and settings; under DDP (no tensor parallelism) each tied parameter must sit inside one
-    of its units, and the modules left unsynchronised (`ignored_modules`) are resolved."""
-    module, dims, options, facts = planning.module, planning.dims, planning.options, planning.facts
-    ignored: list[str] = []
-    if not facts.adopted:
-        if dims.pipeline == 1 and options.ddp_units and dims.tensor_parallel == 1:  # with TP: FSDP replicas
-            check_each_in_one_unit(facts.tied, facts.roots, options.strategy)
-        if options.ignored_modules:
-            ignored = list(select_modules(module, options.ignored_modules, "ignored_modules"))
-    return {
-        "shard_units": facts.shard_units,
-        "data_parallel_roots": facts.roots,
-        "ignored": ignored,
-        "adopted_sharded": facts.adopted_sharded,
-        "data_parallel": data_parallel_settings(dims, options),
-    }
-
-
-def _data_parallel(root: nn.Module, plan: ModulePlan, applying: Applying) -> list[nn.Module]:
-    """The wrapper `plan.data_parallel` names, with its settings; its result is the modules whose gradient sync the
-    strategy controls. A model whose `configure_model` applied `fully_shard` itself is adopted as it is: its
-    outermost units are those modules."""
-    stages = pipeline_step.pipelined(applying.results)
-    if plan.adopted_sharded:
-        grad_sync_modules = outermost_fsdp_modules(root)
-    else:
-        grad_sync_modules = apply_data_parallel(root, plan, applying.meshes, applying.mixed_precision, stages)
-    if stages is not None:
-        stages.install_unit_hooks()
-    return grad_sync_modules
-
-
 def _plan_materialize(planning: Planning) -> Mapping[str, Any]:
     """A meta-device model is refused here if a module's parameters could not be initialised shard by shard (an
     adopted model was built by the user's own `configure_model`)."""
@@ -206,9 +173,6 @@ def _materialize(root: nn.Module, plan: ModulePlan, applying: Applying) -> None:
         materialize_meta_tensors(root, applying.meshes.device, plan.tied)
 
 
-#: The data-parallel wrapper: its result is the modules whose gradient sync the strategy controls.
-DATA_PARALLEL = Step("data parallel", _plan_data_parallel, _data_parallel)
-
 #: The steps, in the order they apply (torchtitan's: a model is split into stages first, its Linear layers are
 #: converted to float8, each stage's modules are tensor- and expert-parallelised, then wrapped for recomputation and
 #: compiled, and the data-parallel wrapper goes around all of it; shards are allocated last, once every layout is
@@ -222,7 +186,7 @@ STEPS: tuple[Step, ...] = (
     context_parallel_step.STEP,
     activation_checkpointing_step.STEP,
     Step("compile", _plan_compile, _compile),
-    DATA_PARALLEL,
+    data_parallel.STEP,
     Step("materialise", _plan_materialize, _materialize),
 )
 
@@ -274,11 +238,11 @@ def apply_plan(
     return AppliedPlan(
         plan,
         root,
-        results[DATA_PARALLEL.name],
+        results[data_parallel.STEP.name],
         fsdp_modules,
         results,
-        tuple(context for context in contexts if context is not None),
-        tuple(context for context in backward if context is not None),
+        tuple(around for around in contexts if around is not None),
+        tuple(around for around in backward if around is not None),
         tuple(output for output in outputs if output is not None),
     )
 
