@@ -10,9 +10,10 @@ See `docs/architecture.md`. The folders, in layers (none imports one below it; t
 `tests/unit/test_import_graph.py`):
 
 - `parallel_dims`: mesh sizes (`ParallelDims`) and every mesh of a run (`ParallelMeshes`);
-- `pipeline/`: pipeline parallelism (split, schedules, stages, runtime);
+- `steps/`: the contract every step of the parallelisation keeps (`Step`), which each feature's folder exports;
 - `conformance/`: Lightning's DDP semantics kept (buffers, `sync_batchnorm`, samplers, weight averaging) and the
   callbacks and Trainer settings a layout refuses before any collective;
+- `pipeline/`: pipeline parallelism (split, schedules, stages, runtime);
 - `plan/`: the plan as data (`ModulePlan`), a strategy's frozen `PlanOptions`, the facts and slices planning finds;
 - `experts/`: Mixture-of-Experts at run time (expert parallelism, router loss, expert keys);
 - `parallel/`: applying a plan (`parallelize.apply_plan`), the FSDP and DDP wrappers, materialisation, compile;

@@ -1,26 +1,31 @@
-"""Activation checkpointing as one step of the parallelisation (`lightning_dpar.parallel.parallelize.STEPS`, after
-context parallelism, whose checkpoint contexts it takes, and before compile): its slice of the plan
+"""Activation checkpointing as one step of the parallelisation (`STEP`, in `lightning_dpar.parallel.parallelize.STEPS`
+after context parallelism, whose checkpoint contexts it takes, and before compile): its slice of the plan
 (`plan_activation_checkpointing`) and how it is applied (`apply_activation_checkpointing`). Everything else outside
 this folder knows of it is its option (`activation_checkpointing=`) and the policy in the plan, which the activation
 estimate traces and the layout search's cost model counts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal, Protocol, Union, runtime_checkable
 
 from torch import nn
 
 from lightning_dpar._private_api import checkpoint_activations
 from lightning_dpar.activation_checkpointing.policy import ContextFn, checkpoint_context_fn, checkpoint_forward
+from lightning_dpar.context_parallel import step as context_parallel_step
+from lightning_dpar.steps.contract import Applying, Planning, Step
 
 __all__ = [
     "CHECKPOINTING_SETTINGS",
+    "STEP",
     "ActivationCheckpointingPlan",
     "ActivationCheckpointingSetting",
     "CheckpointPolicyName",
     "Checkpointing",
+    "ModelFactsRead",
+    "ModulePlanRead",
     "apply_activation_checkpointing",
     "checkpointing_of",
     "plan_activation_checkpointing",
@@ -104,3 +109,38 @@ def apply_activation_checkpointing(
     options = {} if context_fn is None else {"context_fn": context_fn}
     for fqn in part.modules:
         checkpoint_activations(root.get_submodule(fqn), **options)
+
+
+@runtime_checkable
+class ModelFactsRead(Protocol):
+    """What the activation-checkpointing step reads of the model's facts (`ModelFacts`): its slice, found with the
+    facts (`plan_activation_checkpointing`) because context parallelism checks it cuts no block."""
+
+    @property
+    def checkpointing(self) -> ActivationCheckpointingPlan: ...
+
+
+@runtime_checkable
+class ModulePlanRead(Protocol):
+    """What it reads of the plan (`ModulePlan`) when it applies it: its slice."""
+
+    @property
+    def activation_checkpointing(self) -> list[str]: ...
+
+    @property
+    def activation_checkpointing_policy(self) -> CheckpointPolicyName: ...
+
+
+def _plan(planning: Planning) -> Mapping[str, Any]:
+    facts: ModelFactsRead = planning.facts
+    part = facts.checkpointing
+    return {"activation_checkpointing": list(part.modules), "activation_checkpointing_policy": part.policy}
+
+
+def _apply(root: nn.Module, plan: ModulePlanRead, applying: Applying) -> None:
+    part = ActivationCheckpointingPlan(plan.activation_checkpointing, plan.activation_checkpointing_policy)
+    apply_activation_checkpointing(root, part, context_parallel_step.checkpoint_contexts(applying.results))
+
+
+#: Activation checkpointing: after context parallelism (whose checkpoint contexts it takes), before compile.
+STEP = Step("activation checkpointing", _plan, _apply)

@@ -1,14 +1,17 @@
-"""Context parallelism as one step of the parallelisation (`lightning_dpar.parallel.parallelize.STEPS`): its slice of
-the plan (`plan_context_parallel`), how it is applied (`apply_context_parallel`), and what it does around each step
+"""Context parallelism as one step of the parallelisation (`STEP`, in `lightning_dpar.parallel.parallelize.STEPS`
+after expert parallelism and before activation checkpointing, which takes its checkpoint contexts): its slice of the
+plan (`plan_context_parallel`), how it is applied (`apply_context_parallel`: the hooks installed, its result, which
+later steps read back with `runtime_of` and `checkpoint_contexts`), and what it does around each step
 (`around_step`). Everything else outside this folder knows of it is its mesh dim (`ParallelDims.context`) and its
 option (`context_parallel_loss`)."""
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 
@@ -16,8 +19,66 @@ import lightning_dpar.context_parallel.checks as checks
 from lightning_dpar.context_parallel.loss import causal_lm_loss_module, check_loss_mode
 from lightning_dpar.context_parallel.runtime import ContextParallel
 from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes
+from lightning_dpar.pipeline import step as pipeline_step
+from lightning_dpar.pipeline.split import PipelineSplit
+from lightning_dpar.steps.contract import Applying, Planning, Step, StepContext
 
-__all__ = ["ContextParallelPlan", "apply_context_parallel", "around_step", "plan_context_parallel"]
+__all__ = [
+    "STEP",
+    "ContextParallelPlan",
+    "ModelFactsRead",
+    "ModulePlanRead",
+    "PlanOptionsRead",
+    "apply_context_parallel",
+    "around_step",
+    "checkpoint_contexts",
+    "plan_context_parallel",
+    "runtime_of",
+]
+
+
+@runtime_checkable
+class PlanOptionsRead(Protocol):
+    """What the context-parallel step reads of the strategy's `PlanOptions`: its option and the strategy's name
+    (refusals name the call)."""
+
+    @property
+    def context_parallel_loss(self) -> str: ...
+
+    @property
+    def strategy(self) -> str: ...
+
+
+class _Recomputed(Protocol):
+    @property
+    def modules(self) -> list[str]: ...
+
+
+@runtime_checkable
+class ModelFactsRead(Protocol):
+    """What it reads of the model's facts (`ModelFacts`): the modules activation checkpointing recomputes (none
+    may cut a block)."""
+
+    @property
+    def checkpointing(self) -> _Recomputed: ...
+
+
+@runtime_checkable
+class ModulePlanRead(Protocol):
+    """What it reads of the plan (`ModulePlan`) when it applies it: its slice, and the pipeline split with this
+    rank's place in it (the hooks go on this rank's stages)."""
+
+    @property
+    def context_parallel(self) -> list[str]: ...
+
+    @property
+    def context_parallel_loss(self) -> str | None: ...
+
+    @property
+    def pipeline(self) -> PipelineSplit | None: ...
+
+    @property
+    def pipeline_rank(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -82,3 +143,47 @@ def around_step(runtime: ContextParallel, training: bool, args: Sequence[Any]) -
         checks.check_batch(args[0])
     with runtime.active():
         yield
+
+
+def _plan(planning: Planning) -> Mapping[str, Any]:
+    options: PlanOptionsRead = planning.options
+    facts: ModelFactsRead = planning.facts
+    split: PipelineSplit | None = planning.slices["pipeline"]
+    part = plan_context_parallel(
+        planning.module,
+        planning.dims,
+        options.context_parallel_loss,
+        options.strategy,
+        facts.checkpointing.modules,
+        split.stages if split is not None else None,
+    )
+    return {"context_parallel": part.blocks, "context_parallel_loss": part.loss_module}
+
+
+def _apply(root: nn.Module, plan: ModulePlanRead, applying: Applying) -> ContextParallel | None:
+    stages = pipeline_step.rank_stages(plan.pipeline, plan.pipeline_rank)  # the other stages' blocks are remote
+    part = ContextParallelPlan(plan.context_parallel, plan.context_parallel_loss)
+    return apply_context_parallel(root, part, applying.meshes, stages)
+
+
+def _around_step(runtime: ContextParallel | None) -> StepContext | None:
+    return None if runtime is None else partial(around_step, runtime)
+
+
+#: Context parallelism: after expert parallelism, before activation checkpointing (which takes its contexts).
+STEP = Step("context parallel", _plan, _apply, _around_step)
+
+
+def runtime_of(results: Mapping[str, Any]) -> ContextParallel | None:
+    """The installed hooks, from the steps' results (`Applying.results`, `AppliedPlan.results`) once the step is
+    applied; `None` without context parallelism."""
+    return results.get(STEP.name)
+
+
+def checkpoint_contexts(
+    results: Mapping[str, Any],
+) -> Callable[[], tuple[AbstractContextManager, AbstractContextManager]] | None:
+    """The context managers a recomputed block's forward and recomputation run in, so that its attention is
+    context-parallel again (`ContextParallel.checkpoint_contexts`); `None` without context parallelism."""
+    runtime = runtime_of(results)
+    return runtime.checkpoint_contexts if runtime is not None else None

@@ -1,6 +1,6 @@
-"""float8 training as one step of the parallelisation (`lightning_dpar.parallel.parallelize.STEPS`, after the
-pipeline split and before tensor parallelism, as torchtitan converts the model before it parallelises it): its slice
-of the plan (`plan_float8`: the `nn.Linear` modules converted to torchao's `Float8Linear`, found once, with every
+"""float8 training as one step of the parallelisation (`STEP`, in `lightning_dpar.parallel.parallelize.STEPS` after
+the pipeline split and before tensor parallelism, as torchtitan converts the model before it parallelises it): its
+slice of the plan (`plan_float8`: the `nn.Linear` modules converted to torchao's `Float8Linear`, found once, with every
 refusal before any collective) and how it is applied (`apply_float8`: torchao's `convert_to_float8_training` on
 exactly those modules). Everything else outside this folder knows of it is its option (`float8=`, `float8_skip=`)
 and its `ModulePlan` fields (`float8`, the converted modules' names; `float8_config`, torchao's config).
@@ -14,9 +14,9 @@ tensorwise recipe under tensor parallelism is refused here (not exact against on
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -26,11 +26,16 @@ from lightning_dpar.float8.config import Float8Options, fitted_to_device, torcha
 from lightning_dpar.helpers import is_under, show_names
 from lightning_dpar.loss_parallel.step import output_layer_candidate
 from lightning_dpar.parallel_dims import ParallelDims
+from lightning_dpar.steps.contract import Applying, Planning, Step
 
 __all__ = [
     "ADAPTER_NAMES",
     "FLOAT8_MULTIPLE",
+    "STEP",
     "Float8Plan",
+    "ModelFactsRead",
+    "ModulePlanRead",
+    "PlanOptionsRead",
     "apply_float8",
     "converted_modules",
     "convertible_linears",
@@ -44,6 +49,41 @@ FLOAT8_MULTIPLE = 16
 #: precision (their rank is small, and float8's rounding would swamp their small updates); the frozen base layer is
 #: converted like any Linear.
 ADAPTER_NAMES = ("lora_A", "lora_B")
+
+
+@runtime_checkable
+class PlanOptionsRead(Protocol):
+    """What the float8 step reads of the strategy's `PlanOptions`: its option and the strategy's name (refusals
+    name the call)."""
+
+    @property
+    def float8(self) -> Float8Options | None: ...
+
+    @property
+    def strategy(self) -> str: ...
+
+
+@runtime_checkable
+class ModelFactsRead(Protocol):
+    """What it reads of the model's facts (`ModelFacts`): whether the model was parallelised by its own
+    `configure_model`, and the experts modules (refused inside)."""
+
+    @property
+    def adopted(self) -> bool: ...
+
+    @property
+    def experts(self) -> list[str]: ...
+
+
+@runtime_checkable
+class ModulePlanRead(Protocol):
+    """What it reads of the plan (`ModulePlan`) when it applies it: its slice."""
+
+    @property
+    def float8(self) -> list[str]: ...
+
+    @property
+    def float8_config(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -201,3 +241,22 @@ def converted_modules(root: nn.Module) -> list[str]:
     except ImportError:
         return []
     return [fqn for fqn, module in root.named_modules() if isinstance(module, cls)]
+
+
+def _plan(planning: Planning) -> Mapping[str, Any]:
+    """The Linear modules converted to float8 (none without `float8=`), every refusal before any collective."""
+    options: PlanOptionsRead = planning.options
+    facts: ModelFactsRead = planning.facts
+    part = plan_float8(
+        planning.module, planning.dims, options.float8, options.strategy, adopted=facts.adopted, experts=facts.experts
+    )
+    return {"float8": part.modules, "float8_config": part.config}
+
+
+def _apply(root: nn.Module, plan: ModulePlanRead, applying: Applying) -> None:
+    """torchao's `Float8Linear` swapped in for the planned modules, before tensor parallelism shards them."""
+    apply_float8(root, Float8Plan(plan.float8, plan.float8_config), applying.meshes.device)
+
+
+#: float8 training: after the pipeline split, before tensor parallelism.
+STEP = Step("float8", _plan, _apply)

@@ -1,17 +1,19 @@
-"""Loss parallel as one step of the parallelisation (`lightning_dpar.parallel.parallelize.STEPS`, right after tensor
-parallelism, whose resolved styles it reads): its slice of the plan (`plan_loss_parallel`: the output layer whose
+"""Loss parallel as one step of the parallelisation (`STEP`, in `lightning_dpar.parallel.parallelize.STEPS` right after
+tensor parallelism, whose resolved styles it reads): its slice of the plan (`plan_loss_parallel`: the output layer whose
 logits stay sharded over the vocabulary, with every refusal before any collective), how it is applied
 (`sharded_output_styles`, which the tensor-parallel step applies in place of the plan's gathered style, and the
 estimate traces), and what it does around each step's forward and backward (`around_step`: torch's
 `loss_parallel()` context, which computes `F.cross_entropy` on vocabulary-sharded logits with three small
-all-reduces instead of one all-gather of the whole logits). Everything else outside this folder knows of it is its
-option (`loss_parallel=`) and its `ModulePlan` field (`loss_parallel`, the output layer's name)."""
+all-reduces instead of one all-gather of the whole logits; `plain_loss` on the step's output). Everything else
+outside this folder knows of it is its option (`loss_parallel=`) and its `ModulePlan` field (`loss_parallel`, the
+output layer's name)."""
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from functools import partial
+from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -19,9 +21,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, lo
 
 from lightning_dpar.helpers import class_name, show_names, transformers_models
 from lightning_dpar.parallel_dims import ParallelDims
+from lightning_dpar.steps.contract import Applying, Planning, Step, StepOutput
 
 __all__ = [
+    "STEP",
     "LossParallelError",
+    "ModulePlanRead",
+    "PlanOptionsRead",
     "around_step",
     "gathers_columns",
     "output_layer_candidate",
@@ -29,6 +35,27 @@ __all__ = [
     "plan_loss_parallel",
     "sharded_output_styles",
 ]
+
+
+@runtime_checkable
+class PlanOptionsRead(Protocol):
+    """What the loss-parallel step reads of the strategy's `PlanOptions`: its option and the strategy's name
+    (refusals name the call)."""
+
+    @property
+    def loss_parallel(self) -> bool: ...
+
+    @property
+    def strategy(self) -> str: ...
+
+
+@runtime_checkable
+class ModulePlanRead(Protocol):
+    """What it reads of the plan (`ModulePlan`) when it applies it: its slice, the output layer's name."""
+
+    @property
+    def loss_parallel(self) -> str | None: ...
+
 
 #: How a user writes the output layer's style in a `tp_plan` so that loss parallel can keep its output sharded.
 _GATHERED_STYLE_NAME = "colwise_gather_output"
@@ -157,3 +184,30 @@ def around_step(output_layer: str, training: bool = True, args: Sequence[Any] = 
             " with `logits.full_tensor()`; to add a plain tensor to the loss (an auxiliary loss), take the loss's"
             " whole value with `loss.to_local()` (differentiable); or set `loss_parallel=False`."
         ) from error
+
+
+def _plan(planning: Planning) -> Mapping[str, Any]:
+    """The output layer whose logits stay sharded, found in the tensor-parallel step's resolved styles."""
+    options: PlanOptionsRead = planning.options
+    styles = planning.slices["tensor_parallel"]
+    output = plan_loss_parallel(planning.module, planning.dims, options.loss_parallel, styles, options.strategy)
+    return {"loss_parallel": output}
+
+
+def _apply(root: nn.Module, plan: ModulePlanRead, applying: Applying) -> str | None:
+    """Its style was applied with tensor parallelism's (one `parallelize_module` call, ties kept); what remains is
+    the context around each step, so its result is the output layer's name (`None`: no loss parallel)."""
+    return plan.loss_parallel
+
+
+def _around_each(output_layer: str | None) -> Callable[..., AbstractContextManager[None]] | None:
+    """torch's `loss_parallel()` around each step's forward and around its backward; nothing without it."""
+    return None if output_layer is None else partial(around_step, output_layer)
+
+
+def _step_output(output_layer: str | None) -> StepOutput | None:
+    return None if output_layer is None else plain_loss
+
+
+#: Loss parallel: right after tensor parallelism, which applies its style.
+STEP = Step("loss parallel", _plan, _apply, _around_each, _around_each, _step_output)

@@ -1,7 +1,8 @@
-"""The data-parallel step's wrappers: FSDP2's `fully_shard` (over the FSDP mesh, over each pipeline stage, or over
-replicas of size-1 shard groups when tensor-parallel parameters rule DDP out) and composable DDP's `replicate`, each
-on the top-level units the plan names (`ModulePlan.data_parallel_roots`), with the settings the plan carries
-(`ModulePlan.data_parallel`). `reshard` frees unsharded parameters between steps.
+"""The data-parallel step (`STEP`: its slice of the plan, the wrapper's units and settings, and how it is applied,
+wrapping each pipeline stage where there are stages) and its wrappers: FSDP2's `fully_shard` (over the FSDP mesh,
+over each pipeline stage, or over replicas of size-1 shard groups when tensor-parallel parameters rule DDP out) and
+composable DDP's `replicate`, each on the top-level units the plan names (`ModulePlan.data_parallel_roots`), with the
+settings the plan carries (`ModulePlan.data_parallel`). `reshard` frees unsharded parameters between steps.
 
 Wrappers go on the LightningModule's children: Lightning calls `training_step` directly (not `forward`), so forward
 hooks on the LightningModule would never fire. A child that is only a container (`nn.ModuleList`, `nn.ModuleDict`:
@@ -30,16 +31,21 @@ from torch.distributed.fsdp import (
 )
 
 from lightning_dpar._private_api import ddp_replicate
+from lightning_dpar.parallel.facts import ModelFacts
 from lightning_dpar.parallel.fsdp_units import fully_shard_unit
 from lightning_dpar.parallel_dims import ParallelMeshes
+from lightning_dpar.pipeline import step as pipeline_step
 from lightning_dpar.pipeline.stage import PipelinedModel
 from lightning_dpar.plan import ModulePlan
+from lightning_dpar.plan.planner import PlanOptions, data_parallel_settings
+from lightning_dpar.plan.selectors import select_modules
 from lightning_dpar.plan.structure import direct_parameters
-from lightning_dpar.plan.ties import SharedOwners, TiedGroup
+from lightning_dpar.plan.ties import SharedOwners, TiedGroup, check_each_in_one_unit
+from lightning_dpar.steps.contract import Applying, MixedPrecision, Planning, Step
 
 __all__ = [
+    "STEP",
     "STEP_METHODS",
-    "MixedPrecision",
     "apply_data_parallel",
     "apply_ddp_replicate",
     "apply_fully_shard",
@@ -48,9 +54,6 @@ __all__ = [
     "reshard",
     "shard_direct_parameters",
 ]
-
-#: A unit's mixed-precision policy, given whether it is a top-level unit (the strategy's precision plugin's).
-MixedPrecision = Callable[[bool], MixedPrecisionPolicy]
 
 
 def apply_data_parallel(
@@ -312,3 +315,43 @@ def ignored_parameters(root: nn.Module, patterns: Sequence[str]) -> set[nn.Param
     """The parameters of the modules named by `patterns` (`ModulePlan.ignored`), whose gradients are not
     synchronised."""
     return {p for fqn in patterns for p in root.get_submodule(fqn).parameters()}
+
+
+def _plan(planning: Planning) -> Mapping[str, Any]:
+    """The wrapper's units and settings; under DDP (no tensor parallelism) each tied parameter must sit inside one
+    of its units, and the modules left unsynchronised (`ignored_modules`) are resolved."""
+    module, dims = planning.module, planning.dims
+    options: PlanOptions = planning.options
+    facts: ModelFacts = planning.facts
+    ignored: list[str] = []
+    if not facts.adopted:
+        if dims.pipeline == 1 and options.ddp_units and dims.tensor_parallel == 1:  # with TP: FSDP replicas
+            check_each_in_one_unit(facts.tied, facts.roots, options.strategy)
+        if options.ignored_modules:
+            ignored = list(select_modules(module, options.ignored_modules, "ignored_modules"))
+    return {
+        "shard_units": facts.shard_units,
+        "data_parallel_roots": facts.roots,
+        "ignored": ignored,
+        "adopted_sharded": facts.adopted_sharded,
+        "data_parallel": data_parallel_settings(dims, options),
+    }
+
+
+def _apply(root: nn.Module, plan: ModulePlan, applying: Applying) -> list[nn.Module]:
+    """The wrapper `plan.data_parallel` names, with its settings; its result is the modules whose gradient sync the
+    strategy controls. A model whose `configure_model` applied `fully_shard` itself is adopted as it is: its
+    outermost units are those modules."""
+    stages = pipeline_step.pipelined(applying.results)
+    if plan.adopted_sharded:
+        grad_sync_modules = outermost_fsdp_modules(root)
+    else:
+        grad_sync_modules = apply_data_parallel(root, plan, applying.meshes, applying.mixed_precision, stages)
+    if stages is not None:
+        stages.install_unit_hooks()
+    return grad_sync_modules
+
+
+#: The data-parallel step: after compile, before materialise; its result is the modules whose gradient sync the
+#: strategy controls (`AppliedPlan.grad_sync_modules`).
+STEP = Step("data parallel", _plan, _apply)

@@ -112,3 +112,25 @@ def test_a_deep_copy_of_a_selectively_checkpointed_model_computes_with_its_own_p
             p.mul_(0.5)
     assert torch.equal(twin._loss(batch), plain._loss(batch))
     assert not torch.equal(model._loss(batch), twin._loss(batch))
+
+
+def test_the_step_takes_its_slice_from_the_facts_and_applies_it():
+    """`STEP`, the binding the list of steps walks: its slice is the recomputed modules found with the model's facts,
+    and applying it (no context parallelism: no checkpoint contexts to take) recomputes those modules."""
+    from lightning_dpar.activation_checkpointing import step
+    from lightning_dpar.parallel.facts import model_facts
+    from lightning_dpar.plan import ModulePlan
+    from lightning_dpar.steps.contract import Applying, Planning
+
+    dims = ParallelDims(2, 1, 2, 1)
+    options = PlanOptions("FullyShardStrategy", shards=True, activation_checkpointing="selective")
+    model = _gpt()
+    facts = model_facts(model, dims, options)
+    assert isinstance(facts, step.ModelFactsRead)
+    part = step.STEP.plan(Planning(model, dims, options, facts))
+    assert part == {"activation_checkpointing": BLOCKS, "activation_checkpointing_policy": "selective"}
+    plan = ModulePlan({}, part["activation_checkpointing"], [], activation_checkpointing_policy="selective")
+    assert isinstance(plan, step.ModulePlanRead)
+    forward = type(model.model.blocks[0]).forward
+    step.STEP.apply(model, plan, Applying(meshes=None))  # type: ignore[arg-type]
+    assert model.model.blocks[0].forward is not forward  # the selective policy checkpoints the block's forward

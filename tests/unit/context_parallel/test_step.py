@@ -63,3 +63,29 @@ def test_around_a_training_step_the_batch_is_checked_before_the_sequence_is_spli
     with around_step(runtime, training=False, args=({"attention_mask": torch.zeros(1, 4)},)):  # type: ignore[arg-type]
         pass  # evaluation steps are not checked, as before
     assert runtime.entered == 2
+
+
+def test_the_step_reads_what_it_declares_and_hands_its_hooks_on_by_name():
+    """`STEP`, the binding the list of steps walks: the real options, facts and plan satisfy what it declares it
+    reads; without context parallelism its slice is empty, its result `None`, and it does nothing around a step."""
+    from lightning_dpar.context_parallel import step
+    from lightning_dpar.parallel.facts import model_facts
+    from lightning_dpar.plan import ModulePlan, PlanOptions
+    from lightning_dpar.steps.contract import Applying, Planning
+
+    options = PlanOptions("S", shards=True)
+    dims = _dims(1)
+    facts = model_facts(Model(), dims, options)
+    assert isinstance(options, step.PlanOptionsRead) and isinstance(facts, step.ModelFactsRead)
+    planning = Planning(Model(), dims, options, facts, {"pipeline": None})
+    assert step.STEP.plan(planning) == {"context_parallel": [], "context_parallel_loss": None}
+    plan = ModulePlan({}, [], [])
+    assert isinstance(plan, step.ModulePlanRead)
+    assert step.STEP.apply(Model(), plan, Applying(meshes=None)) is None  # type: ignore[arg-type]
+    assert step.STEP.around_step is not None and step.STEP.around_step(None) is None
+    assert step.runtime_of({}) is None and step.checkpoint_contexts({}) is None
+    runtime = _Runtime()
+    with step.STEP.around_step(runtime)(False, ()):  # type: ignore[misc]
+        pass
+    assert runtime.entered == 1
+    assert step.runtime_of({step.STEP.name: runtime}) is runtime

@@ -171,3 +171,22 @@ def test_the_planning_walk_carries_the_slice_and_its_config():
     assert plan.float8 == BLOCK_LINEARS and plan.float8_config.emulate
     plain = parallelize.plan_modules(Tiny(), FSDP2, PlanOptions("FullyShardStrategy", shards=True))
     assert plain.float8 == [] and plain.float8_config is None
+
+
+def test_the_step_reads_what_it_declares_and_converts_its_slice(gloo_world):
+    """`STEP`, the binding the list of steps walks: the real options, facts and plan satisfy what it declares it
+    reads; its slice is the convertible Linear modules with torchao's config, and applying it converts them."""
+    from lightning_dpar.parallel.facts import model_facts
+    from lightning_dpar.plan import ModulePlan
+    from lightning_dpar.steps.contract import Applying, Planning
+
+    options = PlanOptions("FullyShardStrategy", shards=True, float8=emulated())
+    facts = model_facts(Tiny(), ONE, options)
+    assert isinstance(options, step.PlanOptionsRead) and isinstance(facts, step.ModelFactsRead)
+    part = step.STEP.plan(Planning(Tiny(), ONE, options, facts))
+    assert part["float8"] == BLOCK_LINEARS and part["float8_config"].emulate
+    plan = ModulePlan({}, [], [], **part)
+    assert isinstance(plan, step.ModulePlanRead)
+    model = Tiny()
+    step.STEP.apply(model, plan, Applying(ONE.build_meshes(torch.device("cpu"), device_type="cpu")))
+    assert step.converted_modules(model) == BLOCK_LINEARS

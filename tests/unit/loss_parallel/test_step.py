@@ -131,3 +131,21 @@ def test_another_use_of_the_sharded_logits_fails_naming_loss_parallel(gloo_world
     assert "`loss_parallel=True`" in message and "'model.head'" in message and "full_tensor()" in message
     with pytest.raises(KeyError), step.around_step("model.head"):  # an error of another kind passes unchanged
         raise KeyError("x")
+
+
+def test_the_step_runs_its_context_and_its_output_part_only_under_loss_parallel():
+    """`STEP`, the binding the list of steps walks: its result is the output layer's name (applied by the
+    tensor-parallel step), and with none it does nothing around a step, its backward or its output."""
+    from lightning_dpar.plan import ModulePlan
+    from lightning_dpar.steps.contract import Applying
+
+    assert isinstance(PlanOptions("S"), step.PlanOptionsRead)
+    plan = ModulePlan({}, [], [], loss_parallel="head")
+    assert isinstance(plan, step.ModulePlanRead)
+    assert step.STEP.apply(Tiny(), plan, Applying(meshes=None)) == "head"  # type: ignore[arg-type]
+    parts = (step.STEP.around_step, step.STEP.around_backward, step.STEP.step_output)
+    assert all(part is not None and part(None) is None for part in parts)
+    assert step.STEP.step_output("head") is step.plain_loss  # type: ignore[misc]
+    with pytest.raises(step.LossParallelError, match="'head'"):
+        with step.STEP.around_backward("head")():  # type: ignore[misc]
+            raise RuntimeError("a DTensor op not supported")

@@ -80,3 +80,29 @@ def test_outermost_units_and_ignored_parameters(gloo_world):
     assert isinstance(module.model.blocks[0], FSDPModule)  # a unit, but enclosed by the root
     ignored = data_parallel.ignored_parameters(LightningShaped(), ["model.head"])
     assert len(ignored) == 2 and all(p.shape in ((2, 4), (2,)) for p in ignored)
+
+
+def test_the_steps_slice_is_the_wrappers_units_roots_and_settings():
+    """`STEP`, the binding the list of steps walks: its slice comes from the model's facts and the options (the
+    unsynchronised modules resolved); a tied parameter split across DDP's units is refused before any collective."""
+    import pytest
+
+    from lightning_dpar.parallel.facts import model_facts
+    from lightning_dpar.parallel_dims import ParallelDims
+    from lightning_dpar.plan import PlanOptions
+    from lightning_dpar.steps.contract import Planning
+
+    dims = ParallelDims(2, 1, 2, 1)
+    options = PlanOptions("FullyShardStrategy", shards=True, ignored_modules=["model.head"])
+    module = LightningShaped()
+    part = data_parallel.STEP.plan(Planning(module, dims, options, model_facts(module, dims, options)))
+    assert part["shard_units"] == ["model.blocks.0", "model.blocks.1"] and part["data_parallel_roots"] == ["model"]
+    assert part["ignored"] == ["model.head"] and not part["adopted_sharded"]
+    assert part["data_parallel"].wrapper == "fully_shard"
+    tied = nn.Module()
+    tied.a, tied.b = nn.Linear(4, 4), nn.Linear(4, 4)
+    tied.b.weight = tied.a.weight
+    ddp = PlanOptions("ReplicateStrategy", ddp_units=True)
+    ddp_dims = ParallelDims(2, 2, 1, 1)
+    with pytest.raises(ValueError, match="separate DDP units that cannot share a parameter"):
+        data_parallel.STEP.plan(Planning(tied, ddp_dims, ddp, model_facts(tied, ddp_dims, ddp)))

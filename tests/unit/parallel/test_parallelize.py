@@ -9,6 +9,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_dpar.parallel import parallelize
+from lightning_dpar.parallel.facts import model_facts
+from lightning_dpar.steps.contract import Planning
 from tests.unit.parallel.test_data_parallel import LightningShaped
 
 
@@ -33,6 +35,23 @@ def test_the_steps_are_in_torchtitans_order_and_context_parallel_comes_before_ch
     assert [step.name for step in parallelize.STEPS if step.step_output is not None] == ["loss parallel"]
 
 
+def test_each_feature_step_is_the_one_its_folder_exports():
+    """A feature's step is its folder's `STEP` (issue 42), and step names are unique: each step's result is kept
+    under its name (`Applying.results`)."""
+    from lightning_dpar.activation_checkpointing import step as activation_checkpointing
+    from lightning_dpar.context_parallel import step as context_parallel
+    from lightning_dpar.experts import step as experts
+    from lightning_dpar.float8 import step as float8
+    from lightning_dpar.loss_parallel import step as loss_parallel
+    from lightning_dpar.pipeline import step as pipeline
+
+    folders = [pipeline, float8, loss_parallel, experts, context_parallel, activation_checkpointing]
+    assert [step for step in parallelize.STEPS if step in {folder.STEP for folder in folders}] == [
+        folder.STEP for folder in folders
+    ]
+    assert len({step.name for step in parallelize.STEPS}) == len(parallelize.STEPS)
+
+
 def test_apply_plan_walks_every_step_and_the_data_parallel_step_reads_its_settings_from_the_plan(gloo_world):
     """A one-rank `apply_plan` with no strategy: the wrapper and `reshard_after_forward` come from the plan."""
     from lightning_dpar.parallel_dims import ParallelDims
@@ -48,6 +67,8 @@ def test_apply_plan_walks_every_step_and_the_data_parallel_step_reads_its_settin
     applied = parallelize.apply_plan(module, plan, meshes)
     assert applied.grad_sync_modules == [module.model]
     assert len(applied.fsdp_modules) == 3 and applied.pipeline is None and applied.context_parallel is None
+    assert list(applied.results) == [step.name for step in parallelize.STEPS]  # each step's result, by name
+    assert applied.results["data parallel"] == applied.grad_sync_modules
     module.model(torch.randn(3, 4)).sum()
     assert not isinstance(module.model.blocks[0].weight, DTensor)  # `reshard_after_forward=False`, from the plan
     assert applied.step_contexts == ()  # no step of this plan does anything around a step
@@ -120,11 +141,11 @@ def test_apply_plan_replicates_when_the_plan_says_replicate(gloo_world):
     assert applied.fsdp_modules == []
 
 
-def _planning(module: nn.Module, dims, **options) -> parallelize.Planning:
+def _planning(module: nn.Module, dims, **options) -> Planning:
     from lightning_dpar.plan import PlanOptions
 
     plan_options = PlanOptions("FullyShardStrategy", shards=True, **options)
-    return parallelize.Planning(module, dims, plan_options, parallelize.model_facts(module, dims, plan_options))
+    return Planning(module, dims, plan_options, model_facts(module, dims, plan_options))
 
 
 def test_each_field_of_the_plan_is_one_steps_slice_or_a_fact_of_the_model():

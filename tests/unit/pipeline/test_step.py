@@ -47,3 +47,30 @@ def test_a_schedule_the_pipeline_size_cannot_run_is_refused_before_any_collectiv
     config = PipelineConfig.of("1F1B", 1, 1, None)  # one microbatch for two stages
     with pytest.raises(ValueError, match=r"`pipeline_microbatches=1` for 2 stages"):
         plan_pipeline_split(model, ParallelDims(2, 1, 1, 1, pipeline=2), config, repeated_blocks(model))
+
+
+def test_the_step_plans_the_split_and_hands_its_stages_on_by_name():
+    """`STEP`, the binding the list of steps walks: its slice from the options and the model's units, the BatchNorm
+    refusal first, and this rank's stages as its result, which `pipelined` reads back."""
+    from lightning_dpar.parallel.facts import model_facts
+    from lightning_dpar.pipeline import step
+    from lightning_dpar.plan import ModulePlan, PlanOptions
+    from lightning_dpar.steps.contract import Applying, Planning
+
+    dims = ParallelDims(2, 1, 1, 1, pipeline=2)
+    options = PlanOptions("S", shards=True, pipeline=PipelineConfig.of("1F1B", None, 1, None))
+    model = _model()
+    facts = model_facts(model, dims, options)
+    assert isinstance(options, step.PlanOptionsRead) and isinstance(facts, step.ModelFactsRead)
+    split = step.STEP.plan(Planning(model, dims, options, facts))["pipeline"]
+    assert split.stages == (("embed", "layers.0", "layers.1"), ("layers.2", "layers.3", "head"))
+    plan = ModulePlan({}, [], [], pipeline=split, pipeline_rank=1)
+    assert isinstance(plan, step.ModulePlanRead)
+    applying = Applying(meshes=None, materialize=False)  # type: ignore[arg-type]  # the dry run: the meta device
+    applying.results[step.STEP.name] = step.STEP.apply(model, plan, applying)
+    assert step.pipelined(applying.results) is applying.results["pipeline split"]
+    assert isinstance(model.embed, RemoteUnit) and step.pipelined({}) is None
+    normed = _model()
+    normed.norm = nn.BatchNorm1d(4)
+    with pytest.raises(ValueError, match="BatchNorm"):
+        step.STEP.plan(Planning(normed, dims, options, facts))
