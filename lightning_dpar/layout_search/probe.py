@@ -19,6 +19,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from lightning_dpar.activation_checkpointing.cost import selective_share
 from lightning_dpar.activation_checkpointing.step import Checkpointing
 from lightning_dpar.estimates.activations import ActivationEstimate, TraceCache
 from lightning_dpar.estimates.dry_run import plan, strategy_activations
@@ -95,9 +96,7 @@ def dry_run_probe(
             estimate = _activations(strategy, make_module(), layout, shape, traces)
             if estimate is not None:
                 peaks = [tuple(estimate.peak(r, c) for c in (False, True, "selective")) for r in range(len(stored))]
-                flops = estimate.flops
-                if flops is not None and flops.recomputed(True) > 0:
-                    share = flops.recomputed("selective") / flops.recomputed(True)
+                share = selective_share(estimate.flops)
         ranks = tuple(RankMemory(*memory, *peak) for memory, peak in zip(stored, peaks))  # type: ignore[misc]
         return MeshMemory(ranks, unit, share, gathered)
 
