@@ -1,5 +1,5 @@
 """Context parallelism as the layout search prices it (`lightning_dpar.layout_search`): the sizes it offers for a
-sequence length, and what one step exchanges.
+sequence length, the layouts it refuses when their step cannot be traced, and what one step exchanges.
 
 Per layer of the pipeline rank's stages, the sequence's keys and values are all-gathered in forward and their
 gradients reduce-scattered in backward (`lightning_dpar.context_parallel.exchange`; the key/value width is taken as
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from lightning_dpar.helpers import divisors
 from lightning_dpar.parallel_dims import ParallelDims
 
-__all__ = ["context_sizes", "exchange_seconds"]
+__all__ = ["check_traced", "context_sizes", "exchange_seconds"]
 
 
 def context_sizes(shard: int, seq_len: int | None, expert: int = 1) -> list[int]:
@@ -29,6 +29,13 @@ def context_sizes(shard: int, seq_len: int | None, expert: int = 1) -> list[int]
     if seq_len is None or expert > 1:
         return [1]
     return [c for c in divisors(shard) if c == 1 or seq_len % (2 * c) == 0 or (seq_len + 1) % (2 * c) == 0]
+
+
+def check_traced(dims: ParallelDims, why: str) -> None:
+    """Refuse a context-parallel layout whose training step the dry run could not trace (`why`: the trace's error, a
+    sequence the split cannot cut, say): training would refuse it too. Without CP the activation formula stands in."""
+    if dims.context > 1:
+        raise ValueError(f"context parallelism: activations {why}")
 
 
 def exchange_seconds(dims: ParallelDims, layers: int, sequence_bytes: int, ring: Callable[..., float]) -> float:

@@ -21,6 +21,7 @@ from torch import nn
 
 from lightning_dpar.activation_checkpointing.cost import selective_share
 from lightning_dpar.activation_checkpointing.step import Checkpointing
+from lightning_dpar.context_parallel.cost import check_traced
 from lightning_dpar.estimates.activations import ActivationEstimate, TraceCache
 from lightning_dpar.estimates.dry_run import plan, strategy_activations
 from lightning_dpar.estimates.report import PlanReport
@@ -31,7 +32,7 @@ from lightning_dpar.layout_search.cost import MeshMemory, RankMemory
 from lightning_dpar.layout_search.model_facts import facts_of
 from lightning_dpar.layout_search.profiles import HardwareProfile
 from lightning_dpar.layout_search.search import MeshProbe, SearchResult, search, what_would_fit
-from lightning_dpar.loss_parallel.step import gathers_columns
+from lightning_dpar.loss_parallel.cost import gathered_output_features
 from lightning_dpar.optim.precision import DparPrecision
 from lightning_dpar.strategies.fully_shard import FSDPTensorParallelStrategy
 
@@ -109,11 +110,7 @@ def _gathered_output(strategy: FSDPTensorParallelStrategy, module: nn.Module, la
     if layout.dims.tensor_parallel == 1:
         return 0
     local = strategy.module_plan(module, layout.dims, world_size - 1)
-    return sum(
-        module.get_submodule(fqn).out_features
-        for fqn, style in local.tensor_parallel.items()
-        if gathers_columns(style) and isinstance(module.get_submodule(fqn), nn.Linear)
-    )
+    return gathered_output_features(module, local.tensor_parallel)
 
 
 def _rank_memory(report: PlanReport) -> tuple[list[tuple[int, int, int]], int]:
@@ -150,8 +147,8 @@ def _activations(
         warnings.simplefilter("ignore")
         plans = [strategy.module_plan(module, d, r * ranks_per_stage) for r in range(d.pipeline)]
         estimate, why = strategy_activations(strategy, module, plans, d, batch, traces)
-    if estimate is None and d.context > 1:
-        raise ValueError(f"context parallelism: activations {why}")
+    if estimate is None:
+        check_traced(d, why)
     return estimate
 
 

@@ -1,5 +1,5 @@
-"""Loss parallelism as the layout search prices it (`lightning_dpar.layout_search`): which layouts run it, and what
-the output layer communicates with and without it.
+"""Loss parallelism as the layout search prices it (`lightning_dpar.layout_search`): which layouts run it, the
+output features a plan gathers whole, and what the output layer communicates with and without loss parallel.
 
 With tensor parallelism, the output layer's logits are either gathered whole on every tensor-parallel rank once per
 microbatch (the plan's column-wise style with its output gathered; the backward only slices), or, under loss
@@ -11,11 +11,15 @@ all_reduce)`: seconds of one ring collective over `n` ranks of an `nbytes` buffe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_dpar.loss_parallel.step import gathers_columns
 from lightning_dpar.parallel_dims import ParallelDims
 
-__all__ = ["output_layer_seconds", "runs_loss_parallel"]
+__all__ = ["gathered_output_features", "output_layer_seconds", "runs_loss_parallel"]
 
 
 def runs_loss_parallel(allowed: bool, dims: ParallelDims) -> bool:
@@ -23,6 +27,17 @@ def runs_loss_parallel(allowed: bool, dims: ParallelDims) -> bool:
     without pipeline or context parallelism (which refuse it). It is not a choice: with tensor parallelism it only
     saves memory and communication."""
     return allowed and dims.tensor_parallel > 1 and dims.pipeline == 1 and dims.context == 1
+
+
+def gathered_output_features(module: nn.Module, styles: Mapping[str, ParallelStyle]) -> int:
+    """The output features of the `nn.Linear` layers of `module` whose column-wise output the tensor-parallel
+    `styles` (`{fqn: style}`, a plan's) gather whole on every tensor-parallel rank (`gathers_columns`): the output
+    layer, in a language model, whose logits loss parallel would keep sharded instead."""
+    return sum(
+        module.get_submodule(fqn).out_features
+        for fqn, style in styles.items()
+        if gathers_columns(style) and isinstance(module.get_submodule(fqn), nn.Linear)
+    )
 
 
 def output_layer_seconds(

@@ -3,7 +3,9 @@ exchanges of keys, values and hidden states."""
 
 from __future__ import annotations
 
-from lightning_dpar.context_parallel.cost import context_sizes, exchange_seconds
+import pytest
+
+from lightning_dpar.context_parallel.cost import check_traced, context_sizes, exchange_seconds
 from lightning_dpar.parallel_dims import ParallelDims
 
 
@@ -26,3 +28,13 @@ def test_each_layer_gathers_keys_and_values_and_scatters_their_gradients_and_the
     assert exchange_seconds(dims, layers=3, sequence_bytes=1000, ring=ring) == 3 * 2 + 3 * 2 + 2
     assert calls == [("all_gather", 2, 500, 4), ("reduce_scatter", 2, 500, 4), ("all_gather", 2, 1000, 4)]
     assert exchange_seconds(ParallelDims(world_size=4, replicate=1, shard=4, tensor_parallel=1), 3, 1000, ring) == 0
+
+
+def test_a_context_parallel_layout_whose_step_cannot_be_traced_is_refused_with_the_traces_error():
+    with pytest.raises(ValueError, match=r"^context parallelism: activations cannot cut 10 tokens$"):
+        check_traced(
+            ParallelDims(world_size=4, replicate=1, shard=4, tensor_parallel=1, context=2), "cannot cut 10 tokens"
+        )
+    check_traced(
+        ParallelDims(world_size=4, replicate=1, shard=4, tensor_parallel=1), "no trace"
+    )  # the formula stands in

@@ -3,7 +3,11 @@ communicates with it (three all-reduces of a float per token) and without (its l
 
 from __future__ import annotations
 
-from lightning_dpar.loss_parallel.cost import output_layer_seconds, runs_loss_parallel
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from lightning_dpar.loss_parallel.cost import gathered_output_features, output_layer_seconds, runs_loss_parallel
 from lightning_dpar.parallel_dims import ParallelDims
 
 
@@ -33,3 +37,11 @@ def test_sharded_logits_all_reduce_three_floats_per_token_and_gathered_ones_move
     assert output_layer_seconds(False, 2, 4, 10, 100, 2, ring) == 4
     assert calls == [("all_gather", 2, 10 * 100 * 2, 2, False)]
     assert output_layer_seconds(False, 2, 4, 10, 0, 2, ring) == 0.0  # nothing gathered whole
+
+
+def test_the_output_features_gathered_whole_are_the_column_wise_linears_with_a_replicated_output():
+    model = nn.ModuleDict({"fc": nn.Linear(8, 16), "proj": nn.Linear(16, 8), "head": nn.Linear(8, 100)})
+    gathered = ColwiseParallel(output_layouts=Replicate())
+    styles = {"fc": ColwiseParallel(), "proj": RowwiseParallel(), "head": gathered}
+    assert gathered_output_features(model, styles) == 100
+    assert gathered_output_features(model, {"fc": ColwiseParallel()}) == 0
