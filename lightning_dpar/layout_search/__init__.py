@@ -10,6 +10,10 @@
 - `report`, `cli`: the ranked table and `python -m lightning_dpar plan --auto`;
 - `calibrate`: measuring this machine into a profile.
 
+Each feature's pricing is its own folder's `cost` module, pure functions `candidates` and `cost` call: which sizes,
+schedules and microbatches it offers and what it refuses, and its terms of the step time (`pipeline.cost`,
+`context_parallel.cost`, `experts.cost`, `loss_parallel.cost`, `activation_checkpointing.cost`, `float8.cost`).
+
 See docs/auto-layout.md.
 """
 

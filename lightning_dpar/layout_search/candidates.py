@@ -27,27 +27,29 @@ or full).
   layouts the float8 step refuses (`lightning_dpar.float8.step.layout_refusal`: pipeline or context parallelism, the
   tensorwise recipe under tensor parallelism) are rejected, with its reason.
 
-What `ParallelDims.resolve` or a schedule refuses becomes a `Rejected` with its message; what only the planner can
-say (heads not divisible by the TP size, too few layers for the stages) is found later, by the dry run.
+Each feature's offers and refusals are its own folder's rules (`lightning_dpar.pipeline.cost.pipeline_choices`,
+`lightning_dpar.context_parallel.cost.context_sizes`, `lightning_dpar.experts.cost.expert_sizes`,
+`lightning_dpar.loss_parallel.cost.runs_loss_parallel`, `lightning_dpar.float8.cost.layout_reason`); this module
+walks them. What `ParallelDims.resolve` or a schedule refuses becomes a `Rejected` with its message; what only the
+planner can say (heads not divisible by the TP size, too few layers for the stages) is found later, by the dry run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_dpar.activation_checkpointing.step import CHECKPOINTING_SETTINGS, Checkpointing
-from lightning_dpar.float8.step import layout_refusal
+from lightning_dpar.context_parallel.cost import context_sizes
+from lightning_dpar.experts.cost import expert_sizes
+from lightning_dpar.float8.cost import layout_reason
 from lightning_dpar.helpers import divisors
 from lightning_dpar.layout_search.batch import BatchRule
+from lightning_dpar.loss_parallel.cost import runs_loss_parallel
 from lightning_dpar.parallel_dims import ParallelDims
-from lightning_dpar.pipeline.schedule import schedule_spec
+from lightning_dpar.pipeline.cost import MODELLED_SCHEDULES, PipelineChoice, PipelineRefusal, pipeline_choices
 
 __all__ = ["MODELLED_SCHEDULES", "Layout", "Rejected", "checkpointing_name", "enumerate_layouts"]
-
-#: The schedules the cost model can price (a closed-form bubble in `ScheduleSpec.bubble`), in preference order.
-MODELLED_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 
 
 def checkpointing_name(checkpointing: Checkpointing) -> str:
@@ -150,40 +152,6 @@ def _replicate_sizes(dp: int, tp: int, devices_per_node: int, num_nodes: int) ->
     return [r for r in divisors(dp) if r == 1 or (dp // r * tp) % devices_per_node == 0]
 
 
-def _context_sizes(shard: int, seq_len: int | None) -> list[int]:
-    """1, and the context-parallel sizes a sequence of `seq_len` tokens can be split over (head-tail: 2 x CP chunks).
-    The blocks see `seq_len` tokens of a model that cuts one off its batch (the example GPT) and `seq_len + 1` of one
-    that does not (a transformers model given `labels`): either may divide; the dry run's trace, which runs the
-    model's own step, refuses the layout if the blocks' length does not."""
-    if seq_len is None:
-        return [1]
-    return [c for c in divisors(shard) if c == 1 or seq_len % (2 * c) == 0 or (seq_len + 1) % (2 * c) == 0]
-
-
-def _pipelines(pp: int, layers: int, batch_size: int) -> Iterator[tuple[str, int, int] | Rejected]:
-    """(schedule, microbatches, stages per rank) for `pp` pipeline ranks, or why one is refused."""
-    for name in MODELLED_SCHEDULES:
-        spec = schedule_spec(name)
-        stages_per_rank = 2 if spec.multi_stage else 1
-        what = f"pp{pp} {name}"
-        if pp * stages_per_rank > layers:
-            yield Rejected(what, f"{pp * stages_per_rank} stages need at least as many layers; the model has {layers}")
-            continue
-        for microbatches in (pp, 2 * pp):
-            if batch_size % microbatches:
-                yield Rejected(
-                    f"{what} m{microbatches}",
-                    f"the per-rank batch size {batch_size} does not divide into {microbatches} microbatches",
-                )
-                continue
-            try:
-                spec.check(microbatches, stages_per_rank, pp)
-            except ValueError as err:
-                yield Rejected(f"{what} m{microbatches}", str(err))
-                continue
-            yield name, microbatches, stages_per_rank
-
-
 def enumerate_layouts(
     world_size: int,
     devices_per_node: int,
@@ -219,14 +187,13 @@ def enumerate_layouts(
             if isinstance(batch, str):
                 refuse(Rejected(f"pp{pp} tp{tp} ({dp} data-parallel ranks)", batch))
                 continue
-            pipelines = list(_pipelines(pp, layers, batch)) if pp > 1 else [(None, 1, 1)]
-            for refusal in (p for p in pipelines if isinstance(p, Rejected)):
-                refuse(refusal)
-            pipelines = [p for p in pipelines if not isinstance(p, Rejected)]
+            choices = list(pipeline_choices(pp, layers, batch)) if pp > 1 else [PipelineChoice(None, 1, 1)]
+            for refusal in (p for p in choices if isinstance(p, PipelineRefusal)):
+                refuse(Rejected(*refusal))
+            pipelines = [p for p in choices if isinstance(p, PipelineChoice)]
             for replicate in _replicate_sizes(dp, tp, devices_per_node, num_nodes):
-                for ep in divisors(dp // replicate) if moe else [1]:
-                    # CP does not compose with EP yet (both borrow the shard dim's ranks); it does with PP.
-                    for cp in [1] if ep > 1 else _context_sizes(dp // replicate, seq_len):
+                for ep in expert_sizes(dp // replicate, moe):
+                    for cp in context_sizes(dp // replicate, seq_len, ep):
                         if cp > 1 and isinstance(rule.at(dp // cp), str):
                             refuse(Rejected(f"tp{tp} cp{cp} ({dp // cp} data-parallel ranks)", str(rule.at(dp // cp))))
                             continue
@@ -245,13 +212,12 @@ def enumerate_layouts(
                             what = f"pp{pp} rep{replicate} tp{tp} ep{ep}" + (f" cp{cp}" if cp > 1 else "")
                             refuse(Rejected(what, str(err)))
                             continue
-                        float8_refusal = None if float8 is None else layout_refusal(float8 == "tensorwise", dims)
-                        if float8_refusal is not None:
-                            what = f"pp{pp} tp{tp}" + (f" cp{cp}" if cp > 1 else "")
-                            refuse(Rejected(what, f"float8 {float8_refusal}"))
+                        reason = layout_reason(float8, dims)
+                        if reason is not None:
+                            refuse(Rejected(f"pp{pp} tp{tp}" + (f" cp{cp}" if cp > 1 else ""), reason))
                             continue
-                        sharded_logits = loss_parallel and tp > 1 and pp == 1 and cp == 1
-                        for schedule, microbatches, stages_per_rank in pipelines:  # type: ignore[misc]
+                        sharded_logits = runs_loss_parallel(loss_parallel, dims)
+                        for schedule, microbatches, stages_per_rank in pipelines:
                             for ac in CHECKPOINTING_SETTINGS:
                                 layouts.append(
                                     Layout(dims, ac, schedule, microbatches, stages_per_rank, sharded_logits, float8)

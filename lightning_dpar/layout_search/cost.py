@@ -1,5 +1,8 @@
 """The cost model: one layout's per-rank peak memory and step time, from the model's facts, the dry run's numbers and
-a hardware profile. Pure functions of data.
+a hardware profile. Pure functions of data. Each feature's terms are its own folder's arithmetic, which this module
+adds up: `lightning_dpar.pipeline.cost` (the bubble, the stage boundaries, each rank's layers),
+`lightning_dpar.context_parallel.cost`, `lightning_dpar.experts.cost`, `lightning_dpar.loss_parallel.cost`,
+`lightning_dpar.activation_checkpointing.cost` (recomputation) and `lightning_dpar.float8.cost` (the float8 rate).
 
 Step time (seconds, one optimizer step of every data-parallel rank's batch) is split into:
 
@@ -51,13 +54,19 @@ model (the dry run plans without it): torchao's `Float8Linear` keeps the weights
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
+from lightning_dpar.activation_checkpointing.cost import collective_passes, for_setting
 from lightning_dpar.activation_checkpointing.step import Checkpointing
+from lightning_dpar.context_parallel.cost import exchange_seconds
 from lightning_dpar.estimates.activation_formula import activation_bytes
+from lightning_dpar.experts.cost import all_to_all_seconds, sharded_parameters
+from lightning_dpar.float8.cost import compute_seconds
 from lightning_dpar.layout_search.candidates import Layout
 from lightning_dpar.layout_search.model_facts import ModelFacts
 from lightning_dpar.layout_search.profiles import HardwareProfile, check_float8
-from lightning_dpar.pipeline.schedule import schedule_spec
+from lightning_dpar.loss_parallel.cost import output_layer_seconds
+from lightning_dpar.pipeline.cost import bubble_seconds, parameter_gathers, per_rank, stage_boundary_seconds
 
 __all__ = ["Estimate", "MemorySplit", "MeshMemory", "RankMemory", "TimeSplit", "estimate"]
 
@@ -77,9 +86,7 @@ class RankMemory:
     activations_selective: int | None = None
 
     def activation_peak(self, checkpointing: Checkpointing) -> int | None:
-        if checkpointing == "selective":
-            return self.activations_selective
-        return self.activations_checkpointed if checkpointing else self.activations
+        return for_setting(checkpointing, self.activations, self.activations_checkpointed, self.activations_selective)
 
 
 @dataclass(frozen=True)
@@ -158,13 +165,11 @@ def _ring(
 
 def _fsdp_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfile) -> float:
     d = layout.dims
-    units = -(-facts.layers // d.pipeline) + 1
-    gathers = 2 * (layout.microbatches if d.pipeline > 1 else 1)
-    dense = (facts.params - facts.expert_params) / d.pipeline / d.tensor_parallel
-    experts = facts.expert_params / d.pipeline / d.expert
+    units = per_rank(facts.layers, d) + 1
+    gathers = parameter_gathers(layout)
     seconds = 0.0
     span = d.shard * d.tensor_parallel
-    for params, n in ((dense, d.shard), (experts, d.expert_shard)):
+    for params, n in sharded_parameters(facts.params, facts.expert_params, d):
         if params <= 0:
             continue
         per_unit = params / units
@@ -182,48 +187,37 @@ def _critical_seconds(
     """TP all-reduces (and the output layer's gather or loss parallel's all-reduces), PP sends and EP all-to-alls per
     step: none of them overlaps compute here."""
     d = layout.dims
+    ring = partial(_ring, profile)
     microbatch = facts.batch_size // layout.microbatches
     activation = microbatch * facts.seq_len * facts.hidden * facts.activation_bytes
-    stage_layers = -(-facts.layers // d.pipeline)
-    passes = 6 if layout.activation_checkpointing else 4
-    tp = stage_layers * layout.microbatches * passes
-    tp *= _ring(profile, "all_reduce", d.tensor_parallel, activation, d.tensor_parallel, True)
+    layers = per_rank(facts.layers, d)
+    passes = collective_passes(layout.activation_checkpointing)
+    tp = layers * layout.microbatches * passes
+    tp *= ring("all_reduce", d.tensor_parallel, activation, d.tensor_parallel, True)
     tokens = microbatch * facts.seq_len
-    if layout.loss_parallel:
-        tp += (
-            layout.microbatches
-            * 3
-            * _ring(profile, "all_reduce", d.tensor_parallel, tokens * 4, d.tensor_parallel, True)
-        )
-    elif mesh.gathered_output:
-        logits = tokens * mesh.gathered_output * facts.activation_bytes
-        tp += layout.microbatches * _ring(profile, "all_gather", d.tensor_parallel, logits, d.tensor_parallel)
-    pp = 0.0
-    if d.pipeline > 1:
-        link = profile.collective_link("send_recv", 2, _crosses(d.world_size, profile))
-        # what crosses a stage boundary is this rank's part of the sequence under CP
-        pp = 2 * layout.microbatches * layout.stages_per_rank * link.seconds(activation // d.context)
-    ep = 0.0
-    if facts.experts and d.expert > 1:
-        moe_layers = -(-facts.moe_layers // d.pipeline)
-        routed = activation * facts.experts_per_token
-        span = d.expert * d.tensor_parallel
-        ep = moe_layers * layout.microbatches * passes * _ring(profile, "all_to_all", d.expert, routed, span)
+    tp += output_layer_seconds(
+        layout.loss_parallel,
+        d.tensor_parallel,
+        layout.microbatches,
+        tokens,
+        mesh.gathered_output,
+        facts.activation_bytes,
+        ring,
+    )
+    link = profile.collective_link("send_recv", 2, _crosses(d.world_size, profile))
+    pp = stage_boundary_seconds(layout, activation, link)
+    moe_layers = per_rank(facts.moe_layers, d)
+    ep = all_to_all_seconds(
+        d, facts.experts, facts.experts_per_token, moe_layers, layout.microbatches, passes, activation, ring
+    )
     return tp, pp, ep
 
 
 def _context_seconds(layout: Layout, facts: ModelFacts, profile: HardwareProfile) -> float:
-    """The context-parallel exchanges of one step (see the module docstring); 0 without CP."""
-    d = layout.dims
-    if d.context == 1:
-        return 0.0
-    whole = facts.batch_size * facts.seq_len * facts.hidden * facts.activation_bytes // d.tensor_parallel
-    span = d.context * d.tensor_parallel
-    layers = -(-facts.layers // d.pipeline)  # each pipeline rank exchanges for its own stages' layers
-    keys_values = layers * 2 * (_ring(profile, "all_gather", d.context, whole, span))
-    keys_values += layers * 2 * _ring(profile, "reduce_scatter", d.context, whole, span)
-    hidden = 2 * _ring(profile, "all_gather", d.context, whole * d.tensor_parallel, span)
-    return keys_values + hidden
+    """The context-parallel exchanges of one step (see the module docstring); 0 without CP: each pipeline rank
+    exchanges for its own stages' layers."""
+    sequence = facts.batch_size * facts.seq_len * facts.hidden * facts.activation_bytes
+    return exchange_seconds(layout.dims, per_rank(facts.layers, layout.dims), sequence, partial(_ring, profile))
 
 
 def _formula_activations(layout: Layout, facts: ModelFacts) -> int:
@@ -268,25 +262,18 @@ def _compute_seconds(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profil
     under float8; see the module docstring)."""
     d = layout.dims
     share = d.tensor_parallel * d.pipeline * d.context
-    flops = facts.flops_per_token(layout.activation_checkpointing, mesh.selective_share) * facts.tokens_per_rank / share
-    if layout.float8 is None:
-        return flops / profile.matmul_flops
+    checkpointing = layout.activation_checkpointing
+    flops = facts.flops_per_token(checkpointing, mesh.selective_share) * facts.tokens_per_rank / share
+    converted = facts.float8_flops_per_token(checkpointing, mesh.selective_share) * (facts.tokens_per_rank / share)
     check_float8(layout.float8, profile)
-    assert profile.float8_matmul_flops is not None, "check_float8 refuses a profile without float8 matmuls"
-    float8 = facts.float8_flops_per_token(layout.activation_checkpointing, mesh.selective_share)
-    float8 *= facts.tokens_per_rank / share
-    return (flops - float8) / profile.matmul_flops + float8 / profile.float8_matmul_flops
+    return compute_seconds(layout.float8, flops, converted, profile)
 
 
 def estimate(layout: Layout, facts: ModelFacts, mesh: MeshMemory, profile: HardwareProfile) -> Estimate:
     """The predicted per-rank peak memory and step time of `layout` (see the module docstring)."""
     d = layout.dims
     compute = _compute_seconds(layout, facts, mesh, profile)
-    bubble = 0.0
-    if layout.schedule is not None:
-        fraction = schedule_spec(layout.schedule).bubble(d.pipeline, layout.microbatches, layout.stages_per_rank)
-        assert fraction is not None, f"{layout.schedule} has no closed-form bubble; candidates exclude it"
-        bubble = compute * fraction / (1 - fraction)
+    bubble = bubble_seconds(compute, layout)
     fsdp = _fsdp_seconds(layout, facts, profile)
     tp, pp, ep = _critical_seconds(layout, facts, mesh, profile)
     cp = _context_seconds(layout, facts, profile)

@@ -23,8 +23,11 @@ from typing import Any
 
 from torch import nn
 
+from lightning_dpar.activation_checkpointing.cost import recompute_factor
 from lightning_dpar.activation_checkpointing.step import Checkpointing
+from lightning_dpar.experts.cost import TOP_K_NAMES, active_params, moe_shape
 from lightning_dpar.experts.plan import find_experts
+from lightning_dpar.float8.cost import converted_flops_per_token
 from lightning_dpar.float8.step import convertible_linears
 from lightning_dpar.helpers import is_under
 
@@ -32,7 +35,6 @@ __all__ = ["ModelFacts", "facts_of", "float8_linears"]
 
 
 _HEAD_NAMES = ("num_attention_heads", "n_head", "num_heads")
-_TOP_K_NAMES = ("num_experts_per_tok", "experts_per_token", "top_k")
 
 
 @dataclass(frozen=True)
@@ -60,9 +62,7 @@ class ModelFacts:
     @property
     def active_params(self) -> int:
         """Parameters one token passes through: every non-expert parameter and `k / E` of the experts."""
-        if not self.experts:
-            return self.params
-        return self.params - self.expert_params + self.expert_params * self.experts_per_token // self.experts
+        return active_params(self.params, self.expert_params, self.experts, self.experts_per_token)
 
     def flops_per_token(self, recompute: Checkpointing = False, selective_share: float | None = None) -> float:
         """Training FLOPs per token: 6 x the active parameters that multiply activations (forward 2, backward 4),
@@ -70,25 +70,18 @@ class ModelFacts:
         forward once more (8 instead of 6), selective checkpointing `selective_share` of what full recomputes (the
         traced step's share, `StepFlops`; `None`: not traced, priced as full, an upper bound)."""
         matmul = 6.0 * (self.active_params - self.embedding_params) + 12.0 * self.layers * self.hidden * self.seq_len
-        return matmul * _recompute_factor(recompute, selective_share)
+        return matmul * recompute_factor(recompute, selective_share)
 
     def float8_flops_per_token(self, recompute: Checkpointing = False, selective_share: float | None = None) -> float:
         """The part of `flops_per_token` that float8 training runs in float8: 6 x the converted weights
         (`float8_params`: each of their forward and backward matmuls is converted), recomputed alike. A model: the
         recomputed share is taken as spread evenly over the matmuls."""
-        return 6.0 * self.float8_params * _recompute_factor(recompute, selective_share)
+        return converted_flops_per_token(self.float8_params, recompute_factor(recompute, selective_share))
 
     @property
     def tokens_per_rank(self) -> int:
         """Tokens one data-parallel rank trains on per step."""
         return self.batch_size * self.seq_len
-
-
-def _recompute_factor(recompute: Checkpointing, selective_share: float | None) -> float:
-    """Training FLOPs with activation checkpointing over those without: 8 / 6 full, `1 + 2 / 6 x share` selective."""
-    if recompute == "selective":
-        return 1.0 + (2.0 / 6.0) * (1.0 if selective_share is None else selective_share)
-    return 8.0 / 6.0 if recompute else 1.0
 
 
 def float8_linears(module: nn.Module, skip: Sequence[str] | None = None) -> list[str]:
@@ -135,11 +128,7 @@ def facts_of(
     sources += [dict(getattr(module, "hparams", {}) or {})]
     sources += list(module.modules())
     sources = [s for s in sources if s is not None]
-    # The experts contract, as the planner checks it (`find_experts`): a router may carry `num_experts` and its own
-    # `[num_experts, hidden]` weight too (DeepSeek-V3's), but not `forward(hidden_states, top_k_index, top_k_weights)`.
-    experts_modules = [module.get_submodule(fqn) for fqn in find_experts(module)]
-    expert_params = sum(p.numel() for m in experts_modules for p in m.parameters(recurse=False))
-    experts = experts_modules[0].num_experts if experts_modules else 0
+    moe = moe_shape(module)
     bf16 = precision in ("bf16-mixed", "bf16-true", "16-mixed")
     return ModelFacts(
         params=params,
@@ -150,10 +139,10 @@ def facts_of(
         batch_size=batch_size,
         heads=_first_int(sources, _HEAD_NAMES),
         embedding_params=sum(p.numel() for m in embeddings for p in m.parameters()),
-        expert_params=expert_params if experts else 0,
-        experts=experts,
-        experts_per_token=_first_int(sources, _TOP_K_NAMES) if experts else 0,
-        moe_layers=len(experts_modules),
+        expert_params=moe.expert_params,
+        experts=moe.experts,
+        experts_per_token=_first_int(sources, TOP_K_NAMES) if moe.experts else 0,
+        moe_layers=moe.moe_layers,
         param_bytes=2 if precision == "bf16-true" else 4,
         activation_bytes=2 if bf16 else 4,
         float8_params=sum(module.get_submodule(fqn).weight.numel() for fqn in float8_linears(module, float8_skip)),

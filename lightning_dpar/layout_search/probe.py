@@ -19,7 +19,9 @@ import lightning as L
 import torch
 from torch import nn
 
+from lightning_dpar.activation_checkpointing.cost import selective_share
 from lightning_dpar.activation_checkpointing.step import Checkpointing
+from lightning_dpar.context_parallel.cost import check_traced
 from lightning_dpar.estimates.activations import ActivationEstimate, TraceCache
 from lightning_dpar.estimates.dry_run import plan, strategy_activations
 from lightning_dpar.estimates.report import PlanReport
@@ -30,7 +32,7 @@ from lightning_dpar.layout_search.cost import MeshMemory, RankMemory
 from lightning_dpar.layout_search.model_facts import facts_of
 from lightning_dpar.layout_search.profiles import HardwareProfile
 from lightning_dpar.layout_search.search import MeshProbe, SearchResult, search, what_would_fit
-from lightning_dpar.loss_parallel.step import gathers_columns
+from lightning_dpar.loss_parallel.cost import gathered_output_features
 from lightning_dpar.optim.precision import DparPrecision
 from lightning_dpar.strategies.fully_shard import FSDPTensorParallelStrategy
 
@@ -95,9 +97,7 @@ def dry_run_probe(
             estimate = _activations(strategy, make_module(), layout, shape, traces)
             if estimate is not None:
                 peaks = [tuple(estimate.peak(r, c) for c in (False, True, "selective")) for r in range(len(stored))]
-                flops = estimate.flops
-                if flops is not None and flops.recomputed(True) > 0:
-                    share = flops.recomputed("selective") / flops.recomputed(True)
+                share = selective_share(estimate.flops)
         ranks = tuple(RankMemory(*memory, *peak) for memory, peak in zip(stored, peaks))  # type: ignore[misc]
         return MeshMemory(ranks, unit, share, gathered)
 
@@ -110,11 +110,7 @@ def _gathered_output(strategy: FSDPTensorParallelStrategy, module: nn.Module, la
     if layout.dims.tensor_parallel == 1:
         return 0
     local = strategy.module_plan(module, layout.dims, world_size - 1)
-    return sum(
-        module.get_submodule(fqn).out_features
-        for fqn, style in local.tensor_parallel.items()
-        if gathers_columns(style) and isinstance(module.get_submodule(fqn), nn.Linear)
-    )
+    return gathered_output_features(module, local.tensor_parallel)
 
 
 def _rank_memory(report: PlanReport) -> tuple[list[tuple[int, int, int]], int]:
@@ -151,8 +147,8 @@ def _activations(
         warnings.simplefilter("ignore")
         plans = [strategy.module_plan(module, d, r * ranks_per_stage) for r in range(d.pipeline)]
         estimate, why = strategy_activations(strategy, module, plans, d, batch, traces)
-    if estimate is None and d.context > 1:
-        raise ValueError(f"context parallelism: activations {why}")
+    if estimate is None:
+        check_traced(d, why)
     return estimate
 
 

@@ -40,7 +40,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from lightning_dpar.float8.config import RECIPES
+from lightning_dpar.float8.cost import check_recipe
 
 __all__ = [
     "PRESETS",
@@ -188,19 +188,9 @@ PRESETS: dict[str, HardwareProfile] = {
 
 def check_float8(float8: str | None, profile: HardwareProfile) -> None:
     """Refuse, naming the fix, a `float8=` that is not one of torchao's recipes, or one on a profile whose device has
-    no float8 matmuls (`float8_matmul_flops` is `None`: an A100, a CPU, a calibrated profile)."""
-    if float8 is None:
-        return
-    if float8 not in RECIPES:
-        raise ValueError(f"`float8={float8!r}` is not a float8 recipe: give one of {list(RECIPES)}, or None.")
-    if profile.float8_matmul_flops is None:
-        with_float8 = sorted(name for name, preset in PRESETS.items() if preset.float8_matmul_flops)
-        raise ValueError(
-            f"`float8={float8!r}` on profile {profile.name!r}, whose device has no float8 matmuls"
-            f" (`float8_matmul_flops` is unset): float8 training needs an H100 or newer. Drop `float8=`, use a"
-            f" profile of such a device ({with_float8}), or, for a calibrated profile of one, add its sustained"
-            " `float8_matmul_flops` (FLOP/s) to the JSON file."
-        )
+    no float8 matmuls (`float8_matmul_flops` is `None`: an A100, a CPU, a calibrated profile), naming the presets
+    that have them (`lightning_dpar.float8.cost.check_recipe`)."""
+    check_recipe(float8, profile, PRESETS)
 
 
 def load_profile(path: str | Path) -> HardwareProfile:
