@@ -4,14 +4,22 @@ aligned tables. Filled in by `lightning_dpar.estimates.dry_run`."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import lightning_dpar.estimates.state_memory as state_memory
-from lightning_dpar.activation_checkpointing.step import CHECKPOINTING_SETTINGS, Checkpointing
+from lightning_dpar.activation_checkpointing.estimate import CHECKPOINTING_NAMES
+from lightning_dpar.activation_checkpointing.step import CHECKPOINTING_SETTINGS
 from lightning_dpar.estimates.activations import ActivationEstimate
+from lightning_dpar.helpers import group_modules, wildcard_indices
+from lightning_dpar.loss_parallel.estimate import describe_sharded_logits
 from lightning_dpar.parallel_dims import ParallelDims
+from lightning_dpar.pipeline.estimate import (
+    describe_in_flight,
+    describe_rank_stages,
+    describe_schedule,
+    pipeline_rank_of,
+)
 from lightning_dpar.pipeline.schedule import schedule_spec
 
 __all__ = ["ROOT", "ParamRow", "PipelineReport", "PlanReport", "StageRow", "group_modules"]
@@ -61,17 +69,14 @@ class PipelineReport:
         return schedule_spec(self.schedule).bubble(self.num_ranks, self.microbatches, self.stages_per_rank)
 
     def render(self, activations: ActivationEstimate | None = None) -> list[str]:
-        default = " (default: one per stage)" if self.microbatches_by_default else ""
-        stages = f"{self.stages_per_rank} stage{'s' if self.stages_per_rank > 1 else ''}"
-        lines = [
-            f"Pipeline: schedule {self.schedule}, {self.microbatches} microbatches per batch{default},"
-            f" {stages} per pipeline rank, split {self.split}",
-            f"  each data-parallel rank's batch size must be a multiple of {self.microbatches}",
-        ]
-        if self.bubble is not None:
-            lines.append(
-                f"  bubble (idle fraction of an ideal step): {self.bubble:.0%}; more microbatches make it smaller"
-            )
+        lines = describe_schedule(
+            self.schedule,
+            self.microbatches,
+            self.microbatches_by_default,
+            self.stages_per_rank,
+            self.split,
+            self.bubble,
+        )
         rows = [
             (
                 str(row.stage),
@@ -93,11 +98,8 @@ class PipelineReport:
         if self.stages_per_rank > 1:
             for pipeline_rank in range(self.num_ranks):
                 held = [row for row in self.stages if row.pipeline_rank == pipeline_rank]
-                total = sum(row.memory.total for row in held)
-                lines.append(
-                    f"  pipeline rank {pipeline_rank} holds stages {', '.join(str(r.stage) for r in held)}:"
-                    f" {state_memory.format_bytes(total)} per rank"
-                )
+                total = state_memory.format_bytes(sum(row.memory.total for row in held))
+                lines.append(describe_rank_stages(pipeline_rank, [row.stage for row in held], total))
         return lines
 
 
@@ -129,7 +131,7 @@ class PlanReport:
 
     @property
     def pipeline_rank(self) -> int:
-        return self.rank // (self.dims.world_size // self.dims.pipeline)
+        return pipeline_rank_of(self.rank, self.dims.world_size, self.dims.pipeline)
 
     def render(self, all_params: bool = False) -> str:
         d = self.dims
@@ -193,7 +195,7 @@ class PlanReport:
             a = self.activations
             lines.append(
                 f"  + activations at their peak: {state_memory.format_bytes(a.peak(self.pipeline_rank))}"
-                f" ({_CHECKPOINTING_NAMES[a.checkpointing]}; below)"
+                f" ({CHECKPOINTING_NAMES[a.checkpointing]}; below)"
             )
             peak += a.peak(self.pipeline_rank)
             lines.append(f"  peak        {state_memory.format_bytes(peak)}")
@@ -204,14 +206,6 @@ class PlanReport:
             lines += [f"  {line}" for line in self.optimizer_exactness]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-#: How the report names each activation checkpointing setting.
-_CHECKPOINTING_NAMES: dict[Checkpointing, str] = {
-    False: "without activation checkpointing",
-    "selective": "selective activation checkpointing",
-    True: "full activation checkpointing",
-}
 
 
 def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source: str) -> list[str]:
@@ -228,7 +222,7 @@ def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source
         flops = estimate.flops
         rows.append(
             (
-                _CHECKPOINTING_NAMES[checkpointing],
+                CHECKPOINTING_NAMES[checkpointing],
                 state_memory.format_bytes(footprint.retained),
                 state_memory.format_bytes(footprint.peak),
                 f"{flops.recomputed_fraction(checkpointing):.0%}" if flops is not None else "?",
@@ -242,15 +236,14 @@ def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source
     if estimate.tensor_parallel > 1:
         lines.append(f"  tensor parallel: sharded activations split over {estimate.tensor_parallel} ranks")
     if estimate.loss_parallel is not None:
-        lines.append(f"  loss parallel: the logits of {estimate.loss_parallel} kept sharded over the vocabulary")
+        lines.append(describe_sharded_logits(estimate.loss_parallel))
     if estimate.schedule is not None:
-        per_stage = ", ".join(str(n) for n in rank.in_flight)
-        bound = "" if rank.in_flight_known else " (not modelled for this schedule: every microbatch, an upper bound)"
+        buffers = state_memory.format_bytes(rank.receive_buffers)
+        peak = state_memory.format_bytes(rank.peak(estimate.checkpointing))
         lines.append(
-            f"  {estimate.schedule} over {estimate.microbatches} microbatches keeps up to {per_stage} in flight on"
-            f" this rank{bound}, and a receive buffer per microbatch for the activation in and the gradient back"
-            f" ({state_memory.format_bytes(rank.receive_buffers)}): in flight x kept + buffers + (peak - kept) ="
-            f" {state_memory.format_bytes(rank.peak(estimate.checkpointing))}"
+            describe_in_flight(
+                estimate.schedule, estimate.microbatches, rank.in_flight, rank.in_flight_known, buffers, peak
+            )
         )
     lines += [f"  note: {note}" for note in estimate.notes]
     return lines
@@ -293,21 +286,10 @@ def _describe_units(units: Sequence[str]) -> str:
 #: How the report names the LightningModule itself.
 ROOT = "(the LightningModule)"
 
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
-
-
-def group_modules(modules: dict[str, list[str]]) -> list[tuple[str, list[str], int]]:
-    """Collapse `blocks.0.x`, `blocks.1.x`, ... that get the same treatment into `blocks.*.x  xN`."""
-    groups: dict[tuple[str, tuple[str, ...]], int] = {}
-    for fqn, what in modules.items():
-        key = (_INDEX.sub("*", fqn), tuple(what))
-        groups[key] = groups.get(key, 0) + 1
-    return [(name, list(what), n) for (name, what), n in groups.items()]
-
 
 def _group_params(params: list[ParamRow]) -> list[tuple[str, ...]]:
     groups: dict[tuple[str, ...], int] = {}
     for r in params:
-        key = (_INDEX.sub("*", r.name), _shape(r.global_shape), r.placement, _shape(r.local_shape), r.dtype)
+        key = (wildcard_indices(r.name), _shape(r.global_shape), r.placement, _shape(r.local_shape), r.dtype)
         groups[key] = groups.get(key, 0) + 1
     return [(*key, f"x{n}" if n > 1 else "") for key, n in groups.items()]
