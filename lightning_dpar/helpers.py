@@ -33,6 +33,7 @@ __all__ = [
     "local_numel",
     "process_memory",
     "show_names",
+    "text_table",
     "transformers_models",
     "wildcard_indices",
     "without_key_value_cache",
@@ -92,6 +93,14 @@ def show_names(names: Iterable[str], limit: int = 6, *, bracketed: bool = True, 
         elif bracketed:
             shown += ", ..."
     return f"[{shown}]" if bracketed else shown
+
+
+def text_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
+    """`rows` under `header` as lines of left-aligned columns, indented two spaces; no lines without rows."""
+    if not rows:
+        return []
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return ["  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
 
 
 def attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:

@@ -34,13 +34,11 @@ from lightning_dpar.optim.exactness import exactness_summary
 from lightning_dpar.parallel import parallelize
 from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, init_fake_process_group
 from lightning_dpar.pipeline.estimate import (
-    describe_split,
     peer_rank,
     pipeline_rank_of,
     stage_ranks,
     unsharded_units_note,
 )
-from lightning_dpar.pipeline.split import PipelineSplit
 from lightning_dpar.plan import ModulePlan
 from lightning_dpar.plan.ties import describe_tp_placement
 from lightning_dpar.strategies.base import DparStrategy
@@ -311,10 +309,8 @@ def _pipeline_report(
     that rank's pipeline peers hold (meshes are row-major with the pipeline dim outermost). Also returns each
     pipeline rank's local plan."""
     shown_pipeline_rank = pipeline_rank_of(rank, dims.world_size, dims.pipeline)
-    config = strategy.pipeline_config
     rows: list[StageRow] = []
     plans: list[ModulePlan] = []
-    split: PipelineSplit | None = None
     for pipeline_rank in range(dims.pipeline):
         if pipeline_rank == shown_pipeline_rank:  # planned already: the report's main sections show it
             applied, local, optimizers = shown
@@ -337,14 +333,4 @@ def _pipeline_report(
                     memory=state_memory.estimate_memory(stage_module, optimizers),
                 )
             )
-    assert split is not None
-    report = PipelineReport(
-        schedule=config.schedule.name,
-        microbatches=config.num_microbatches(dims.pipeline),
-        microbatches_by_default=config.microbatches is None,
-        stages_per_rank=config.stages_per_rank,
-        split=describe_split(config.split),
-        stages=sorted(rows, key=lambda row: row.stage),
-        num_ranks=dims.pipeline,
-    )
-    return report, plans
+    return PipelineReport.of(strategy.pipeline_config, dims.pipeline, rows), plans

@@ -1,6 +1,7 @@
 """What the dry run reports, and how it prints: the report types (`PlanReport`, with `PipelineReport` and its
-`StageRow`s under pipeline parallelism) and their `render()`, which groups repeated blocks (`blocks.*.x  xN`) into
-aligned tables. Filled in by `lightning_dpar.estimates.dry_run`."""
+`StageRow`s under pipeline parallelism, the pipeline folder's section, `lightning_dpar.pipeline.report`, exported here
+too) and their `render()`, which groups repeated blocks (`blocks.*.x  xN`) into aligned tables. Filled in by
+`lightning_dpar.estimates.dry_run`."""
 
 from __future__ import annotations
 
@@ -11,16 +12,11 @@ import lightning_dpar.estimates.state_memory as state_memory
 from lightning_dpar.activation_checkpointing.estimate import CHECKPOINTING_NAMES
 from lightning_dpar.activation_checkpointing.step import CHECKPOINTING_SETTINGS
 from lightning_dpar.estimates.activations import ActivationEstimate
-from lightning_dpar.helpers import group_modules, wildcard_indices
+from lightning_dpar.helpers import group_modules, text_table, wildcard_indices
 from lightning_dpar.loss_parallel.estimate import describe_sharded_logits
 from lightning_dpar.parallel_dims import ParallelDims
-from lightning_dpar.pipeline.estimate import (
-    describe_in_flight,
-    describe_rank_stages,
-    describe_schedule,
-    pipeline_rank_of,
-)
-from lightning_dpar.pipeline.schedule import schedule_spec
+from lightning_dpar.pipeline.estimate import describe_in_flight, pipeline_rank_of
+from lightning_dpar.pipeline.report import PipelineReport, StageRow
 
 __all__ = ["ROOT", "ParamRow", "PipelineReport", "PlanReport", "StageRow", "group_modules"]
 
@@ -34,73 +30,6 @@ class ParamRow:
     placement: str
     local_shape: tuple[int, ...]
     dtype: str
-
-
-@dataclass
-class StageRow:
-    """One pipeline stage: where it runs, what it holds, and what each of its ranks stores for it."""
-
-    stage: int
-    pipeline_rank: int
-    ranks: range  # the global ranks holding this stage (one pipeline rank's group)
-    units: tuple[str, ...]
-    num_params: int  # the stage's parameters, whole (before tensor-parallel and FSDP sharding)
-    memory: (
-        state_memory.MemoryEstimate
-    )  # on one of `ranks`: the one at the shown rank's data/tensor-parallel coordinate
-
-
-@dataclass
-class PipelineReport:
-    """The schedule and the stages, with per-stage memory."""
-
-    schedule: str
-    microbatches: int
-    microbatches_by_default: bool  # one per stage, as `pipeline_microbatches=None` gives
-    stages_per_rank: int
-    split: str
-    stages: list[StageRow]
-    num_ranks: int
-
-    @property
-    def bubble(self) -> float | None:
-        """The idle fraction of an ideal step, where the schedule has a known closed form
-        (`ScheduleSpec.bubble`)."""
-        return schedule_spec(self.schedule).bubble(self.num_ranks, self.microbatches, self.stages_per_rank)
-
-    def render(self, activations: ActivationEstimate | None = None) -> list[str]:
-        lines = describe_schedule(
-            self.schedule,
-            self.microbatches,
-            self.microbatches_by_default,
-            self.stages_per_rank,
-            self.split,
-            self.bubble,
-        )
-        rows = [
-            (
-                str(row.stage),
-                str(row.pipeline_rank),
-                _ranks(row.ranks),
-                _describe_units(row.units),
-                f"{row.num_params:,}",
-                state_memory.format_bytes(row.memory.parameters),
-                state_memory.format_bytes(row.memory.gradients),
-                state_memory.format_bytes(row.memory.optimizer) if row.memory.optimizer is not None else "unknown",
-                state_memory.format_bytes(row.memory.total),
-                *([state_memory.format_bytes(activations.peak(row.pipeline_rank))] if activations is not None else []),
-            )
-            for row in self.stages
-        ]
-        header = ("stage", "pipeline rank", "ranks", "units", "parameters", "params/rank", "grads/rank")
-        header += ("optimizer/rank", "total/rank", *(["activations/rank"] if activations is not None else []))
-        lines += _table(rows, header)
-        if self.stages_per_rank > 1:
-            for pipeline_rank in range(self.num_ranks):
-                held = [row for row in self.stages if row.pipeline_rank == pipeline_rank]
-                total = state_memory.format_bytes(sum(row.memory.total for row in held))
-                lines.append(describe_rank_stages(pipeline_rank, [row.stage for row in held], total))
-        return lines
 
 
 @dataclass
@@ -148,7 +77,7 @@ class PlanReport:
             lines += ["", f"Modules on rank {self.rank} (its pipeline stages only)"]
         else:
             lines += ["", "Modules"]
-        lines += _table(
+        lines += text_table(
             [(name, ", ".join(what), f"x{n}" if n > 1 else "") for name, what, n in group_modules(self.modules)],
             ("module", "applied", ""),
         ) or ["  (nothing: every parameter stays whole on every rank)"]
@@ -164,7 +93,7 @@ class PlanReport:
         rows = [(r.name, _shape(r.global_shape), r.placement, _shape(r.local_shape), r.dtype, "") for r in self.params]
         if not all_params:
             rows = _group_params(self.params)
-        lines += _table(rows, ("parameter", "global shape", "placement", "local shape", "dtype", ""))
+        lines += text_table(rows, ("parameter", "global shape", "placement", "local shape", "dtype", ""))
         m = self.memory
         optimizer = (
             state_memory.format_bytes(m.optimizer)
@@ -229,7 +158,7 @@ def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source
                 "<- the plan" if checkpointing == estimate.checkpointing else "",
             )
         )
-    lines += _table(rows, ("", "kept for backward", "peak in the step", "recomputed FLOPs", ""))
+    lines += text_table(rows, ("", "kept for backward", "peak in the step", "recomputed FLOPs", ""))
     groups = group_modules({fqn: [] for fqn in estimate.checkpointed})
     described = ", ".join(name + (f" x{n}" if n > 1 else "") for name, _, n in groups)
     lines.append(f"  checkpointing {described or 'nothing (no repeated blocks)'}")
@@ -251,36 +180,6 @@ def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source
 
 def _shape(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ")"
-
-
-def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
-    if not rows:
-        return []
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    return ["  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
-
-
-def _ranks(ranks: range) -> str:
-    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
-
-
-def _describe_units(units: Sequence[str]) -> str:
-    """`model.emb, model.blocks.0, model.blocks.1, model.blocks.2` -> `model.emb, model.blocks.0-2`."""
-    runs: list[tuple[str, int, int] | str] = []
-    for fqn in units:
-        prefix, _, index = fqn.rpartition(".")
-        last = runs[-1] if runs else None
-        if prefix and index.isdigit():
-            if isinstance(last, tuple) and last[0] == prefix and last[2] == int(index) - 1:
-                runs[-1] = (prefix, last[1], int(index))
-            else:
-                runs.append((prefix, int(index), int(index)))
-        else:
-            runs.append(fqn)
-    return ", ".join(
-        run if isinstance(run, str) else f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] > run[1] else "")
-        for run in runs
-    )
 
 
 #: How the report names the LightningModule itself.

@@ -2,7 +2,8 @@
 `plan` dry run, and the activation formula a layout search falls back on): which ranks hold a pipeline rank's
 stages, a stage's share of the model's layers, how many microbatches a rank keeps in flight on each of its stages
 (`ScheduleSpec.microbatches_in_flight`), the receive buffers torch's `PipelineStage` keeps, and how its stages'
-figures add up to a rank's activation peak; and the dry-run report's lines about the schedule.
+figures add up to a rank's activation peak; and the dry-run report's lines on them (its pipeline section is
+`lightning_dpar.pipeline.report`).
 
 Pure: the estimates pass numbers, names and the schedule's `ScheduleSpec` in (a stage's activation figures through
 `Kept`), so this module needs nothing above the pipeline folder.
@@ -14,14 +15,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from lightning_dpar.pipeline.schedule import ScheduleSpec
-from lightning_dpar.pipeline.split import SplitSpec
 
 __all__ = [
     "Kept",
     "describe_in_flight",
-    "describe_rank_stages",
-    "describe_schedule",
-    "describe_split",
     "in_flight_not_modelled_note",
     "microbatches_in_flight",
     "outputs_in_flight",
@@ -115,28 +112,6 @@ def rank_activation_peak(in_flight: Sequence[int], stages: Sequence[Kept], recei
     return total + work
 
 
-def describe_split(split: SplitSpec) -> str:
-    """How the report names a split: `'auto'`, or `at [...]` the given unit names."""
-    return "'auto'" if split == "auto" else f"at {list(split)}"
-
-
-def describe_schedule(
-    schedule: str, microbatches: int, by_default: bool, stages_per_rank: int, split: str, bubble: float | None
-) -> list[str]:
-    """The report's lines on the schedule: the microbatches (`by_default`: one per stage), the stages per rank,
-    the split, the batch size that divides and, when known, the bubble."""
-    default = " (default: one per stage)" if by_default else ""
-    stages = f"{stages_per_rank} stage{'s' if stages_per_rank > 1 else ''}"
-    lines = [
-        f"Pipeline: schedule {schedule}, {microbatches} microbatches per batch{default},"
-        f" {stages} per pipeline rank, split {split}",
-        f"  each data-parallel rank's batch size must be a multiple of {microbatches}",
-    ]
-    if bubble is not None:
-        lines.append(f"  bubble (idle fraction of an ideal step): {bubble:.0%}; more microbatches make it smaller")
-    return lines
-
-
 def describe_in_flight(
     schedule: str, microbatches: int, in_flight: Sequence[int], known: bool, buffers: str, peak: str
 ) -> str:
@@ -149,12 +124,6 @@ def describe_in_flight(
         f" this rank{bound}, and a receive buffer per microbatch for the activation in and the gradient back"
         f" ({buffers}): in flight x kept + buffers + (peak - kept) = {peak}"
     )
-
-
-def describe_rank_stages(pipeline_rank: int, stages: Sequence[int], total: str) -> str:
-    """The report's line on a pipeline rank holding several stages: which, and their memory per rank (`total`,
-    formatted)."""
-    return f"  pipeline rank {pipeline_rank} holds stages {', '.join(str(s) for s in stages)}: {total} per rank"
 
 
 def in_flight_not_modelled_note(schedule: str) -> str:

@@ -20,6 +20,7 @@ from lightning_dpar.helpers import (
     local_numel,
     process_memory,
     show_names,
+    text_table,
     transformers_models,
     wildcard_indices,
     without_key_value_cache,
@@ -163,3 +164,8 @@ def test_local_elements_are_this_ranks_shard(fake_world):
     mesh = init_device_mesh("cpu", (4,))
     assert local_numel(distribute_tensor(torch.empty(8, 3, device="meta"), mesh, [Shard(0)])) == 2 * 3
     assert local_numel(torch.empty(3, 5, device="meta")) == 15
+
+
+def test_a_text_table_aligns_its_columns_under_the_header():
+    assert text_table([("a", "1"), ("bbb", "22")], ("name", "n")) == ["  name  n", "  a     1", "  bbb   22"]
+    assert text_table([], ("name", "n")) == []  # no rows: no header either

@@ -9,9 +9,6 @@ from dataclasses import dataclass
 
 from lightning_dpar.pipeline.estimate import (
     describe_in_flight,
-    describe_rank_stages,
-    describe_schedule,
-    describe_split,
     in_flight_not_modelled_note,
     microbatches_in_flight,
     outputs_in_flight,
@@ -79,19 +76,6 @@ def test_a_rank_keeps_its_in_flight_microbatches_its_buffers_and_one_working_set
 
 
 def test_the_report_lines():
-    assert describe_split("auto") == "'auto'"
-    assert describe_split(("blocks.2",)) == "at ['blocks.2']"
-    assert describe_schedule("1F1B", 4, False, 1, "'auto'", 0.2) == [
-        "Pipeline: schedule 1F1B, 4 microbatches per batch, 1 stage per pipeline rank, split 'auto'",
-        "  each data-parallel rank's batch size must be a multiple of 4",
-        "  bubble (idle fraction of an ideal step): 20%; more microbatches make it smaller",
-    ]
-    lines = describe_schedule("ZBVZeroBubble", 4, True, 2, "'auto'", None)
-    assert lines[0].endswith(
-        "4 microbatches per batch (default: one per stage), 2 stages per pipeline rank, split 'auto'"
-    )
-    assert len(lines) == 2  # no closed-form bubble
-    assert describe_rank_stages(0, [0, 3], "4.27 MiB") == "  pipeline rank 0 holds stages 0, 3: 4.27 MiB per rank"
     line = describe_in_flight("ZBVZeroBubble", 4, (4, 4), False, "1 KiB", "2 KiB")
     assert line.startswith("  ZBVZeroBubble over 4 microbatches keeps up to 4, 4 in flight on this rank (not modelled")
     assert line.endswith("(1 KiB): in flight x kept + buffers + (peak - kept) = 2 KiB")
