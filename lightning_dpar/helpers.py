@@ -1,18 +1,21 @@
-"""Small helpers shared across the package, each defined once: module-name matching, divisors, showing a few names in
-an error message, naming a class, the Trainer a LightningModule is attached to, and facts about a module (does it
-hold parameters, is it a transformers model), and a transformers model's training forward without a key/value
-cache.
+"""Small helpers shared across the package, each defined once: module-name matching and grouping, divisors, sizes in
+bytes (a tensor's local elements, a byte count for people), showing a few names in an error message, naming a class,
+the Trainer a LightningModule is attached to, and facts about a module (does it hold parameters, is it a
+transformers model), and a transformers model's training forward without a key/value cache.
 
 A leaf: this module imports nothing from `lightning_dpar`, so any module may import it without an import cycle.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Generator, Iterable, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -21,20 +24,57 @@ __all__ = [
     "attached_trainer",
     "class_name",
     "divisors",
+    "format_bytes",
+    "group_modules",
     "has_parameters",
     "is_transformers_model",
     "is_under",
     "key_value_cache_configs",
+    "local_numel",
     "process_memory",
     "show_names",
+    "text_table",
     "transformers_models",
+    "wildcard_indices",
     "without_key_value_cache",
 ]
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
 
 def is_under(fqn: str, units: Sequence[str]) -> bool:
     """Whether `fqn` names one of `units` or something inside one (a parameter, a submodule)."""
     return any(fqn == unit or fqn.startswith(f"{unit}.") for unit in units)
+
+
+def wildcard_indices(fqn: str) -> str:
+    """`blocks.3.attn` -> `blocks.*.attn`: the name with each index of a repeated module replaced by `*` (a digit
+    inside a name, `layer2`, is not an index)."""
+    return _INDEX.sub("*", fqn)
+
+
+def group_modules(modules: dict[str, list[str]]) -> list[tuple[str, list[str], int]]:
+    """Collapse `blocks.0.x`, `blocks.1.x`, ... that get the same treatment into `blocks.*.x  xN`."""
+    groups: dict[tuple[str, tuple[str, ...]], int] = {}
+    for fqn, what in modules.items():
+        key = (wildcard_indices(fqn), tuple(what))
+        groups[key] = groups.get(key, 0) + 1
+    return [(name, list(what), n) for (name, what), n in groups.items()]
+
+
+def local_numel(param: torch.Tensor) -> int:
+    """Elements this rank stores: its shard for a DTensor, everything for a plain tensor."""
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+
+
+def format_bytes(n: float) -> str:
+    """`1536` -> `"1.50 KiB"`."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    index = 0
+    while abs(n) >= 1024 and index < len(units) - 1:
+        n /= 1024
+        index += 1
+    return f"{n:.0f} B" if index == 0 else f"{n:.2f} {units[index]}"
 
 
 def divisors(n: int) -> list[int]:
@@ -53,6 +93,14 @@ def show_names(names: Iterable[str], limit: int = 6, *, bracketed: bool = True, 
         elif bracketed:
             shown += ", ..."
     return f"[{shown}]" if bracketed else shown
+
+
+def text_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
+    """`rows` under `header` as lines of left-aligned columns, indented two spaces; no lines without rows."""
+    if not rows:
+        return []
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return ["  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
 
 
 def attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:

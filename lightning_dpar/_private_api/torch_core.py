@@ -82,8 +82,9 @@ def selective_checkpoint_private_ops() -> frozenset[Any]:
 
 def log_softmax_backward_op() -> Any:
     """`aten._log_softmax_backward_data.default`, the log-softmax's backward operator. The activation estimate's trace
-    (`lightning_dpar.estimates.activation_trace`) runs it as torch's `loss_parallel()` does, which hands the
-    cross-entropy's gradient through it unchanged; an operator has no public name. Present on torch 2.11, 2.13, 2.15."""
+    runs it as torch's `loss_parallel()` does (`lightning_dpar.loss_parallel.estimate.vocabulary_parallel_gradient`),
+    which hands the cross-entropy's gradient through it unchanged; an operator has no public name. Present on torch
+    2.11, 2.13, 2.15."""
     return torch.ops.aten._log_softmax_backward_data.default
 
 

@@ -11,8 +11,13 @@ ranks would hold. Llama 3 405B on 1024 ranks (`examples/plan/llama3_405b.yaml`, 
 
 Modules: `dry_run` (`plan`: run the training code path on the fake world), `report` (what is reported, and `render()`),
 `cli` (the argparse command line). Memory formulas are `lightning_dpar.estimates.state_memory`'s, activations
-`lightning_dpar.estimates.activations`' (given a batch shape), the pipeline bubble and microbatches in flight
-`lightning_dpar.pipeline.schedule`'s."""
+`lightning_dpar.estimates.activations`' (given a batch shape, from a trace of one step: `activation_trace`, with
+tensor parallelism followed by `tensor_parallel_trace`), or `activation_formula`'s for a model that cannot be traced.
+What a feature does to these figures is asked of the feature's own `estimate` module, pure arithmetic on numbers:
+`lightning_dpar.pipeline.estimate` (microbatches in flight, stage shares, receive buffers, a rank's peak; the bubble
+is `lightning_dpar.pipeline.schedule`'s), `lightning_dpar.activation_checkpointing.estimate` (the figure of each
+setting, what a checkpointed layer keeps, the recomputed FLOPs), `lightning_dpar.loss_parallel.estimate` (the
+logits' vocabulary shard) and `lightning_dpar.experts.estimate` (the report's expert-parallel section)."""
 
 from lightning_dpar.estimates.cli import main
 from lightning_dpar.estimates.dry_run import plan

@@ -25,6 +25,9 @@ The first pipeline rank holds the activations of the microbatches its schedule k
 
 from __future__ import annotations
 
+from lightning_dpar.activation_checkpointing.estimate import checkpointed_layers
+from lightning_dpar.loss_parallel.estimate import logit_bytes
+from lightning_dpar.pipeline.estimate import microbatches_in_flight, outputs_in_flight, stage_share
 from lightning_dpar.pipeline.schedule import schedule_spec
 
 __all__ = ["activation_bytes"]
@@ -53,19 +56,11 @@ def activation_bytes(
     full_layer = s * b * h * e * (5 + 12 / t)
     if not flash_attention and heads:
         full_layer += 5 * heads * s * s * b * e / (2 * t)
-    stage_layers = -(-layers // (pipeline * stages_per_rank))
-    in_flight: tuple[int, ...] | None = (1,)
-    if schedule is not None:
-        in_flight = schedule_spec(schedule).microbatches_in_flight(pipeline, microbatches, stages_per_rank, 0)
-    in_flight = in_flight or (microbatches,) * stages_per_rank
-    if checkpointing:
-        per_microbatch = stage_layers * s * b * h * e
-        recompute = full_layer
-    else:
-        per_microbatch = stage_layers * full_layer
-        recompute = 0
-    embeddings = s * b * h * e
-    logits = 3 * s * b * vocab * 4 * (microbatches if schedule == "GPipe" else 1)
-    if loss_parallel:
-        logits = -(-logits // t)
-    return int(sum(in_flight) * per_microbatch + in_flight[0] * embeddings + recompute + logits)
+    spec = schedule_spec(schedule) if schedule is not None else None
+    in_flight, _ = microbatches_in_flight(spec, pipeline, microbatches, stages_per_rank, 0)
+    layer_input = s * b * h * e
+    kept, recompute = checkpointed_layers(
+        checkpointing, stage_share(layers, pipeline, stages_per_rank), layer_input, full_layer
+    )
+    logits = logit_bytes(3 * s * b * vocab * 4 * outputs_in_flight(schedule, microbatches), t, loss_parallel)
+    return int(sum(in_flight) * kept + in_flight[0] * layer_input + recompute + logits)

@@ -14,13 +14,9 @@ Activation checkpointing is the strategy's own (`activation_checkpointing.apply_
 the copy, so its recomputation in backward is traced too, context-parallel where the run is; under the selective
 policy the ops' outputs it keeps are storages alive from the forward to the backward, counted like any saved tensor.
 
-Tensor parallelism is traced on the unsplit model without a process group: each storage carries a flag, "split over
-the tensor-parallel ranks", set where a style's layouts say so (a column-wise Linear's output, the local chunk of a
-`Replicate -> Shard` redistribution, a reduce-scatter's output) and cleared where they say the rank holds the whole
-tensor (a row-wise Linear's partial output, an all-reduce or all-gather, which make new full-size tensors); every other
-op's outputs are split when one of its inputs is (a scalar never is). The redistributions are traced as the new
-tensors they are (a clone on the fake device), so an all-gathered input saved by a Linear counts whole, as DTensor
-keeps it.
+Tensor parallelism is traced on the unsplit model, each storage flagged as split over the tensor-parallel ranks or
+not, as its styles' layouts say (`lightning_dpar.estimates.tensor_parallel_trace`); every other op's outputs are split
+when one of its inputs is (a scalar never is).
 """
 
 from __future__ import annotations
@@ -36,21 +32,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar._private_api import (
     FakeTensorMode,
     TorchDispatchMode,
-    log_softmax_backward_op,
     storage_key,
     trainer_and_mesh,
     tree_leaves,
@@ -63,8 +49,10 @@ from lightning_dpar.activation_checkpointing.step import (
     apply_activation_checkpointing,
 )
 from lightning_dpar.context_parallel.runtime import ContextParallel
+from lightning_dpar.estimates.tensor_parallel_trace import Redistribution, hook_style
 from lightning_dpar.experts.tracing_stand_in import replace_experts_for_tracing
 from lightning_dpar.helpers import key_value_cache_configs, without_key_value_cache
+from lightning_dpar.loss_parallel.estimate import vocabulary_parallel_gradient
 
 __all__ = ["StepTrace", "StorageLife", "trace_step", "training_loss"]
 
@@ -130,6 +118,11 @@ def _op_flops(func: Any, args: Sequence[Any]) -> int:
     return 0
 
 
+#: An op a trace runs its own way: given the op, its arguments and whether a tensor is split over the tensor-parallel
+#: ranks, its output, or `None` to run the op as it is.
+Intercept = Callable[[Any, Sequence[Any], Callable[[torch.Tensor], bool]], "torch.Tensor | None"]
+
+
 class _Recorder(TorchDispatchMode):
     """Records every storage an op outputs for the first time, and the tick it dies at, and the FLOPs of the
     matmul and attention ops run (`_op_flops`).
@@ -138,9 +131,9 @@ class _Recorder(TorchDispatchMode):
     holds the storage), so a weak reference's callback says when it dies: no polling.
     """
 
-    def __init__(self, loss_parallel: bool = False) -> None:
+    def __init__(self, intercept: Intercept | None = None) -> None:
         super().__init__()
-        self.loss_parallel = loss_parallel
+        self.intercept = intercept
         self.clock = 0
         self.lives: dict[int, StorageLife] = {}  # live storages by StorageImpl address
         self.refs: dict[int, weakref.ref] = {}
@@ -151,14 +144,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.loss_parallel and func is log_softmax_backward_op():
-            life = self.life(args[0])
-            if life is not None and life.split:
-                # torch's `loss_parallel()` computes the whole cross-entropy gradient in the loss's backward and
-                # hands it through the log-softmax's as it is (`grad_output.to(dtype)`): no second shard.
-                out = args[0].to(args[3])
-                self.clock += 1
-                return out
+        intercepted = self.intercept(func, args, self.is_split) if self.intercept is not None else None
+        if intercepted is not None:
+            self.clock += 1
+            return intercepted
         out = func(*args, **kwargs)
         self.flops += _op_flops(func, args)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -187,6 +176,10 @@ class _Recorder(TorchDispatchMode):
         storage = _storage(tensor)
         return None if storage is None else self.lives.get(storage_key(storage))
 
+    def is_split(self, tensor: torch.Tensor) -> bool:
+        life = self.life(tensor)
+        return life is not None and life.split
+
     def mark(self, tensor: torch.Tensor, split: bool) -> None:
         life = self.life(tensor)
         if life is not None:
@@ -196,84 +189,6 @@ class _Recorder(TorchDispatchMode):
         """The tick that separates what came before from what comes after."""
         self.clock += 1
         return self.clock - 1
-
-
-class _Redistribution:
-    """A tensor-parallel style's layouts applied to the traced tensors: a redistribution that makes a new tensor is
-    traced as a clone whose split flag is the target layout's."""
-
-    def __init__(self, recorder: _Recorder) -> None:
-        self.recorder = recorder
-
-    def __call__(self, value: Any, source: Any, target: Any) -> Any:
-        if not isinstance(value, torch.Tensor) or source is None or target is None or source == target:
-            return value
-        if isinstance(source, (Shard, Partial)) or isinstance(target, Shard):  # all-gather, all-reduce, chunk, ...
-            new = value.clone()
-            self.recorder.mark(new, isinstance(target, Shard))
-            return new
-        return value  # Replicate -> Replicate/Partial: the rank's tensor as it is
-
-    def output(self, output: Any, split: bool) -> None:
-        """The flag of what the module's own computation produced."""
-        for tensor in tree_leaves(output):
-            if isinstance(tensor, torch.Tensor):
-                self.recorder.mark(tensor, split)
-
-
-def _hook_style(module: nn.Module, style: ParallelStyle, redistribute: _Redistribution) -> bool:
-    """Hooks that trace `style` on `module`; False for a style the trace does not know."""
-
-    def first_input(source: Any, target: Any) -> Callable:
-        def hook(mod, args):
-            return (redistribute(args[0], source, target), *args[1:]) if args else args
-
-        return hook
-
-    def output(split: bool, source: Any, target: Any) -> Callable:
-        def hook(mod, args, out):
-            redistribute.output(out, split)
-            return tree_map(lambda t: redistribute(t, source, target), out)
-
-        return hook
-
-    if isinstance(style, ColwiseParallel):
-        module.register_forward_pre_hook(first_input(style.input_layouts[0], Replicate()))
-        module.register_forward_hook(output(True, Shard(-1), style.output_layouts[0]))
-    elif isinstance(style, RowwiseParallel):
-        wanted = Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
-        module.register_forward_pre_hook(first_input(style.input_layouts[0], wanted))
-        module.register_forward_hook(output(False, Partial(), style.output_layouts[0]))
-    elif isinstance(style, SequenceParallel):
-        pass  # it computes on the sequence shard it is given, whose flag the tensor carries already
-    elif isinstance(style, (PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput)):
-        prepare_in = getattr(style, "prepare_module_input", style)
-        prepare_out = getattr(style, "prepare_module_output", style)
-        if isinstance(prepare_in, PrepareModuleInput):
-            layouts = list(zip(prepare_in.input_layouts or (), prepare_in.desired_input_layouts or ()))
-            kwarg_layouts = prepare_in.input_kwarg_layouts
-            desired_kwargs = prepare_in.desired_input_kwarg_layouts
-
-            def prepare(mod, args, kwargs):
-                args = tuple(redistribute(a, *layouts[i]) if i < len(layouts) else a for i, a in enumerate(args))
-                kwargs = {k: redistribute(v, kwarg_layouts.get(k), desired_kwargs.get(k)) for k, v in kwargs.items()}
-                return args, kwargs
-
-            module.register_forward_pre_hook(prepare, with_kwargs=True)
-        if isinstance(prepare_out, PrepareModuleOutput):
-            pairs = list(zip(prepare_out.output_layouts, prepare_out.desired_output_layouts))
-
-            def prepare_output(mod, args, out):
-                if isinstance(out, torch.Tensor):
-                    return redistribute(out, *pairs[0])
-                if isinstance(out, tuple):
-                    return tuple(redistribute(o, *pairs[i]) if i < len(pairs) else o for i, o in enumerate(out))
-                return out
-
-            module.register_forward_hook(prepare_output)
-    else:
-        return False
-    return True
 
 
 class _Units:
@@ -400,12 +315,12 @@ def trace_step(
     mode = FakeTensorMode()
     fake = _fake_copy(module, mode, compute_dtype)
     replace_experts_for_tracing(fake)  # MoE layers: their dense equivalent (`lightning_dpar.experts.tracing_stand_in`)
-    recorder = _Recorder(loss_parallel)
-    redistribute = _Redistribution(recorder)
+    recorder = _Recorder(vocabulary_parallel_gradient if loss_parallel else None)
+    redistribute = Redistribution(recorder)
     unmodelled = [
         f"{fqn}: {type(style).__name__}"
         for fqn, style in (tensor_parallel or {}).items()
-        if not _hook_style(fake.get_submodule(fqn), style, redistribute)
+        if not hook_style(fake.get_submodule(fqn), style, redistribute)
     ]
     context = ContextParallel.simulate(fake, context_parallel, context_parallel_loss) if context_parallel > 1 else None
     checkpointing = ActivationCheckpointingPlan(list(activation_checkpointing), checkpoint_policy)

@@ -12,8 +12,9 @@ What is counted, per microbatch, on one rank (`Footprint`):
 Each figure comes three ways (`Checkpointing`): without activation checkpointing (`False`), with full checkpointing
 (`True`: each checkpointed block keeps only its input) and with selective checkpointing (`"selective"`: each keeps
 its matmul and attention outputs too, `lightning_dpar.activation_checkpointing.policy`), which sits between them. The
-FLOPs each recomputes are counted on the same traces (`StepFlops`): a step's FLOPs with checkpointing less those
-without, which are the ops the backward runs again (a kept op's output is handed back, not recomputed).
+FLOPs each recomputes are counted on the same traces (`StepFlops`, `lightning_dpar.activation_checkpointing.estimate`):
+a step's FLOPs with checkpointing less those without, which are the ops the backward runs again (a kept op's output is
+handed back, not recomputed).
 
 Parameters, their gradients and FSDP's all-gathered units are not activations (`lightning_dpar.estimates.state_memory`
 counts them).
@@ -28,7 +29,7 @@ Layouts:
   in flight at once (`ScheduleSpec.microbatches_in_flight`); torch's `PipelineStage` also allocates, once for every
   microbatch, a buffer for the activation a stage receives and one for the gradient it receives, and keeps them. A
   rank's activation peak is `sum over its stages of (in_flight x retained + m x (received + sent)) + the largest
-  (peak - retained)` (`RankActivations.peak`).
+  (peak - retained)` (`RankActivations.peak`, by `lightning_dpar.pipeline.estimate.rank_activation_peak`).
 """
 
 from __future__ import annotations
@@ -42,11 +43,19 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_dpar._private_api import tree_leaves, tree_map
+from lightning_dpar.activation_checkpointing.estimate import StepFlops, figure_of
 from lightning_dpar.activation_checkpointing.step import Checkpointing, CheckpointPolicyName, checkpointing_of
 from lightning_dpar.estimates.activation_trace import StepTrace, trace_step, training_loss
 from lightning_dpar.loss_parallel.step import sharded_output_styles
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
+from lightning_dpar.pipeline.estimate import (
+    in_flight_not_modelled_note,
+    microbatches_in_flight,
+    rank_activation_peak,
+    receive_buffer_bytes,
+    unit_indices,
+)
 from lightning_dpar.plan import ModulePlan, repeated_blocks, resolve_activation_checkpointing
 
 __all__ = [
@@ -99,9 +108,9 @@ class StageActivations:
 
     def own(self, checkpointing: Checkpointing) -> Footprint:
         """The stage's own activations under `checkpointing`."""
-        if checkpointing == "selective" and self.selective_checkpointing is not None:
-            return self.selective_checkpointing
-        return self.with_checkpointing if checkpointing else self.without_checkpointing
+        return figure_of(
+            checkpointing, self.without_checkpointing, self.with_checkpointing, self.selective_checkpointing
+        )
 
     def footprint(self, checkpointing: Checkpointing) -> Footprint:
         """One microbatch: the stage's own activations and the activation it received, which its backward needs."""
@@ -134,40 +143,14 @@ class RankActivations:
         and one stage's backward working set comes on top. Pipelining adds what torch's `PipelineStage` allocates
         once for every microbatch and keeps: a buffer for the activation received from the stage before (the input
         its backward needs) and one for the gradient received from the stage after."""
-        total, work = self.receive_buffers, 0
-        for in_flight, stage in zip(self.in_flight, self.stages):
-            own = stage.own(checkpointing)
-            total += in_flight * own.retained
-            work = max(work, own.peak - own.retained)
-        return total + work
+        own = [stage.own(checkpointing) for stage in self.stages]
+        return rank_activation_peak(self.in_flight, own, self.receive_buffers)
 
     @property
     def receive_buffers(self) -> int:
         """Bytes of the pipeline's receive buffers on this rank: for each of its stages and every microbatch, the
         activation from the stage before and the gradient from the stage after (0 without pipelining)."""
-        return sum(self.microbatches * (stage.received + stage.sent) for stage in self.stages)
-
-
-@dataclass(frozen=True)
-class StepFlops:
-    """The FLOPs of one microbatch's forward and backward on one simulated rank (the whole model, unsplit by tensor
-    parallelism), without activation checkpointing and with each kind: the matmul and attention FLOPs the traces
-    ran. The difference is what checkpointing recomputes."""
-
-    plain: int
-    full: int
-    selective: int
-
-    def recomputed(self, checkpointing: Checkpointing) -> int:
-        """FLOPs recomputed in backward under `checkpointing`."""
-        if checkpointing is False:
-            return 0
-        return (self.selective if checkpointing == "selective" else self.full) - self.plain
-
-    def recomputed_fraction(self, checkpointing: Checkpointing) -> float:
-        """Recomputed FLOPs over the step's FLOPs without checkpointing (full checkpointing of every block: about
-        a third, the forward again)."""
-        return self.recomputed(checkpointing) / self.plain if self.plain else 0.0
+        return receive_buffer_bytes(self.microbatches, [(stage.received, stage.sent) for stage in self.stages])
 
 
 @dataclass(frozen=True)
@@ -337,7 +320,7 @@ def estimate_activations(
     # they and the log-probabilities the loss keeps count 1 / tensor_parallel on each rank.
     styles = sharded_output_styles(whole.tensor_parallel, whole.loss_parallel)
     tensor_parallel = styles if dims.tensor_parallel > 1 else {}
-    units = [unit for stage in split.stages for unit in stage] if split is not None else []
+    units, stage_units = unit_indices(split.stages) if split is not None else ([], [None])
     checkpointed = whole.activation_checkpointing or _what_true_checkpoints(module, whole, units)
 
     def trace(checkpoint: Sequence[str], policy: CheckpointPolicyName = "full") -> StepTrace:
@@ -369,12 +352,6 @@ def estimate_activations(
     notes = [f"tensor parallelism not traced for {name}: its activations count whole" for name in without.unmodelled]
     if whole.adopted:
         notes.append("the model parallelised itself in configure_model: activations are counted as unsplit")
-    stage_units: list[list[int] | None] = [None]
-    if split is not None:
-        starts = [0]
-        for stage in split.stages:
-            starts.append(starts[-1] + len(stage))
-        stage_units = [list(range(starts[s], starts[s + 1])) for s in range(split.num_stages)]
     tp = dims.tensor_parallel
     stages = [
         StageActivations(
@@ -388,22 +365,14 @@ def estimate_activations(
         for index, indices in enumerate(stage_units)
     ]
     ranks = []
+    schedule, per_rank = (pipeline.schedule, pipeline.stages_per_rank) if pipeline is not None else (None, 1)
     for pipeline_rank in range(dims.pipeline):
         held = split.stages_of_rank(pipeline_rank) if split is not None else [0]
-        counts = None
-        if pipeline is not None:
-            counts = pipeline.schedule.microbatches_in_flight(
-                dims.pipeline, microbatches, pipeline.stages_per_rank, pipeline_rank
-            )
-        known = counts is not None or pipeline is None
-        in_flight = counts if counts is not None else (microbatches,) * len(held)
+        in_flight, known = microbatches_in_flight(schedule, dims.pipeline, microbatches, per_rank, pipeline_rank)
         held_stages = tuple(stages[s] for s in held)
         ranks.append(RankActivations(pipeline_rank, held_stages, tuple(in_flight), known, microbatches))
-    if not all(rank.in_flight_known for rank in ranks):
-        notes.append(
-            f"{pipeline.schedule.name if pipeline else ''}: microbatches in flight not modelled; every microbatch"
-            " counted as in flight (an upper bound)"
-        )
+    if pipeline is not None and not all(rank.in_flight_known for rank in ranks):
+        notes.append(in_flight_not_modelled_note(pipeline.schedule.name))
     return ActivationEstimate(
         microbatch=_describe(microbatch),
         checkpointing=checkpointing_of(whole.activation_checkpointing, whole.activation_checkpointing_policy),

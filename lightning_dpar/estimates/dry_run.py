@@ -28,12 +28,17 @@ from torch.optim import Optimizer
 import lightning_dpar.estimates.state_memory as state_memory
 from lightning_dpar._private_api import attach_device_mesh, is_composable_replicated
 from lightning_dpar.estimates.activations import ActivationEstimate, TraceCache, estimate_activations
-from lightning_dpar.estimates.experts import describe_experts
 from lightning_dpar.estimates.report import ROOT, ParamRow, PipelineReport, PlanReport, StageRow
+from lightning_dpar.experts.estimate import describe_experts
 from lightning_dpar.optim.exactness import exactness_summary
 from lightning_dpar.parallel import parallelize
 from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, init_fake_process_group
-from lightning_dpar.pipeline.split import PipelineSplit
+from lightning_dpar.pipeline.estimate import (
+    peer_rank,
+    pipeline_rank_of,
+    stage_ranks,
+    unsharded_units_note,
+)
 from lightning_dpar.plan import ModulePlan
 from lightning_dpar.plan.ties import describe_tp_placement
 from lightning_dpar.strategies.base import DparStrategy
@@ -180,9 +185,7 @@ def _plan_on_fake_world(
     if pipeline is not None and strategy.pipeline_config.schedule.defers_weight_gradients:
         gathered = sum(size for _, size in state_memory.gathered_fsdp_units(module, compute_dtype))
         notes.append(
-            f"{strategy.pipeline_config.schedule.name} keeps every FSDP unit of a stage unsharded from forward to"
-            f" backward: rank {rank}'s stages all-gathered, {state_memory.format_bytes(gathered)}, stay in memory"
-            " during a step, in place of the one unit above"
+            unsharded_units_note(strategy.pipeline_config.schedule.name, rank, state_memory.format_bytes(gathered))
         )
     activations, activation_note = None, "not estimated: give the batch shape with --batch-size and --seq-len"
     if batch is not None:
@@ -305,22 +308,19 @@ def _pipeline_report(
     fresh copy of the whole model, at the shown rank's coordinate in the other mesh dims: the same local shapes as
     that rank's pipeline peers hold (meshes are row-major with the pipeline dim outermost). Also returns each
     pipeline rank's local plan."""
-    ranks_per_stage = dims.world_size // dims.pipeline
-    shown_pipeline_rank, offset = divmod(rank, ranks_per_stage)
-    config = strategy.pipeline_config
+    shown_pipeline_rank = pipeline_rank_of(rank, dims.world_size, dims.pipeline)
     rows: list[StageRow] = []
     plans: list[ModulePlan] = []
-    split: PipelineSplit | None = None
     for pipeline_rank in range(dims.pipeline):
         if pipeline_rank == shown_pipeline_rank:  # planned already: the report's main sections show it
             applied, local, optimizers = shown
         else:
-            copy_rank = pipeline_rank * ranks_per_stage + offset
+            copy_rank = peer_rank(rank, pipeline_rank, dims.world_size, dims.pipeline)
             applied, local, optimizers, _ = _apply(strategy, _meta_copy(unsplit), dims, copy_rank, meshes)
         plans.append(local)
         assert applied.pipeline is not None
         split = applied.pipeline.split
-        ranks = range(pipeline_rank * ranks_per_stage, (pipeline_rank + 1) * ranks_per_stage)
+        ranks = stage_ranks(pipeline_rank, dims.world_size, dims.pipeline)
         for stage, stage_module in applied.pipeline.stages.items():
             units = split.stages[stage]
             rows.append(
@@ -333,14 +333,4 @@ def _pipeline_report(
                     memory=state_memory.estimate_memory(stage_module, optimizers),
                 )
             )
-    assert split is not None
-    report = PipelineReport(
-        schedule=config.schedule.name,
-        microbatches=config.num_microbatches(dims.pipeline),
-        microbatches_by_default=config.microbatches is None,
-        stages_per_rank=config.stages_per_rank,
-        split="'auto'" if config.split == "auto" else f"at {list(config.split)}",
-        stages=sorted(rows, key=lambda row: row.stage),
-        num_ranks=dims.pipeline,
-    )
-    return report, plans
+    return PipelineReport.of(strategy.pipeline_config, dims.pipeline, rows), plans

@@ -1,18 +1,22 @@
 """What the dry run reports, and how it prints: the report types (`PlanReport`, with `PipelineReport` and its
-`StageRow`s under pipeline parallelism) and their `render()`, which groups repeated blocks (`blocks.*.x  xN`) into
-aligned tables. Filled in by `lightning_dpar.estimates.dry_run`."""
+`StageRow`s under pipeline parallelism, the pipeline folder's section, `lightning_dpar.pipeline.report`, exported here
+too) and their `render()`, which groups repeated blocks (`blocks.*.x  xN`) into aligned tables. Filled in by
+`lightning_dpar.estimates.dry_run`."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import lightning_dpar.estimates.state_memory as state_memory
-from lightning_dpar.activation_checkpointing.step import CHECKPOINTING_SETTINGS, Checkpointing
+from lightning_dpar.activation_checkpointing.estimate import CHECKPOINTING_NAMES
+from lightning_dpar.activation_checkpointing.step import CHECKPOINTING_SETTINGS
 from lightning_dpar.estimates.activations import ActivationEstimate
+from lightning_dpar.helpers import group_modules, text_table, wildcard_indices
+from lightning_dpar.loss_parallel.estimate import describe_sharded_logits
 from lightning_dpar.parallel_dims import ParallelDims
-from lightning_dpar.pipeline.schedule import schedule_spec
+from lightning_dpar.pipeline.estimate import describe_in_flight, pipeline_rank_of
+from lightning_dpar.pipeline.report import PipelineReport, StageRow
 
 __all__ = ["ROOT", "ParamRow", "PipelineReport", "PlanReport", "StageRow", "group_modules"]
 
@@ -26,79 +30,6 @@ class ParamRow:
     placement: str
     local_shape: tuple[int, ...]
     dtype: str
-
-
-@dataclass
-class StageRow:
-    """One pipeline stage: where it runs, what it holds, and what each of its ranks stores for it."""
-
-    stage: int
-    pipeline_rank: int
-    ranks: range  # the global ranks holding this stage (one pipeline rank's group)
-    units: tuple[str, ...]
-    num_params: int  # the stage's parameters, whole (before tensor-parallel and FSDP sharding)
-    memory: (
-        state_memory.MemoryEstimate
-    )  # on one of `ranks`: the one at the shown rank's data/tensor-parallel coordinate
-
-
-@dataclass
-class PipelineReport:
-    """The schedule and the stages, with per-stage memory."""
-
-    schedule: str
-    microbatches: int
-    microbatches_by_default: bool  # one per stage, as `pipeline_microbatches=None` gives
-    stages_per_rank: int
-    split: str
-    stages: list[StageRow]
-    num_ranks: int
-
-    @property
-    def bubble(self) -> float | None:
-        """The idle fraction of an ideal step, where the schedule has a known closed form
-        (`ScheduleSpec.bubble`)."""
-        return schedule_spec(self.schedule).bubble(self.num_ranks, self.microbatches, self.stages_per_rank)
-
-    def render(self, activations: ActivationEstimate | None = None) -> list[str]:
-        default = " (default: one per stage)" if self.microbatches_by_default else ""
-        stages = f"{self.stages_per_rank} stage{'s' if self.stages_per_rank > 1 else ''}"
-        lines = [
-            f"Pipeline: schedule {self.schedule}, {self.microbatches} microbatches per batch{default},"
-            f" {stages} per pipeline rank, split {self.split}",
-            f"  each data-parallel rank's batch size must be a multiple of {self.microbatches}",
-        ]
-        if self.bubble is not None:
-            lines.append(
-                f"  bubble (idle fraction of an ideal step): {self.bubble:.0%}; more microbatches make it smaller"
-            )
-        rows = [
-            (
-                str(row.stage),
-                str(row.pipeline_rank),
-                _ranks(row.ranks),
-                _describe_units(row.units),
-                f"{row.num_params:,}",
-                state_memory.format_bytes(row.memory.parameters),
-                state_memory.format_bytes(row.memory.gradients),
-                state_memory.format_bytes(row.memory.optimizer) if row.memory.optimizer is not None else "unknown",
-                state_memory.format_bytes(row.memory.total),
-                *([state_memory.format_bytes(activations.peak(row.pipeline_rank))] if activations is not None else []),
-            )
-            for row in self.stages
-        ]
-        header = ("stage", "pipeline rank", "ranks", "units", "parameters", "params/rank", "grads/rank")
-        header += ("optimizer/rank", "total/rank", *(["activations/rank"] if activations is not None else []))
-        lines += _table(rows, header)
-        if self.stages_per_rank > 1:
-            for pipeline_rank in range(self.num_ranks):
-                held = [row for row in self.stages if row.pipeline_rank == pipeline_rank]
-                total = sum(row.memory.total for row in held)
-                lines.append(
-                    f"  pipeline rank {pipeline_rank} holds stages {', '.join(str(r.stage) for r in held)}:"
-                    f" {state_memory.format_bytes(total)} per rank"
-                )
-        return lines
 
 
 @dataclass
@@ -129,7 +60,7 @@ class PlanReport:
 
     @property
     def pipeline_rank(self) -> int:
-        return self.rank // (self.dims.world_size // self.dims.pipeline)
+        return pipeline_rank_of(self.rank, self.dims.world_size, self.dims.pipeline)
 
     def render(self, all_params: bool = False) -> str:
         d = self.dims
@@ -146,7 +77,7 @@ class PlanReport:
             lines += ["", f"Modules on rank {self.rank} (its pipeline stages only)"]
         else:
             lines += ["", "Modules"]
-        lines += _table(
+        lines += text_table(
             [(name, ", ".join(what), f"x{n}" if n > 1 else "") for name, what, n in group_modules(self.modules)],
             ("module", "applied", ""),
         ) or ["  (nothing: every parameter stays whole on every rank)"]
@@ -162,7 +93,7 @@ class PlanReport:
         rows = [(r.name, _shape(r.global_shape), r.placement, _shape(r.local_shape), r.dtype, "") for r in self.params]
         if not all_params:
             rows = _group_params(self.params)
-        lines += _table(rows, ("parameter", "global shape", "placement", "local shape", "dtype", ""))
+        lines += text_table(rows, ("parameter", "global shape", "placement", "local shape", "dtype", ""))
         m = self.memory
         optimizer = (
             state_memory.format_bytes(m.optimizer)
@@ -193,7 +124,7 @@ class PlanReport:
             a = self.activations
             lines.append(
                 f"  + activations at their peak: {state_memory.format_bytes(a.peak(self.pipeline_rank))}"
-                f" ({_CHECKPOINTING_NAMES[a.checkpointing]}; below)"
+                f" ({CHECKPOINTING_NAMES[a.checkpointing]}; below)"
             )
             peak += a.peak(self.pipeline_rank)
             lines.append(f"  peak        {state_memory.format_bytes(peak)}")
@@ -204,14 +135,6 @@ class PlanReport:
             lines += [f"  {line}" for line in self.optimizer_exactness]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-#: How the report names each activation checkpointing setting.
-_CHECKPOINTING_NAMES: dict[Checkpointing, str] = {
-    False: "without activation checkpointing",
-    "selective": "selective activation checkpointing",
-    True: "full activation checkpointing",
-}
 
 
 def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source: str) -> list[str]:
@@ -228,29 +151,28 @@ def _render_activations(estimate: ActivationEstimate, pipeline_rank: int, source
         flops = estimate.flops
         rows.append(
             (
-                _CHECKPOINTING_NAMES[checkpointing],
+                CHECKPOINTING_NAMES[checkpointing],
                 state_memory.format_bytes(footprint.retained),
                 state_memory.format_bytes(footprint.peak),
                 f"{flops.recomputed_fraction(checkpointing):.0%}" if flops is not None else "?",
                 "<- the plan" if checkpointing == estimate.checkpointing else "",
             )
         )
-    lines += _table(rows, ("", "kept for backward", "peak in the step", "recomputed FLOPs", ""))
+    lines += text_table(rows, ("", "kept for backward", "peak in the step", "recomputed FLOPs", ""))
     groups = group_modules({fqn: [] for fqn in estimate.checkpointed})
     described = ", ".join(name + (f" x{n}" if n > 1 else "") for name, _, n in groups)
     lines.append(f"  checkpointing {described or 'nothing (no repeated blocks)'}")
     if estimate.tensor_parallel > 1:
         lines.append(f"  tensor parallel: sharded activations split over {estimate.tensor_parallel} ranks")
     if estimate.loss_parallel is not None:
-        lines.append(f"  loss parallel: the logits of {estimate.loss_parallel} kept sharded over the vocabulary")
+        lines.append(describe_sharded_logits(estimate.loss_parallel))
     if estimate.schedule is not None:
-        per_stage = ", ".join(str(n) for n in rank.in_flight)
-        bound = "" if rank.in_flight_known else " (not modelled for this schedule: every microbatch, an upper bound)"
+        buffers = state_memory.format_bytes(rank.receive_buffers)
+        peak = state_memory.format_bytes(rank.peak(estimate.checkpointing))
         lines.append(
-            f"  {estimate.schedule} over {estimate.microbatches} microbatches keeps up to {per_stage} in flight on"
-            f" this rank{bound}, and a receive buffer per microbatch for the activation in and the gradient back"
-            f" ({state_memory.format_bytes(rank.receive_buffers)}): in flight x kept + buffers + (peak - kept) ="
-            f" {state_memory.format_bytes(rank.peak(estimate.checkpointing))}"
+            describe_in_flight(
+                estimate.schedule, estimate.microbatches, rank.in_flight, rank.in_flight_known, buffers, peak
+            )
         )
     lines += [f"  note: {note}" for note in estimate.notes]
     return lines
@@ -260,54 +182,13 @@ def _shape(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ")"
 
 
-def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
-    if not rows:
-        return []
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    return ["  " + "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
-
-
-def _ranks(ranks: range) -> str:
-    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
-
-
-def _describe_units(units: Sequence[str]) -> str:
-    """`model.emb, model.blocks.0, model.blocks.1, model.blocks.2` -> `model.emb, model.blocks.0-2`."""
-    runs: list[tuple[str, int, int] | str] = []
-    for fqn in units:
-        prefix, _, index = fqn.rpartition(".")
-        last = runs[-1] if runs else None
-        if prefix and index.isdigit():
-            if isinstance(last, tuple) and last[0] == prefix and last[2] == int(index) - 1:
-                runs[-1] = (prefix, last[1], int(index))
-            else:
-                runs.append((prefix, int(index), int(index)))
-        else:
-            runs.append(fqn)
-    return ", ".join(
-        run if isinstance(run, str) else f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] > run[1] else "")
-        for run in runs
-    )
-
-
 #: How the report names the LightningModule itself.
 ROOT = "(the LightningModule)"
-
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
-
-
-def group_modules(modules: dict[str, list[str]]) -> list[tuple[str, list[str], int]]:
-    """Collapse `blocks.0.x`, `blocks.1.x`, ... that get the same treatment into `blocks.*.x  xN`."""
-    groups: dict[tuple[str, tuple[str, ...]], int] = {}
-    for fqn, what in modules.items():
-        key = (_INDEX.sub("*", fqn), tuple(what))
-        groups[key] = groups.get(key, 0) + 1
-    return [(name, list(what), n) for (name, what), n in groups.items()]
 
 
 def _group_params(params: list[ParamRow]) -> list[tuple[str, ...]]:
     groups: dict[tuple[str, ...], int] = {}
     for r in params:
-        key = (_INDEX.sub("*", r.name), _shape(r.global_shape), r.placement, _shape(r.local_shape), r.dtype)
+        key = (wildcard_indices(r.name), _shape(r.global_shape), r.placement, _shape(r.local_shape), r.dtype)
         groups[key] = groups.get(key, 0) + 1
     return [(*key, f"x{n}" if n > 1 else "") for key, n in groups.items()]

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_dpar.helpers import format_bytes, local_numel
 from lightning_dpar.parallel_dims import EXPERT, TENSOR_PARALLEL, is_sharded
 
 __all__ = [
@@ -59,11 +60,6 @@ STATES_PER_PARAMETER: dict[str, Callable[[dict], int]] = {
     "SGD": lambda group: 1 if group.get("momentum", 0) else 0,
     "RMSprop": lambda group: 1 + bool(group.get("momentum", 0)) + bool(group.get("centered")),
 }
-
-
-def local_numel(param: torch.Tensor) -> int:
-    """Elements this rank stores: its shard for a DTensor, everything for a plain tensor."""
-    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
 
 
 def unsharded_numel(param: torch.Tensor, keep_sharded_dims: Iterable[str]) -> int:
@@ -177,16 +173,6 @@ def frozen_note(estimate: MemoryEstimate) -> str:
         return ""
     trainable = format_bytes(estimate.parameters - estimate.frozen)
     return f"   (trainable {trainable}, frozen {format_bytes(estimate.frozen)}: no gradient or optimizer state)"
-
-
-def format_bytes(n: float) -> str:
-    """`1536` -> `"1.50 KiB"`."""
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    index = 0
-    while abs(n) >= 1024 and index < len(units) - 1:
-        n /= 1024
-        index += 1
-    return f"{n:.0f} B" if index == 0 else f"{n:.2f} {units[index]}"
 
 
 def gathered_fsdp_units(module: nn.Module, compute_dtype: torch.dtype | None) -> list[tuple[str, int]]:

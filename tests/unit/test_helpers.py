@@ -11,13 +11,18 @@ from lightning_dpar.helpers import (
     attached_trainer,
     class_name,
     divisors,
+    format_bytes,
+    group_modules,
     has_parameters,
     is_transformers_model,
     is_under,
     key_value_cache_configs,
+    local_numel,
     process_memory,
     show_names,
+    text_table,
     transformers_models,
+    wildcard_indices,
     without_key_value_cache,
 )
 
@@ -121,3 +126,46 @@ def test_process_memory_reads_this_process_in_bytes():
     assert 10 * 2**20 < resident <= peak  # a Python process with torch holds well over 10 MiB
     assert resident % 1024 == 0  # the file counts kB
     assert process_memory("NoSuchField") == 0
+
+
+def test_format_bytes():
+    assert [format_bytes(n) for n in (512, 1536, 3 * 2**30)] == ["512 B", "1.50 KiB", "3.00 GiB"]
+
+
+def test_a_repeated_modules_indices_become_wildcards():
+    assert wildcard_indices("model.blocks.12.attn.0") == "model.blocks.*.attn.*"
+    assert wildcard_indices("layer2.weight") == "layer2.weight"
+
+
+def test_repeated_blocks_treated_alike_are_grouped_by_their_index():
+    modules = {
+        "blocks.0.attn": ["fsdp", "ac"],
+        "blocks.1.attn": ["fsdp", "ac"],
+        "blocks.2.attn": ["fsdp"],  # treated otherwise: a group of its own
+        "blocks.10.mlp.0": ["tp"],
+        "head": ["fsdp"],
+        "layer2": ["fsdp"],  # a digit inside a name is not an index
+    }
+    assert group_modules(modules) == [
+        ("blocks.*.attn", ["fsdp", "ac"], 2),
+        ("blocks.*.attn", ["fsdp"], 1),
+        ("blocks.*.mlp.*", ["tp"], 1),
+        ("head", ["fsdp"], 1),
+        ("layer2", ["fsdp"], 1),
+    ]
+
+
+def test_local_elements_are_this_ranks_shard(fake_world):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    fake_world(4)
+    mesh = init_device_mesh("cpu", (4,))
+    assert local_numel(distribute_tensor(torch.empty(8, 3, device="meta"), mesh, [Shard(0)])) == 2 * 3
+    assert local_numel(torch.empty(3, 5, device="meta")) == 15
+
+
+def test_a_text_table_aligns_its_columns_under_the_header():
+    assert text_table([("a", "1"), ("bbb", "22")], ("name", "n")) == ["  name  n", "  a     1", "  bbb   22"]
+    assert text_table([], ("name", "n")) == []  # no rows: no header either

@@ -129,10 +129,6 @@ def test_65b_plan_on_64_ranks_runs_in_seconds_without_memory(capsys):
     assert elapsed < 60
 
 
-def test_format_bytes():
-    assert [format_bytes(n) for n in (512, 1536, 3 * 2**30)] == ["512 B", "1.50 KiB", "3.00 GiB"]
-
-
 def test_plan_refuses_a_materialised_model():
     with pytest.raises(ValueError, match="meta device"):
         plan(lightning_dpar.FullyShardStrategy(), TwoLinears(), world_size=2)

@@ -132,32 +132,12 @@ def test_half_a_batch_shape_is_refused(capsys):
     assert "give both --batch-size and --seq-len, as positive integers (got (4, None))" in capsys.readouterr().err
 
 
-def test_repeated_blocks_treated_alike_are_grouped_by_their_index():
-    from lightning_dpar.estimates.report import group_modules
+def test_the_report_keeps_exporting_the_names_that_moved_out_of_it():
+    """The pipeline section is the pipeline folder's (`lightning_dpar.pipeline.report`) and the grouping of repeated
+    modules `lightning_dpar.helpers`', yet `lightning_dpar.estimates.report` still exports them, as before."""
+    from lightning_dpar import helpers
+    from lightning_dpar.estimates.report import PipelineReport, StageRow, group_modules
+    from lightning_dpar.pipeline import report as pipeline_report
 
-    modules = {
-        "blocks.0.attn": ["fsdp", "ac"],
-        "blocks.1.attn": ["fsdp", "ac"],
-        "blocks.2.attn": ["fsdp"],  # treated otherwise: a group of its own
-        "blocks.10.mlp.0": ["tp"],
-        "head": ["fsdp"],
-        "layer2": ["fsdp"],  # a digit inside a name is not an index
-    }
-    assert group_modules(modules) == [
-        ("blocks.*.attn", ["fsdp", "ac"], 2),
-        ("blocks.*.attn", ["fsdp"], 1),
-        ("blocks.*.mlp.*", ["tp"], 1),
-        ("head", ["fsdp"], 1),
-        ("layer2", ["fsdp"], 1),
-    ]
-
-
-@pytest.mark.parametrize(
-    ("schedule", "ranks", "microbatches", "per_rank", "expected"),
-    [("1F1B", 4, 8, 1, 3 / 11), ("GPipe", 2, 2, 1, 1 / 3), ("Interleaved1F1B", 4, 8, 2, 3 / 19)],
-)
-def test_the_pipeline_reports_bubble_is_the_schedules_idle_fraction(schedule, ranks, microbatches, per_rank, expected):
-    from lightning_dpar.estimates.report import PipelineReport
-
-    report = PipelineReport(schedule, microbatches, False, per_rank, "even", [], ranks)
-    assert report.bubble == pytest.approx(expected)
+    assert (PipelineReport, StageRow) == (pipeline_report.PipelineReport, pipeline_report.StageRow)
+    assert group_modules is helpers.group_modules

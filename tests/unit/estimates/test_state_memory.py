@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_dpar.estimates.state_memory import estimate_memory, local_numel, optimizer_states, unsharded_numel
+from lightning_dpar.estimates.state_memory import estimate_memory, optimizer_states, unsharded_numel
+from lightning_dpar.helpers import local_numel
 from lightning_dpar.parallel_dims import TENSOR_PARALLEL
 
 

@@ -1,15 +1,13 @@
-"""The `plan` dry run's expert-parallel section: which experts a rank holds in each experts module, and how its
-parameter memory splits between experts and the rest."""
+"""The `plan` dry run's expert-parallel section (`lightning_dpar.estimates.dry_run` calls it): which experts a rank
+holds in each experts module, and how its parameter memory splits between experts and the rest."""
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-import lightning_dpar.estimates.state_memory as state_memory
-from lightning_dpar.estimates.report import group_modules
 from lightning_dpar.experts.parallel import local_expert_range
-from lightning_dpar.helpers import is_under
+from lightning_dpar.helpers import format_bytes, group_modules, is_under, local_numel
 from lightning_dpar.parallel_dims import EXPERT, ParallelDims
 from lightning_dpar.plan import ModulePlan
 from lightning_dpar.plan.selectors import fqn_matches
@@ -44,13 +42,12 @@ def describe_experts(
         )
     expert_bytes = other_bytes = 0
     for name, param in module.named_parameters():
-        size = state_memory.local_numel(param) * param.element_size()
+        size = local_numel(param) * param.element_size()
         if is_under(name, plan.experts):
             expert_bytes += size
         else:
             other_bytes += size
     lines.append(
-        f"  parameters on rank {rank}: experts {state_memory.format_bytes(expert_bytes)}, other"
-        f" {state_memory.format_bytes(other_bytes)}"
+        f"  parameters on rank {rank}: experts {format_bytes(expert_bytes)}, other {format_bytes(other_bytes)}"
     )
     return lines

@@ -97,8 +97,8 @@ def test_describe_experts_on_one_expert_rank(gloo_world):
     (grouped over the repeated layers), and the parameter bytes split into the experts' and the rest."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_dpar.estimates.experts import describe_experts
     from lightning_dpar.examples.gpt import GPT
+    from lightning_dpar.experts.estimate import describe_experts
     from lightning_dpar.parallel_dims import ParallelDims
     from lightning_dpar.plan import ModulePlan
 
