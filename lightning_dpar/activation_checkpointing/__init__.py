@@ -6,6 +6,9 @@ kept (`activation_checkpointing="selective"`, torchtitan's op-level policy); see
   (context parallelism's attention interception for the recomputation);
 - `step`: the step of the parallelisation: its slice of the plan (`plan_activation_checkpointing`) and how it is
   applied (`apply_activation_checkpointing`).
+
+`estimate`: what a setting keeps in the `plan` dry run; `cost`: the recompute it costs a layout in the layout
+search.
 """
 
 from lightning_dpar.activation_checkpointing.policy import (

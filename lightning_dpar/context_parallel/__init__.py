@@ -7,6 +7,8 @@
 - `runtime`: the hooks on the model's repeated blocks that split the sequence and gather it back;
 - `checks`: what is refused, before the first collective (a pipeline split cutting a block included), and which
   blocks each pipeline stage runs.
+
+`cost`: the sizes it offers and what it costs a layout in the layout search.
 """
 
 from lightning_dpar.context_parallel.checks import (

@@ -5,6 +5,8 @@
   all-gather fitted to the device (`fitted_to_device`);
 - `step`: the step of the parallelisation: its slice of the plan (`plan_float8`, the converted modules, with every
   refusal) and how it is applied (`apply_float8`).
+
+`cost`: the recipe check, the layouts it leaves out and its matmul time in the layout search.
 """
 
 from lightning_dpar.float8.config import (

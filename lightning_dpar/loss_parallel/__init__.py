@@ -5,6 +5,9 @@ docs/efficiency.md.
 - `step`: the step of the parallelisation: its slice of the plan (`plan_loss_parallel`, the output layer, with every
   refusal), the output layer's sharded style (`sharded_output_styles`) and the context around each step's forward
   and backward (`around_step`).
+
+`estimate`: the logits' shard in the `plan` dry run; `cost`: the layouts that run it and its collectives in the
+layout search.
 """
 
 from lightning_dpar.loss_parallel.step import (
