@@ -14,6 +14,8 @@ See `docs/architecture.md`. The folders, in layers (none imports one below it; t
 - `conformance/`: Lightning's DDP semantics kept (buffers, `sync_batchnorm`, samplers, weight averaging) and the
   callbacks and Trainer settings a layout refuses before any collective;
 - `pipeline/`: pipeline parallelism (split, schedules, stages, runtime);
+- `context_parallel/`, `activation_checkpointing/`, `loss_parallel/`, `float8/`: those features, each one step (its
+  `step.py`), with its estimate and its price in the layout search;
 - `plan/`: the plan as data (`ModulePlan`), a strategy's frozen `PlanOptions`, the facts and slices planning finds;
 - `experts/`: Mixture-of-Experts at run time (expert parallelism, router loss, expert keys);
 - `parallel/`: applying a plan (`parallelize.apply_plan`), the FSDP and DDP wrappers, materialisation, compile;

@@ -51,7 +51,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_dpar.estimates.state_memory import HeldState, format_bytes, held_state
+from lightning_dpar.estimates.state_memory import HeldState, held_state
+from lightning_dpar.helpers import format_bytes
 
 __all__ = [
     "GIB",

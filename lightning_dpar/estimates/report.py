@@ -18,7 +18,7 @@ from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.estimate import describe_in_flight, pipeline_rank_of
 from lightning_dpar.pipeline.report import PipelineReport, StageRow
 
-__all__ = ["ROOT", "ParamRow", "PipelineReport", "PlanReport", "StageRow", "group_modules"]
+__all__ = ["ROOT", "ParamRow", "PipelineReport", "PlanReport", "StageRow"]
 
 
 @dataclass

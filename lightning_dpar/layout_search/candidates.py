@@ -49,7 +49,7 @@ from lightning_dpar.loss_parallel.cost import runs_loss_parallel
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.cost import MODELLED_SCHEDULES, PipelineChoice, PipelineRefusal, pipeline_choices
 
-__all__ = ["MODELLED_SCHEDULES", "Layout", "Rejected", "checkpointing_name", "enumerate_layouts"]
+__all__ = ["Layout", "Rejected", "checkpointing_name", "enumerate_layouts"]
 
 
 def checkpointing_name(checkpointing: Checkpointing) -> str:

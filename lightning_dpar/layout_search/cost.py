@@ -56,7 +56,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from lightning_dpar.activation_checkpointing.cost import collective_passes, for_setting
+from lightning_dpar.activation_checkpointing.cost import collective_passes
+from lightning_dpar.activation_checkpointing.estimate import figure_of
 from lightning_dpar.activation_checkpointing.step import Checkpointing
 from lightning_dpar.context_parallel.cost import exchange_seconds
 from lightning_dpar.estimates.activation_formula import activation_bytes
@@ -86,7 +87,9 @@ class RankMemory:
     activations_selective: int | None = None
 
     def activation_peak(self, checkpointing: Checkpointing) -> int | None:
-        return for_setting(checkpointing, self.activations, self.activations_checkpointed, self.activations_selective)
+        if checkpointing == "selective" and self.activations_selective is None:
+            return None  # not traced: `layout.activations`' formula stands in
+        return figure_of(checkpointing, self.activations, self.activations_checkpointed, self.activations_selective)
 
 
 @dataclass(frozen=True)

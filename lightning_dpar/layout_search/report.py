@@ -4,7 +4,7 @@ print)."""
 
 from __future__ import annotations
 
-from lightning_dpar.estimates.state_memory import format_bytes
+from lightning_dpar.helpers import format_bytes
 from lightning_dpar.layout_search.candidates import checkpointing_name
 from lightning_dpar.layout_search.cost import Estimate
 from lightning_dpar.layout_search.search import SearchResult

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_dpar.activation_checkpointing.step import Checkpointing
-from lightning_dpar.estimates.state_memory import format_bytes
+from lightning_dpar.helpers import format_bytes
 from lightning_dpar.layout_search.batch import BatchRule
 from lightning_dpar.layout_search.candidates import Layout, Rejected, enumerate_layouts
 from lightning_dpar.layout_search.cost import Estimate, MeshMemory, estimate

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_dpar.loss_parallel.step import gathers_columns
+from lightning_dpar.loss_parallel.step import gathers_columns, layout_refusal
 from lightning_dpar.parallel_dims import ParallelDims
 
 __all__ = ["gathered_output_features", "output_layer_seconds", "runs_loss_parallel"]
@@ -24,9 +24,9 @@ __all__ = ["gathered_output_features", "output_layer_seconds", "runs_loss_parall
 
 def runs_loss_parallel(allowed: bool, dims: ParallelDims) -> bool:
     """Whether a layout of `dims` runs loss parallel when the user `allowed` it: with tensor parallelism, and
-    without pipeline or context parallelism (which refuse it). It is not a choice: with tensor parallelism it only
-    saves memory and communication."""
-    return allowed and dims.tensor_parallel > 1 and dims.pipeline == 1 and dims.context == 1
+    without pipeline or context parallelism (the step's `layout_refusal`). It is not a choice: with tensor
+    parallelism it only saves memory and communication."""
+    return allowed and layout_refusal(dims, "loss_parallel=True") is None
 
 
 def gathered_output_features(module: nn.Module, styles: Mapping[str, ParallelStyle]) -> int:

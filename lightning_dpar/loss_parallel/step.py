@@ -30,6 +30,7 @@ __all__ = [
     "PlanOptionsRead",
     "around_step",
     "gathers_columns",
+    "layout_refusal",
     "output_layer_candidate",
     "plain_loss",
     "plan_loss_parallel",
@@ -81,6 +82,29 @@ def output_layer_candidate(module: nn.Module) -> str | None:
     return linears[-1] if linears else None
 
 
+def layout_refusal(dims: ParallelDims, call: str) -> str | None:
+    """Why a layout of `dims` cannot run loss parallel (`call`: how the user asked for it, for the message), or
+    `None`: it needs tensor parallelism, and neither pipeline nor context parallelism (not implemented). The step
+    raises it; the layout search runs loss parallel exactly where it is `None`."""
+    if dims.tensor_parallel == 1:
+        return (
+            f"{call} with `tensor_parallel_size=1`: loss parallel keeps the output layer's logits sharded over the"
+            " vocabulary between tensor-parallel ranks, so it needs `tensor_parallel_size` > 1. Set"
+            " `tensor_parallel_size=2` (or more) with a `tp_plan` giving the output layer 'colwise_gather_output',"
+            " or drop `loss_parallel=True`."
+        )
+    for name, size, why in (
+        ("pipeline_parallel_size", dims.pipeline, "the loss runs inside the pipeline schedule's last stage"),
+        ("context_parallel_size", dims.context, "the logits would be split over the sequence as well"),
+    ):
+        if size > 1:
+            return (
+                f"{call} with `{name}={size}` is not supported: {why}, which torch's `loss_parallel()` is not wired"
+                f" into here. Use `loss_parallel=False` with `{name}={size}`, or `{name}=1`."
+            )
+    return None
+
+
 def plan_loss_parallel(
     module: nn.Module, dims: ParallelDims, enabled: bool, styles: Mapping[str, ParallelStyle], strategy: str
 ) -> str | None:
@@ -92,22 +116,9 @@ def plan_loss_parallel(
     if not enabled:
         return None
     call = f"`{strategy}(loss_parallel=True)`"
-    if dims.tensor_parallel == 1:
-        raise ValueError(
-            f"{call} with `tensor_parallel_size=1`: loss parallel keeps the output layer's logits sharded over the"
-            " vocabulary between tensor-parallel ranks, so it needs `tensor_parallel_size` > 1. Set"
-            " `tensor_parallel_size=2` (or more) with a `tp_plan` giving the output layer 'colwise_gather_output',"
-            " or drop `loss_parallel=True`."
-        )
-    for name, size, why in (
-        ("pipeline_parallel_size", dims.pipeline, "the loss runs inside the pipeline schedule's last stage"),
-        ("context_parallel_size", dims.context, "the logits would be split over the sequence as well"),
-    ):
-        if size > 1:
-            raise ValueError(
-                f"{call} with `{name}={size}` is not supported: {why}, which torch's `loss_parallel()` is not wired"
-                f" into here. Use `loss_parallel=False` with `{name}={size}`, or `{name}=1`."
-            )
+    refusal = layout_refusal(dims, call)
+    if refusal is not None:
+        raise ValueError(refusal)
     gathered = [fqn for fqn, style in styles.items() if gathers_columns(style)]
     if len(gathered) == 1:
         return gathered[0]

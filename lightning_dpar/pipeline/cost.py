@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import NamedTuple, Protocol
 
 from lightning_dpar.parallel_dims import ParallelDims
+from lightning_dpar.pipeline.estimate import stage_share
 from lightning_dpar.pipeline.schedule import schedule_spec
 
 __all__ = [
@@ -101,7 +102,7 @@ def pipeline_choices(pp: int, layers: int, batch_size: int) -> Iterator[Pipeline
 def per_rank(count: int, dims: ParallelDims) -> int:
     """The share of `count` layers (or MoE layers) the busiest pipeline rank holds: `count` split over the pipeline
     ranks, rounded up (all of them without pipelining)."""
-    return -(-count // dims.pipeline)
+    return stage_share(count, dims.pipeline, 1)
 
 
 def parameter_gathers(layout: PipelinedLayout) -> int:

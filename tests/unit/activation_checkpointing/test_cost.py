@@ -1,25 +1,12 @@
-"""Activation checkpointing's pricing for the layout search: the recomputed FLOPs, the collectives run again, the
-figure each setting takes, and selective checkpointing's traced share of what full checkpointing recomputes."""
+"""Activation checkpointing's pricing for the layout search: the recomputed FLOPs, the collectives run again, and
+selective checkpointing's traced share of what full checkpointing recomputes."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_dpar.activation_checkpointing.cost import (
-    collective_passes,
-    for_setting,
-    recompute_factor,
-    selective_share,
-)
-from lightning_dpar.estimates.activations import StepFlops
-
-
-def test_each_setting_takes_its_own_figure():
-    assert [for_setting(c, "off", "full", "selective") for c in (False, True, "selective")] == [
-        "off",
-        "full",
-        "selective",
-    ]
+from lightning_dpar.activation_checkpointing.cost import collective_passes, recompute_factor, selective_share
+from lightning_dpar.activation_checkpointing.estimate import StepFlops
 
 
 def test_full_checkpointing_recomputes_the_forward_and_selective_its_share_of_that():

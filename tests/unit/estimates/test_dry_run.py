@@ -14,7 +14,7 @@ from torch import nn
 import lightning_dpar
 from lightning_dpar.estimates import main
 from lightning_dpar.estimates.dry_run import plan
-from lightning_dpar.estimates.state_memory import format_bytes
+from lightning_dpar.helpers import format_bytes
 from tests.conftest import ROOT
 from tests.support.models import Net, SharedWeightsModule
 

@@ -9,7 +9,7 @@ import torch
 
 import lightning_dpar
 from lightning_dpar.estimates import main, plan
-from lightning_dpar.estimates.state_memory import format_bytes
+from lightning_dpar.helpers import format_bytes
 from tests.conftest import ROOT
 
 EXAMPLE_2D = str(ROOT / "examples" / "configs" / "2d.yaml")
@@ -136,7 +136,8 @@ def test_the_report_keeps_exporting_the_names_that_moved_out_of_it():
     """The pipeline section is the pipeline folder's (`lightning_dpar.pipeline.report`) and the grouping of repeated
     modules `lightning_dpar.helpers`', yet `lightning_dpar.estimates.report` still exports them, as before."""
     from lightning_dpar import helpers
-    from lightning_dpar.estimates.report import PipelineReport, StageRow, group_modules
+    from lightning_dpar.estimates.report import PipelineReport, StageRow
+    from lightning_dpar.helpers import group_modules
     from lightning_dpar.pipeline import report as pipeline_report
 
     assert (PipelineReport, StageRow) == (pipeline_report.PipelineReport, pipeline_report.StageRow)

@@ -159,6 +159,13 @@ def test_memory_split_adds_the_dry_run_numbers_activations_and_buffers():
     assert not got.activations_traced
 
 
+def test_a_rank_without_a_traced_selective_figure_has_no_selective_peak():
+    """Not traced under selective checkpointing: `None`, so the formula stands in (not the full figure)."""
+    rank = RankMemory(1000, 1000, 2000, activations=9000, activations_checkpointed=1500)
+    assert [rank.activation_peak(c) for c in (False, True, "selective")] == [9000, 1500, None]
+    assert replace(rank, activations_selective=2000).activation_peak("selective") == 2000
+
+
 def test_traced_activations_are_taken_per_checkpointing_setting_on_the_rank_with_the_highest_peak():
     # Stage 0 holds the embeddings and most activations; the last stage the head's parameters.
     first = RankMemory(1000, 1000, 2000, activations=9000, activations_checkpointed=1500)

@@ -62,6 +62,22 @@ def test_refusals_name_the_value_and_the_fix(dims, styles, expected):
     assert "`FSDPTensorParallelStrategy(loss_parallel=True)`" in message and "loss_parallel" in message
 
 
+@pytest.mark.parametrize(
+    "dims",
+    [ParallelDims(2, 1, 2, 1), ParallelDims(4, 1, 1, 2, pipeline=2), ParallelDims(4, 1, 1, 2, context=2), TP2],
+)
+def test_the_layout_refusal_is_the_steps_own_refusal_and_the_layout_searchs_rule(dims):
+    """One rule: the layout search runs loss parallel exactly on the layouts whose plan it does not refuse."""
+    from lightning_dpar.loss_parallel.cost import runs_loss_parallel
+
+    refusal = step.layout_refusal(dims, "`S(loss_parallel=True)`")
+    assert runs_loss_parallel(True, dims) is (refusal is None)
+    if refusal is not None:
+        with pytest.raises(ValueError) as error:
+            step.plan_loss_parallel(Tiny(), dims, True, {"head": GATHERED}, "S")
+        assert str(error.value) == refusal
+
+
 def test_the_output_layer_named_in_a_refusal_is_a_transformers_models_output_embeddings():
     transformers = pytest.importorskip("transformers")
     from tests.support.hf_configs import decoder_config
