@@ -103,12 +103,6 @@ def rank_batches(data: Dataset, dp: int) -> list[list[Any]]:
     ]
 
 
-def reference(make: Callable[[], MLP], data: Dataset, dp: int) -> dict[str, torch.Tensor]:
-    """One process: each data-parallel rank's share through the model (its own activation scales), the losses
-    averaged as the ranks' gradients are, one optimizer step per global batch."""
-    return reference_on(make, rank_batches(data, dp))
-
-
 def reference_on(
     make: Callable[[], MLP], steps: list[list[Any]], clip_norm: float | None = None
 ) -> dict[str, torch.Tensor]:
@@ -131,6 +125,22 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def against_one_process(
+    got: dict[str, torch.Tensor], recipe: str, steps: list[list[Any]], clip_norm: float | None = None
+) -> dict[str, float]:
+    """`got` (the parameters a run ended with) against one process with the same conversion on the same `steps`
+    (`reference_on`): the largest difference; float8's noise floor there (the same run started one float32 step
+    away from each initial parameter, each way); and how far float8 moved that run from high precision (so a run that
+    silently trained in high precision fails)."""
+    want = reference_on(lambda: converted(recipe), steps, clip_norm)
+    nudged = [reference_on(lambda n=n: converted(recipe, n), steps, clip_norm) for n in (float("inf"), float("-inf"))]
+    return {
+        "max_abs_diff": max_diff(got, want),
+        "noise_floor": max(max_diff(run, want) for run in nudged),
+        "float8_effect": max_diff(reference_on(lambda: converted(None), steps, clip_norm), want),
+    }
+
+
 def parity(make_strategy: Callable[[], Any], recipe: str, dp: int, empty_init: bool = False) -> dict | None:
     """Train under the strategy (the model built on the meta device with `empty_init`: converted there, then each
     rank's shards initialised); on rank 0 the largest parameter difference to one process with the same
@@ -149,12 +159,8 @@ def parity(make_strategy: Callable[[], Any], recipe: str, dp: int, empty_init: b
     torch.distributed.all_gather_object(gathered, modules)
     if trainer.global_rank != 0:
         return None
-    want = reference(lambda: converted(recipe), data, dp)
-    nudged = [reference(lambda n=n: converted(recipe, n), data, dp) for n in (float("inf"), float("-inf"))]
     return {
-        "max_abs_diff": max_diff(got, want),
-        "noise_floor": max(max_diff(run, want) for run in nudged),
-        "float8_effect": max_diff(reference(lambda: converted(None), data, dp), want),
+        **against_one_process(got, recipe, rank_batches(data, dp)),
         "converted": gathered,
         "plan": list(trainer.strategy.plan.float8),
         "dims": trainer.strategy.dims.describe(),
@@ -214,9 +220,7 @@ def tensorwise_tp_by_hand() -> dict | None:
     got = full_params(trainer)
     if trainer.global_rank != 0:
         return None
-    want = reference(lambda: converted("tensorwise"), data, 1)
-    nudged = [reference(lambda n=n: converted("tensorwise", n), data, 1) for n in (float("inf"), float("-inf"))]
-    return {"max_abs_diff": max_diff(got, want), "noise_floor": max(max_diff(run, want) for run in nudged)}
+    return against_one_process(got, "tensorwise", rank_batches(data, 1))
 
 
 #: Micro-batches per optimizer step in the Fabric loop (all but the last inside `fabric.no_backward_sync`).
@@ -259,12 +263,8 @@ def fabric_parity(strategy: Any, recipe: str, dp: int) -> dict | None:
     torch.distributed.all_gather_object(modules, converted_modules(module))
     if fabric.global_rank != 0:
         return None
-    want = reference_on(lambda: converted(recipe), steps, clip_norm=CLIP_NORM)
-    nudged = [reference_on(lambda n=n: converted(recipe, n), steps, CLIP_NORM) for n in (float("inf"), float("-inf"))]
     return {
-        "max_abs_diff": max_diff(got, want),
-        "noise_floor": max(max_diff(run, want) for run in nudged),
-        "float8_effect": max_diff(reference_on(lambda: converted(None), steps, CLIP_NORM), want),
+        **against_one_process(got, recipe, steps, CLIP_NORM),
         "converted": modules,
         "clipped": any(clipped),
     }
