@@ -12,7 +12,9 @@ The child is a fork (`os.fork`), not a fresh interpreter: it holds the user's mo
 `LightningModule` defined in the user's script (`__main__`), in a notebook, or sent to a Ray worker by value needs no
 import by name, and nothing is written to a file another process could replace. In the child the process groups
 inherited from this process are forgotten, never used or shut down (`_private_api.forget_inherited_process_groups`),
-and it runs on one CPU thread, on meta tensors only (no accelerator call: a CUDA context does not survive a fork).
+nothing it inherited is ever garbage-collected (the destructors of this process's objects join threads the child
+does not have), and it runs on one CPU thread, on meta tensors only (no accelerator call: a CUDA context does not
+survive a fork).
 Its answer comes back through a pipe only the two processes hold; it leaves with `os._exit`, running none of this
 process's exit hooks, and if this process dies first, it stops within a second instead of finishing a search nobody
 reads. The documented refusals (`ValueError`, `TypeError`: a bad size, a plan that cannot run) are raised here with
@@ -21,6 +23,8 @@ their own message; anything else fails with the child's traceback.
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import pickle
 import signal
@@ -68,7 +72,7 @@ def run_in_fork(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     read_end, write_end = os.pipe()
     parent = os.getpid()
     try:
-        child = os.fork()
+        child = _fork_without_collecting()
     except OSError as error:  # e.g. ENOMEM under strict memory overcommit, with a large model in CPU memory
         os.close(read_end)
         os.close(write_end)
@@ -106,11 +110,30 @@ def run_in_fork(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     raise RuntimeError(f"The layout search in a child process failed:\n{value}")
 
 
+def _fork_without_collecting() -> int:
+    """`os.fork()`, after which the child never collects what it inherited: the parent's unreachable objects (a
+    finished Trainer's process group or checkpoint writer, waiting for the parent's next collection) would run their
+    destructors in the child, which join threads that exist only in the parent (the child hangs or crashes: a gloo
+    group's hangs; a search died by signal 11 on torch 2.11). The cyclic collector is off from before the fork until
+    the child has frozen every inherited object (`gc.freeze`); the parent's collector is as it was."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        child = os.fork()
+        if child == 0:
+            gc.freeze()  # the child's own objects are still collected
+    finally:
+        if collecting:
+            gc.enable()
+    return child
+
+
 def _child_main(
     function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], write_end: int, parent: int
 ) -> None:
     """The child's whole life: the call, its answer written to the pipe, and `os._exit`."""
     code = 0
+    _report_crashes()
     try:
         threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
         forget_inherited_process_groups()
@@ -131,6 +154,15 @@ def _child_main(
         code = 1
     _flush_output()
     os._exit(code)
+
+
+def _report_crashes() -> None:
+    """A crash of the child (a signal, which leaves no answer) prints every thread's Python stack to its standard
+    error, so the caller's error ("its output above says why") has something above it."""
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, OSError, ValueError):  # a standard error without a file descriptor (some notebooks)
+        pass
 
 
 def _flush_output() -> None:

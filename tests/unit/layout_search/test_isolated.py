@@ -4,7 +4,9 @@ and hands back results and refusals as they were raised."""
 
 from __future__ import annotations
 
+import gc
 import os
+import signal
 import sys
 
 import pytest
@@ -74,6 +76,42 @@ def test_the_child_forgets_the_parents_process_group_and_the_parent_keeps_it(glo
     value = torch.ones(2)
     dist.all_reduce(value)  # the parent's group still works
     assert value.tolist() == [1.0, 1.0]
+
+
+class _Cycle:
+    """An object only a reference cycle keeps: unreachable, it waits for the cyclic collector."""
+
+    def __init__(self, held: object) -> None:
+        self.held, self.me = held, self
+
+
+def _leave_a_finished_groups_garbage() -> None:
+    """What a finished Trainer leaves until the next collection: its gloo group, destroyed, held by a cycle."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.all_reduce(torch.ones(1))  # the group's threads run
+    _Cycle(dist.group.WORLD)
+    dist.destroy_process_group()
+
+
+def _alarm(signum, frame):
+    raise TimeoutError("the child did not answer within 60 s")
+
+
+def test_the_child_never_collects_the_parents_garbage():
+    """Collected in the child, the group's destructor would join threads that exist only here: the child hung."""
+    gc.collect()
+    gc.disable()
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(60)
+    try:
+        _leave_a_finished_groups_garbage()
+        collected_there = run_in_fork(gc.collect)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        gc.enable()
+    assert collected_there == 0
+    assert gc.collect() > 0  # it was garbage, and this process collects it
 
 
 def _tiny_gpt() -> type:
