@@ -2,8 +2,9 @@
 `lightning_dpar.parallel.parallelize.STEPS`): its slice of the plan (`plan_pipeline_split`: the model's units split
 into stages, after the BatchNorm refusal) and how it is applied (`apply_pipeline_split`: this rank's stages kept,
 every other stage's units replaced by parameterless stand-ins; its result, this rank's `PipelinedModel`, is what
-`pipelined` reads back for later steps). Outside this folder the feature is its mesh dim (`ParallelDims.pipeline`),
-its options (`PipelineConfig`) and the stages later steps read."""
+`pipelined` reads back for later steps), and its runner (`pipeline_runner`: the schedule takes Lightning's step hooks
+over). Outside this folder the feature is its mesh dim (`ParallelDims.pipeline`), its options (`PipelineConfig`) and
+the stages later steps read."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from torch import nn
 from lightning_dpar.conformance.batchnorm import check_no_batch_norm_in_pipeline
 from lightning_dpar.parallel_dims import ParallelDims
 from lightning_dpar.pipeline.config import PipelineConfig
+from lightning_dpar.pipeline.runner import CheckpointsRead, PipelineSteps, PrecisionRead
+from lightning_dpar.pipeline.runtime import PipelineRuntime
 from lightning_dpar.pipeline.split import PipelineSplit, resolve_split
 from lightning_dpar.pipeline.stage import PipelinedModel, split_into_stages
-from lightning_dpar.steps.contract import Applying, Planning, Step
+from lightning_dpar.steps.contract import Applying, Planning, Running, Step
 
 __all__ = [
     "STEP",
@@ -26,6 +29,7 @@ __all__ = [
     "ModulePlanRead",
     "PlanOptionsRead",
     "apply_pipeline_split",
+    "pipeline_runner",
     "pipelined",
     "plan_pipeline_split",
     "rank_stages",
@@ -34,7 +38,8 @@ __all__ = [
 
 @runtime_checkable
 class PlanOptionsRead(Protocol):
-    """What the pipeline split step reads of the strategy's `PlanOptions`."""
+    """What the pipeline split step reads of the strategy's `PlanOptions` (its runner too: the schedule and
+    microbatches)."""
 
     @property
     def pipeline(self) -> PipelineConfig | None: ...
@@ -114,8 +119,25 @@ def _apply(root: nn.Module, plan: ModulePlanRead, applying: Applying) -> Pipelin
     return apply_pipeline_split(root, plan.pipeline, plan.pipeline_rank, device)
 
 
-#: The pipeline split: the first step, so that every later step sees only this rank's stages.
-STEP = Step("pipeline split", _plan, _apply)
+def pipeline_runner(pipelined: PipelinedModel | None, running: Running) -> PipelineSteps | None:
+    """The runner of a pipelined run (`None` without pipelining): the schedule over this rank's stages; gradient
+    norms summed over every stage; the checkpoint manager told which units other stages hold."""
+    if pipelined is None:
+        return None
+    options: PlanOptionsRead = running.options
+    precision: PrecisionRead = running.precision
+    checkpoints: CheckpointsRead = running.checkpoints
+    assert options.pipeline is not None, "a strategy that pipelines gives its pipeline settings"
+    group = running.meshes.pipeline_group
+    runtime = PipelineRuntime(pipelined, running.module, options.pipeline, group, running.device)
+    precision.reduce_norms_across(group, running.device)  # the norm spans every stage
+    checkpoints.hold_pipeline_stages(pipelined.remote_units, group)
+    return PipelineSteps(runtime, precision)
+
+
+#: The pipeline split: the first step, so that every later step sees only this rank's stages; its runner, the
+#: schedule, takes the training step over.
+STEP = Step("pipeline split", _plan, _apply, runner=pipeline_runner)
 
 
 def pipelined(results: Mapping[str, Any]) -> PipelinedModel | None:

@@ -1,6 +1,8 @@
 """The contract every step of the parallelisation keeps: a `Step` is its slice of the plan (`Step.plan`), how that
 slice is applied (`Step.apply`), and, if it has them, what it does around each training step (`around_step`,
-`around_backward`, `step_output`). Each feature's folder exports its `Step` as `STEP` from its `step.py`;
+`around_backward`, `step_output`) or, for a step that takes the training step over (the pipeline's schedule runs
+forward, loss and backward itself), the runner of each step (`Step.runner`). Each feature's folder exports its `Step`
+as `STEP` from its `step.py`;
 `lightning_dpar.parallel.parallelize.STEPS` lists them in order and walks them.
 
 This module sits low in the layers (just above `parallel_dims`) so that every feature folder can import it; it
@@ -14,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes
@@ -26,9 +29,11 @@ __all__ = [
     "BackwardContext",
     "MixedPrecision",
     "Planning",
+    "Running",
     "Step",
     "StepContext",
     "StepOutput",
+    "StepRunner",
 ]
 
 #: What a step does around each training or evaluation step's forward, given whether it trains and the step's
@@ -74,6 +79,41 @@ class Applying:
 
 
 @dataclass(frozen=True)
+class Running:
+    """What a step that takes the training step over is given, once the plan is applied, to build its runner: the
+    parallelised model, the strategy's frozen `PlanOptions`, its meshes and device, its precision plugin (whose
+    context each step runs in) and its checkpoint manager. Typed by what the step reads of them, as `Planning`."""
+
+    module: nn.Module
+    options: Any
+    meshes: ParallelMeshes
+    device: torch.device
+    precision: Any
+    checkpoints: Any
+
+
+class StepRunner(Protocol):
+    """Lightning's step hooks as a step that takes them over runs them (the pipeline's schedule): the strategy's
+    `training_step`, `backward`, evaluation steps and training-loader check call these instead of Lightning's."""
+
+    def training_step(self, args: tuple[Any, ...], accumulate: int) -> Tensor:
+        """The whole training step (forward, loss, backward) over `args` (the batch first); the loss on every rank."""
+        ...
+
+    def backward(self, strategy: Any, closure_loss: Tensor) -> Tensor:
+        """Lightning's backward, between the strategy's hooks around it, of a step `training_step` already ran."""
+        ...
+
+    def eval_step(self, step_name: str, args: tuple[Any, ...]) -> Any:
+        """`validation_step`, `test_step` or `predict_step` over `args`."""
+        ...
+
+    def check_batches(self, dataloader: object) -> None:
+        """Refuse a training loader whose batches this runner cannot run, before training."""
+        ...
+
+
+@dataclass(frozen=True)
 class Step:
     """One step of the parallelisation: its `name`; its slice of the plan (`plan(planning)`: the `ModulePlan`
     fields it owns, refusing what it cannot apply before any collective); how it applies that slice
@@ -82,7 +122,9 @@ class Step:
     evaluation step's forward (`around_step(result)`: its `StepContext`, or `None` where this run needs none, so a
     step costs nothing per step where it does nothing), around each training step's backward
     (`around_backward(result)`: its `BackwardContext`, or `None`), and what it makes of each training step's output
-    (`step_output(result)`: its `StepOutput`, or `None`)."""
+    (`step_output(result)`: its `StepOutput`, or `None`); or, for a step that takes the training step over, its
+    runner (`runner(result, running)`: a `StepRunner`, or `None` where this run does not need one; at most one step
+    of a run has one)."""
 
     name: str
     plan: Callable[[Planning], Mapping[str, Any]]
@@ -90,3 +132,4 @@ class Step:
     around_step: Callable[[Any], StepContext | None] | None = None
     around_backward: Callable[[Any], BackwardContext | None] | None = None
     step_output: Callable[[Any], StepOutput | None] | None = None
+    runner: Callable[[Any, Running], StepRunner | None] | None = None

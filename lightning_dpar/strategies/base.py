@@ -5,8 +5,8 @@ from one mixin per concern, each in the module named after it:
 - `processes`: launch, ranks, process group and device mesh (`setup_environment`);
 - `collectives`: barrier, broadcast, and reductions over the data-parallel group;
 - `data_loading`: the distributed sampler's shard and the training loader positioned for a resume;
-- `step_hooks`: the steps, backward, optimizer step and gradient-sync control (through `pipeline_steps` with
-  pipeline parallelism);
+- `step_hooks`: the steps, backward, optimizer step and gradient-sync control (through a step's runner where one
+  takes the training step over: the pipeline's schedule);
 - `checkpoint_hooks`: save, load, removal and the resume state, delegated to the `CheckpointManager`.
 
 The hooks delegate: planning and applying the plan to `lightning_dpar.parallel.parallelize` (`plan_modules` with this
@@ -58,13 +58,12 @@ from lightning_dpar.parallel import parallelize
 from lightning_dpar.parallel.compilation import CompileSpec, compile_options
 from lightning_dpar.parallel_dims import ParallelDims, ParallelMeshes, SizeArg
 from lightning_dpar.pipeline.config import PipelineConfig
-from lightning_dpar.pipeline.runtime import PipelineRuntime
 from lightning_dpar.plan import AUTO, ModulePlan, ModuleSelector, PlanOptions, TPPlanSpec, parse_tp_plan
 from lightning_dpar.plan.structure import module_structure
+from lightning_dpar.steps.contract import Running, StepRunner
 from lightning_dpar.strategies.checkpoint_hooks import CheckpointHooks
 from lightning_dpar.strategies.collectives import Collectives
 from lightning_dpar.strategies.data_loading import DataLoaderHooks
-from lightning_dpar.strategies.pipeline_steps import PipelineSteps
 from lightning_dpar.strategies.processes import ProcessHooks, StartMethod
 from lightning_dpar.strategies.step_hooks import StepHooks
 
@@ -179,7 +178,7 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         self._expert_parallel_size = expert_parallel_size
         self._expert_modules = None if expert_modules is None else list(expert_modules)
         self._pipeline_config = pipeline if pipeline is not None else PipelineConfig.of("1F1B", None, 1, "auto")
-        self._pipeline: PipelineSteps | None = None
+        self._runner: StepRunner | None = None
         self._tensor_parallel_size = tensor_parallel_size
         self._data_parallel_size = data_parallel_size
         self._replicate_size = replicate_size
@@ -351,15 +350,14 @@ class DparStrategy(CheckpointHooks, StepHooks, DataLoaderHooks, Collectives, Pro
         )
 
     def _parallelize(self, module: pl.LightningModule) -> parallelize.AppliedPlan:
-        """This run's plan applied to `module`, shards materialised, and the pipeline's runtime built."""
+        """This run's plan applied to `module`, shards materialised, and the runner of a step that takes the training
+        step over (the pipeline's schedule) built."""
         assert self.dims is not None and self.meshes is not None, "the meshes are built in `setup_environment`"
         self.applied = applied = self.apply_plan(module, self._plan_for(module, self.dims), self.meshes)
-        if applied.pipeline is not None:
-            group = self.meshes.pipeline_group
-            runtime = PipelineRuntime(applied.pipeline, module, self._pipeline_config, group, self.root_device)
-            self._pipeline = PipelineSteps(runtime)
-            self.precision_plugin.reduce_norms_across(group, self.root_device)  # the norm spans every stage
-            self.checkpoints.hold_pipeline_stages(applied.pipeline.remote_units, group)
+        running = Running(
+            module, self.plan_options, self.meshes, self.root_device, self.precision_plugin, self.checkpoints
+        )
+        self._runner = applied.step_runner(running)
         return applied
 
     @override

@@ -19,7 +19,7 @@ from lightning_dpar.parallel_dims import ParallelMeshes
 if TYPE_CHECKING:
     from lightning_dpar.checkpoint.manager import CheckpointManager
     from lightning_dpar.parallel_dims import ParallelDims
-    from lightning_dpar.strategies.pipeline_steps import PipelineSteps
+    from lightning_dpar.steps.contract import StepRunner
 
 __all__ = ["LIGHTNING_RESUME_WARNING", "DataLoaderHooks"]
 
@@ -33,7 +33,7 @@ class DataLoaderHooks(ParallelStrategy):
     checkpoints: CheckpointManager
     dims: ParallelDims | None
     meshes: ParallelMeshes | None
-    _pipeline: PipelineSteps | None
+    _runner: StepRunner | None
 
     @property
     def is_distributed(self) -> bool:
@@ -59,8 +59,8 @@ class DataLoaderHooks(ParallelStrategy):
         trainer = attached_trainer(self.lightning_module)
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        if self._pipeline is not None:
-            self._pipeline.check_batches(dataloader)  # before training, not at the epoch's last batch
+        if self._runner is not None:
+            self._runner.check_batches(dataloader)  # before training, not at the epoch's last batch
         data_parallel = self.sampler_shards()
         if data_parallel is not None:
             check_sampler_shards(dataloader, data_parallel, self.world_size)

@@ -1,8 +1,8 @@
 """Lightning's step hooks, as one mixin of `DparStrategy`: the training, validation, test and predict steps (with DDP's
 buffer broadcast around each forward, and the last step's gradients released before it), backward, the optimizer step
 (FSDP units resharded after it), the switch that skips gradient sync during accumulation, and building the optimizers.
-With pipeline parallelism the steps and backward go through `lightning_dpar.strategies.pipeline_steps` instead of
-Lightning's own."""
+Where a step of the parallelisation takes the training step over (the pipeline's schedule: `Step.runner`), the steps
+and backward go through its runner instead of Lightning's own."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from lightning_dpar.parallel import data_parallel, parallelize
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_dpar.strategies.pipeline_steps import PipelineSteps
+    from lightning_dpar.steps.contract import StepRunner
 
 __all__ = ["StepHooks"]
 
@@ -39,8 +39,8 @@ __all__ = ["StepHooks"]
 class StepHooks(ParallelStrategy):
     """The step hooks of `DparStrategy`, which sets the state they read (in `setup`)."""
 
-    #: The pipeline's step hooks, or None without pipeline parallelism.
-    _pipeline: PipelineSteps | None
+    #: The runner of the step that takes the training step over (the pipeline's schedule), or None.
+    _runner: StepRunner | None
     #: DDP's buffer broadcast (`lightning_dpar.conformance.buffers`).
     _buffer_sync: BufferSync | None
     #: The load-balancing loss of transformers MoE models over the global batch (`lightning_dpar.experts.router_loss`).
@@ -125,17 +125,17 @@ class StepHooks(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The output as the parallelisation's steps hand it on (`AppliedPlan.step_output`: with loss parallel, the
-        loss as a plain tensor). With pipeline parallelism: one schedule step over the batch's microbatches, forward
-        and backward (see `lightning_dpar.pipeline.runtime`); returns the loss on every rank."""
+        loss as a plain tensor). Where a step takes the training step over, its runner's (with pipeline parallelism:
+        one schedule step over the batch's microbatches, forward and backward); returns the loss on every rank."""
         self._release_last_gradients()
         with self._step_forward(training=True, args=args):
-            if self._pipeline is None:
+            if self._runner is None:
                 output = super().training_step(*args, **kwargs)
                 steps = self.applied
                 return steps.step_output(output) if steps is not None and steps.output_steps else output
             trainer = attached_trainer(self.lightning_module)
             accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-            return self._pipeline.training_step(self.precision_plugin, args, accumulate)
+            return self._runner.training_step(args, accumulate)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -179,39 +179,39 @@ class StepHooks(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """What the parallelisation's steps do around backward (`AppliedPlan.around_backward`: with loss parallel,
-        torch's `loss_parallel()`, which the backward of a vocabulary-parallel loss needs). With pipeline parallelism
-        the schedule already ran every microbatch's backward inside `training_step`; its gradients are added here,
-        between the hooks around backward."""
+        torch's `loss_parallel()`, which the backward of a vocabulary-parallel loss needs). Where a step's runner ran
+        the training step (the pipeline's schedule ran every microbatch's backward inside `training_step`), the
+        runner's, between the hooks around backward."""
         if self.nonfinite is not None:
             self.nonfinite.note_loss(closure_loss)
-        if self._pipeline is None:
+        if self._runner is None:
             steps = self.applied if self.applied is not None and self.applied.backward_contexts else None
             with steps.around_backward() if steps is not None else nullcontext():
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
-        return self._pipeline.backward(self, closure_loss)
+        return self._runner.backward(self, closure_loss)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_forward(training=False):
-            if self._pipeline is None:
+            if self._runner is None:
                 output = super().validation_step(*args, **kwargs)
                 data_parallel.reshard(self._fsdp_units)  # see `optimizer_step`
                 return output
-            return self._pipeline.eval_step(self.precision_plugin, "validation_step", args)
+            return self._runner.eval_step("validation_step", args)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_forward(training=False):
-            if self._pipeline is None:
+            if self._runner is None:
                 return super().test_step(*args, **kwargs)
-            return self._pipeline.eval_step(self.precision_plugin, "test_step", args)
+            return self._runner.eval_step("test_step", args)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_forward(training=False):
-            if self._pipeline is None:
+            if self._runner is None:
                 return super().predict_step(*args, **kwargs)
-            return self._pipeline.eval_step(self.precision_plugin, "predict_step", args)
+            return self._runner.eval_step("predict_step", args)
 
     @contextmanager
     @override
@@ -229,9 +229,10 @@ class StepHooks(ParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """Lightning's `configure_optimizers`; with pipeline parallelism, an error on some stages is raised on every
-        rank (each stage builds its optimizer over its own parameters, so it can fail on one stage alone)."""
-        if self._pipeline is None:
+        """Lightning's `configure_optimizers`; where a step's runner runs the training step (the pipeline's stages),
+        an error on some ranks is raised on every rank (each stage builds its optimizer over its own parameters, so it
+        can fail on one stage alone)."""
+        if self._runner is None:
             return super().setup_optimizers(trainer)
         own_error: Exception | None = None
         try:
