@@ -56,21 +56,26 @@ def _package_files() -> list[Path]:
 @cache
 def _private_names_of(cls: type) -> frozenset[str]:
     """Private methods and `self._x` attributes defined by `cls` and its torch/Lightning bases (from their source)."""
+    return frozenset().union(*(_private_names_defined_by(base) for base in cls.__mro__))
+
+
+@cache
+def _private_names_defined_by(base: type) -> frozenset[str]:
+    """Those `base` itself defines, when it is a torch/Lightning class (each base's source is parsed once: `nn.Module`
+    is a base of most classes the package defines)."""
+    if base.__module__.split(".")[0] not in FOREIGN_ROOTS:
+        return frozenset()
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+    except (OSError, TypeError):  # defined in C: its private names are on the class itself
+        return frozenset(n for n in vars(base) if _is_private(n))
     names: set[str] = set()
-    for base in cls.__mro__:
-        if base.__module__.split(".")[0] not in FOREIGN_ROOTS:
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
-        except (OSError, TypeError):  # defined in C: its private names are on the class itself
-            names.update(n for n in vars(base) if _is_private(n))
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_private(node.name):
-                names.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
-                if _is_private(node.attr):
-                    names.add(node.attr)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_private(node.name):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if _is_private(node.attr):
+                names.add(node.attr)
     return frozenset(names)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -53,6 +54,7 @@ def _run(rank: int, init_file: str, results: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two spawned processes: not the fast lane's in-process kind
 def test_buffers_follow_ddps_broadcast_schedule_on_two_ranks(tmp_path):
     with tempfile.NamedTemporaryFile(dir=tmp_path, delete=False) as init_file:
         pass
