@@ -89,8 +89,6 @@ class AppliedPlan:
     step_contexts: tuple[StepContext, ...] = ()
     backward_contexts: tuple[BackwardContext, ...] = ()
     output_steps: tuple[StepOutput, ...] = ()
-    #: The steps that may take the training step over, with their results (`Step.runner`).
-    runner_steps: tuple[tuple[Step, Any], ...] = ()
 
     @property
     def pipeline(self) -> PipelinedModel | None:
@@ -105,7 +103,7 @@ class AppliedPlan:
     def step_runner(self, running: Running) -> StepRunner | None:
         """The runner of the step that takes this run's training step over (the pipeline's schedule); `None` where
         Lightning's own step hooks run. Built once, after the plan is applied."""
-        runners = [step.runner(result, running) for step, result in self.runner_steps if step.runner is not None]
+        runners = [step.runner(self.results[step.name], running) for step in STEPS if step.runner is not None]
         taking_over = [runner for runner in runners if runner is not None]
         assert len(taking_over) <= 1, "at most one step of a run takes the training step over"
         return taking_over[0] if taking_over else None
@@ -256,7 +254,6 @@ def apply_plan(
         tuple(around for around in contexts if around is not None),
         tuple(around for around in backward if around is not None),
         tuple(output for output in outputs if output is not None),
-        tuple((step, results[step.name]) for step in STEPS if step.runner is not None),
     )
 
 
