@@ -54,6 +54,12 @@ def _error_filters() -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # One of several test processes (`pytest -n auto`, the fast lane): one intra-op thread each, as the launched
+        # workers have (`subprocess_env`), so that the processes share the cores instead of contending for them.
+        import torch
+
+        torch.set_num_threads(1)
     # Later entries take precedence (pytest, like Python): the named ignores win over the errors.
     for line in _error_filters():
         config.addinivalue_line("filterwarnings", line)

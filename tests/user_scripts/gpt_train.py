@@ -125,10 +125,27 @@ def fit_against_one_process(strategy, **model_kwargs) -> dict:
     return {"steps": fitted.global_step, "vs_one_process": difference(got, one_process(data_parallel, **model_kwargs))}
 
 
+#: The search `dpar_auto` made with the profile's memory in this process (`unconstrained_search`).
+UNCONSTRAINED: list = []
+
+
+def unconstrained_search():
+    """The search of `dpar_auto` without a memory budget, from which the budget cases derive theirs: the one the
+    `auto` case made in this process, or, when it did not run here, one made by a Trainer fitting a step (a search
+    is deterministic: the same model and world give the same result, so one is enough)."""
+    if not UNCONSTRAINED:
+        first = lightning_dpar.AutoParallelStrategy()
+        trainer(first, max_steps=1).fit(ScriptGPT())
+        UNCONSTRAINED.append(first.search_result)
+    return UNCONSTRAINED[0]
+
+
 def auto(device_memory: float | None = None) -> dict:
     strategy = lightning_dpar.AutoParallelStrategy(device_memory=device_memory)
     fitted = trainer(strategy)
     fitted.fit(ScriptGPT())
+    if device_memory is None and not UNCONSTRAINED:
+        UNCONSTRAINED.append(strategy.search_result)
     got, layout = full_state(fitted), strategy.chosen
     by_hand = trainer(lightning_dpar.FSDPTensorParallelStrategy(**layout.strategy_kwargs()))
     by_hand.fit(ScriptGPT())
@@ -144,19 +161,15 @@ def auto(device_memory: float | None = None) -> dict:
 
 
 def auto_budget() -> dict:
-    first = lightning_dpar.AutoParallelStrategy()
-    trainer(first, max_steps=1).fit(ScriptGPT())
-    budget = (first.search_result.best.memory.total - 1) / 2**30
-    return {"first": first.chosen.describe(), "first_peak": first.search_result.best.memory.total, **auto(budget)}
+    first = unconstrained_search().best
+    budget = (first.memory.total - 1) / 2**30
+    return {"first": first.layout.describe(), "first_peak": first.memory.total, **auto(budget)}
 
 
 def auto_split() -> dict:
     """A budget just below every layout without pipeline or tensor parallelism: the search must split the model."""
-    from lightning_dpar.layout_search.isolated import search_anywhere
-    from lightning_dpar.layout_search.profiles import PRESETS
-
-    result = search_anywhere(ScriptGPT(), dist.get_world_size(), 1, PRESETS["cpu-gloo"], BATCH, in_child=True)
-    plain = [e.memory.total for e in result.ranked if e.layout.dims.pipeline == e.layout.dims.tensor_parallel == 1]
+    ranked = unconstrained_search().ranked
+    plain = [e.memory.total for e in ranked if e.layout.dims.pipeline == e.layout.dims.tensor_parallel == 1]
     return auto((min(plain) - 1) / 2**30)
 
 

@@ -32,6 +32,7 @@ def test_example_moe_plan_shows_the_experts_each_rank_holds(capsys):
     assert "the largest FSDP unit all-gathered for compute: 2.00 MiB (model.blocks.0.mlp.experts)" in out
 
 
+@pytest.mark.slow  # a docs worked example, a 256-rank dry run (3-5 s): the full suite keeps it true
 def test_worked_example_qwen3_235b_on_256_ranks(capsys, monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.syspath_prepend(str(ROOT / "examples" / "finetune"))
@@ -81,6 +82,7 @@ def test_the_example_module_traces_deepseek_v3_under_activation_checkpointing(tm
     assert 0 < estimate.peak(checkpointing=True) < estimate.peak(checkpointing=False)
 
 
+@pytest.mark.slow  # a docs worked example, a 256-rank dry run (3-5 s): the full suite keeps it true
 def test_worked_example_deepseek_v3_on_256_ranks(capsys, monkeypatch):
     """The MoE worked example of docs/auto-layout.md: transformers' DeepSeek-V3 at its real size, EP 8 x FSDP."""
     pytest.importorskip("transformers")

@@ -122,6 +122,7 @@ def test_dpar_auto_trains_context_parallelism_when_the_search_chooses_it():
     assert dims.context > 1 and strategy._context_parallel_size == dims.context
 
 
+@pytest.mark.slow  # a whole search (14 traces, 5 s); the per-rank loss's trace: context_parallel/test_loss
 def test_the_search_prices_context_parallel_layouts_with_the_per_rank_loss_when_set():
     """A Llama whose logits dominate (vocab 4096, hidden 64) at 1024 tokens: with `context_parallel_loss="per_rank"`
     among the strategy arguments (what `plan --auto` reads off the configured strategy, and what `dpar_auto` passes
