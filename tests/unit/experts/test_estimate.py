@@ -70,7 +70,7 @@ def test_the_example_module_traces_deepseek_v3_under_activation_checkpointing(tm
     monkeypatch.syspath_prepend(str(ROOT / "examples" / "finetune"))
     from llama_module import LlamaFineTune
 
-    moe.deepseek_v3_config().save_pretrained(tmp_path)
+    moe.deepseek_v3_config(num_hidden_layers=2).save_pretrained(tmp_path)  # a dense layer, then one of experts
     module = LlamaFineTune(str(tmp_path))
     strategy = FullyShardStrategy(expert_parallel_size=2, activation_checkpointing=True)
     report = plan(strategy, module, world_size=4, batch=(2, 17), batch_source="test")

@@ -38,7 +38,7 @@ class LlamaBuiltInConfigureModel(L.LightningModule):
 def test_a_model_built_in_configure_model_is_searched_as_built():
     pytest.importorskip("transformers")
     module = LlamaBuiltInConfigureModel()
-    result = search_model(module, 2, 1, get_profile("cpu-gloo"), batch_size=2)
+    result = search_model(module, 2, 1, get_profile("cpu-gloo"), batch_size=1)  # no pipeline layout to dry-run
     with torch.device("meta"):
         built = LlamaBuiltInConfigureModel()
         built.configure_model()
@@ -63,7 +63,7 @@ def test_each_layouts_activations_are_the_dry_runs_estimate_of_that_layout(pipel
 
     def gpt():
         with torch.device("meta"):
-            return GPT(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=64)
+            return GPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
 
     dims = ParallelDims.resolve(4, 4, 2, pipeline_parallel_size=pipeline)
     layout = Layout(dims, schedule="1F1B" if pipeline > 1 else None, microbatches=4 if pipeline > 1 else 1)
