@@ -36,6 +36,10 @@ from tests.support.sweep import (  # noqa: E402
 )
 from tests.workers.common import BATCH, full_params, trainer_for  # noqa: E402
 
+#: One fast-lane process runs this module's tests, in order (`--dist loadgroup`): the regression draws below run
+#: after the drawn ones, as they did when they failed.
+pytestmark = pytest.mark.xdist_group("sweep")
+
 ATOL = 1e-5
 #: Draws per run of the fast lane (each a Trainer run of 2-3 steps: 0.1-0.2 s measured at a load of 6 on 2 cores).
 SWEEP_EXAMPLES = int(os.environ.get("DPAR_SWEEP_EXAMPLES", "15"))

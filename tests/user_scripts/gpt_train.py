@@ -42,6 +42,7 @@ import lightning_dpar
 from lightning_dpar.examples.gpt import GPT
 
 VOCAB, SEQ, BATCH, STEPS = 64, 8, 4, 3
+DEVICES = int(os.environ.get("SCRIPT_DEVICES", "2"))  # the ranks every Trainer here trains on, on one node
 
 
 class Tokens(Dataset):
@@ -77,7 +78,7 @@ class ScriptGPT(GPT):
 def trainer(strategy, max_steps: int = STEPS, **kwargs) -> L.Trainer:
     settings = dict(
         accelerator="cpu",
-        devices=int(os.environ.get("SCRIPT_DEVICES", "2")),
+        devices=DEVICES,
         strategy=strategy,
         max_steps=max_steps,
         logger=False,
@@ -125,18 +126,20 @@ def fit_against_one_process(strategy, **model_kwargs) -> dict:
     return {"steps": fitted.global_step, "vs_one_process": difference(got, one_process(data_parallel, **model_kwargs))}
 
 
-#: The search `dpar_auto` made with the profile's memory in this process (`unconstrained_search`).
+#: The unconstrained search (`unconstrained_search`), made once for both budget cases.
 UNCONSTRAINED: list = []
 
 
 def unconstrained_search():
-    """The search of `dpar_auto` without a memory budget, from which the budget cases derive theirs: the one the
-    `auto` case made in this process, or, when it did not run here, one made by a Trainer fitting a step (a search
-    is deterministic: the same model and world give the same result, so one is enough)."""
+    """The search `dpar_auto` makes without a memory budget, from which the budget cases derive theirs: one forked
+    search, made once and kept (a search is deterministic: the same model and world give the same result). It is
+    made where the budget cases run, not taken from the `auto` case: on torch's CUDA builds a search forked after a
+    backward falls back to the formula (docs/auto-layout.md), and the budgets must come from the search they bound."""
+    from lightning_dpar.layout_search.isolated import search_anywhere
+    from lightning_dpar.layout_search.profiles import PRESETS
+
     if not UNCONSTRAINED:
-        first = lightning_dpar.AutoParallelStrategy()
-        trainer(first, max_steps=1).fit(ScriptGPT())
-        UNCONSTRAINED.append(first.search_result)
+        UNCONSTRAINED.append(search_anywhere(ScriptGPT(), DEVICES, 1, PRESETS["cpu-gloo"], BATCH, in_child=True))
     return UNCONSTRAINED[0]
 
 
@@ -144,8 +147,6 @@ def auto(device_memory: float | None = None) -> dict:
     strategy = lightning_dpar.AutoParallelStrategy(device_memory=device_memory)
     fitted = trainer(strategy)
     fitted.fit(ScriptGPT())
-    if device_memory is None and not UNCONSTRAINED:
-        UNCONSTRAINED.append(strategy.search_result)
     got, layout = full_state(fitted), strategy.chosen
     by_hand = trainer(lightning_dpar.FSDPTensorParallelStrategy(**layout.strategy_kwargs()))
     by_hand.fit(ScriptGPT())

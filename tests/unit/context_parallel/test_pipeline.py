@@ -97,7 +97,7 @@ def test_the_activation_estimate_splits_each_stage_s_blocks_and_sends_the_part()
     from lightning_dpar.estimates.activations import estimate_activations
 
     with torch.device("meta"):
-        model = GPT(vocab_size=256, block_size=512, n_layer=2, n_head=4, n_embd=64)
+        model = GPT(vocab_size=256, block_size=512, n_layer=4, n_head=4, n_embd=64)
     config = PipelineConfig.of("1F1B", None, 1, "auto")
     stages = {}
     for cp in (1, 2):

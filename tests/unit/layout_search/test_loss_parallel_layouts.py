@@ -115,7 +115,7 @@ def searches():
     }
 
 
-@pytest.mark.slow  # two whole searches (10 s); the fast lane's search with it: `plan --auto` (test_cli)
+@pytest.mark.slow  # two whole searches (10 s); the fast lane keeps the probe's LP pricing (the test above)
 def test_the_search_picks_tensor_parallelism_that_fits_only_with_loss_parallel_when_allowed(searches):
     """Whole logits (16 MiB, three times over in backward) put every layout but pipelining over 80 MiB; TP 2 with
     loss parallel keeps half of them on each rank and fits, and is faster than the pipeline's bubble."""
@@ -144,7 +144,7 @@ def test_the_search_picks_tensor_parallelism_that_fits_only_with_loss_parallel_w
     ]
 
 
-@pytest.mark.slow  # two whole searches (10 s); the fast lane's search with it: `plan --auto` (test_cli)
+@pytest.mark.slow  # two whole searches (10 s); the fast lane keeps the probe's LP pricing (the test above)
 def test_the_table_shows_which_layouts_run_loss_parallel(searches):
     text = render_search(searches[True])
     assert "Loss parallel: on every layout with tensor parallelism" in text
