@@ -26,6 +26,7 @@ this script's own `LightningCLI(ScriptGPT)`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -126,10 +127,7 @@ def fit_against_one_process(strategy, **model_kwargs) -> dict:
     return {"steps": fitted.global_step, "vs_one_process": difference(got, one_process(data_parallel, **model_kwargs))}
 
 
-#: The unconstrained search (`unconstrained_search`), made once for both budget cases.
-UNCONSTRAINED: list = []
-
-
+@functools.cache
 def unconstrained_search():
     """The search `dpar_auto` makes without a memory budget, from which the budget cases derive theirs: one forked
     search, made once and kept (a search is deterministic: the same model and world give the same result). It is
@@ -138,9 +136,7 @@ def unconstrained_search():
     from lightning_dpar.layout_search.isolated import search_anywhere
     from lightning_dpar.layout_search.profiles import PRESETS
 
-    if not UNCONSTRAINED:
-        UNCONSTRAINED.append(search_anywhere(ScriptGPT(), DEVICES, 1, PRESETS["cpu-gloo"], BATCH, in_child=True))
-    return UNCONSTRAINED[0]
+    return search_anywhere(ScriptGPT(), DEVICES, 1, PRESETS["cpu-gloo"], BATCH, in_child=True)
 
 
 def auto(device_memory: float | None = None) -> dict:
