@@ -38,6 +38,7 @@ from tests.support.fault_tolerance import (
     reference_from_log,
     rejoin_step,
     step_log,
+    wait_for_a_save_alone,
 )
 from tests.support.models import Net, RegressionData, global_batches, make_optimizer, reference_train
 
@@ -199,6 +200,7 @@ def killed_run(tmp_path_factory) -> tuple[Path, float]:
             assert time.time() < deadline, "the victim never reached the kill point"
             time.sleep(0.05)
         killed_at = job.kill_group(KILLED, victim)
+        wait_for_a_save_alone(job, SURVIVOR, KILL_AT + 1, {"survivor": survivor}, deadline)
         relaunched = job.launch("ft", GROUP_SIZE, "relaunched", REPLICA_GROUP_ID=str(KILLED), **KILL_ENV)
         job.wait(survivor, "survivor", deadline)
         job.wait(relaunched, "relaunched", deadline)

@@ -26,6 +26,7 @@ from tests.support.fault_tolerance import (
     rank0,
     reference_from_log,
     step_log,
+    wait_for_a_save_alone,
 )
 from tests.support.models import RegressionData
 
@@ -69,6 +70,7 @@ def cut_heal_run(tmp_path_factory) -> dict:
         )  # fmt: skip
         _wait_for([out / "mark"], [source, victim], job, deadline)
         job.kill_group(1, victim)
+        wait_for_a_save_alone(job, 0, CUT_KILL_AT + 1, {"source": source}, deadline)  # the restart's checkpoint
         # the victim may have healed too, at its start, if it joined after group 0's first step (a loaded machine)
         before = set(out.glob("healed_g1_*"))
         healer = job.launch("ft", GROUP_SIZE, "healer", REPLICA_GROUP_ID="1", **CUT_ENV)

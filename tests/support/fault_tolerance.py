@@ -154,6 +154,23 @@ def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
     return max((got[k] - want[k]).abs().max().item() for k in want)
 
 
+def wait_for_a_save_alone(
+    job: Job, group: int, after_step: int, procs: dict[str, subprocess.Popen], deadline: float
+) -> None:
+    """Block until `group`, left alone by a kill, has logged a checkpoint of a step after `after_step` (its
+    `saves_g*` log, written as it saves), so that the tests see it step and save alone before the killed group is
+    relaunched. Without the wait a fast machine relaunches the killed group before the lighthouse drops it, the next
+    quorum holds both groups again and nothing is ever done alone. `procs`: the launches that must stay up, by name."""
+    while True:
+        saved = [json.loads(line)["step"] for f in job.out.glob(f"saves_g{group}_*.jsonl") for line in f.open()]
+        if any(step > after_step for step in saved):
+            return
+        for name, proc in procs.items():
+            assert proc.poll() is None, f"launch {name} stopped:\n{job.tail(name)}"
+        assert time.time() < deadline, f"group {group} saved no checkpoint after step {after_step} alone: {saved}"
+        time.sleep(0.05)
+
+
 def rejoin_step(history: list[dict], killed_at: float) -> dict:
     """The survivor's first committed step with every group again, after it stepped alone."""
     alone = next(h for h in history if h["wall_time"] > killed_at and h["committed"] and h["participants"] == 1)
