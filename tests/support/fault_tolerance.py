@@ -162,7 +162,8 @@ def wait_for_a_save_alone(
     relaunched. Without the wait a fast machine relaunches the killed group before the lighthouse drops it, the next
     quorum holds both groups again and nothing is ever done alone. `procs`: the launches that must stay up, by name."""
     while True:
-        saved = [json.loads(line)["step"] for f in job.out.glob(f"saves_g{group}_*.jsonl") for line in f.open()]
+        logs = [f.read_text() for f in job.out.glob(f"saves_g{group}_*.jsonl")]
+        saved = [json.loads(line)["step"] for text in logs for line in text.split("\n")[:-1]]  # whole lines only
         if any(step > after_step for step in saved):
             return
         for name, proc in procs.items():
